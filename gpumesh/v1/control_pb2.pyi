@@ -1,0 +1,222 @@
+from gpumesh.v1 import inference_pb2 as _inference_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
+    NODE_STATE_HEALTHY: _ClassVar[NodeState]
+    NODE_STATE_STALE: _ClassVar[NodeState]
+    NODE_STATE_DRAINING: _ClassVar[NodeState]
+NODE_STATE_UNSPECIFIED: NodeState
+NODE_STATE_HEALTHY: NodeState
+NODE_STATE_STALE: NodeState
+NODE_STATE_DRAINING: NodeState
+
+class ServedModel(_message.Message):
+    __slots__ = ("name", "aliases", "max_context_length", "tensor_parallel_size", "capacity_weight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    max_context_length: int
+    tensor_parallel_size: int
+    capacity_weight: float
+    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., capacity_weight: _Optional[float] = ...) -> None: ...
+
+class Registration(_message.Message):
+    __slots__ = ("node_id", "address", "models", "incarnation", "engine", "gpu_model", "max_concurrency")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    GPU_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    models: _containers.RepeatedCompositeFieldContainer[ServedModel]
+    incarnation: str
+    engine: str
+    gpu_model: str
+    max_concurrency: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., incarnation: _Optional[str] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., max_concurrency: _Optional[int] = ...) -> None: ...
+
+class GpuStats(_message.Message):
+    __slots__ = ("index", "utilization", "memory_used_bytes", "memory_total_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    utilization: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    def __init__(self, index: _Optional[int] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+
+class RouterAccount(_message.Message):
+    __slots__ = ("router_id", "admitted_requests", "admitted_prompt_tokens", "first_token_requests", "first_token_prompt_tokens")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    admitted_requests: int
+    admitted_prompt_tokens: int
+    first_token_requests: int
+    first_token_prompt_tokens: int
+    def __init__(self, router_id: _Optional[str] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., first_token_requests: _Optional[int] = ..., first_token_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "pending_prefill_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "in_flight", "gpus", "draining", "router_accounts", "prompt_tokens_per_s")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ACCOUNTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    pending_prefill_tokens: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    generation_tokens_per_s: float
+    in_flight: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuStats]
+    draining: bool
+    router_accounts: _containers.RepeatedCompositeFieldContainer[RouterAccount]
+    prompt_tokens_per_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., draining: _Optional[bool] = ..., router_accounts: _Optional[_Iterable[_Union[RouterAccount, _Mapping]]] = ..., prompt_tokens_per_s: _Optional[float] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("seq", "sent_unix_ms", "load")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    sent_unix_ms: int
+    load: LoadReport
+    def __init__(self, seq: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...
+
+class Deregistration(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class NodeMessage(_message.Message):
+    __slots__ = ("registration", "heartbeat", "deregistration")
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    DEREGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    registration: Registration
+    heartbeat: Heartbeat
+    deregistration: Deregistration
+    def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., deregistration: _Optional[_Union[Deregistration, _Mapping]] = ...) -> None: ...
+
+class RouterHello(_message.Message):
+    __slots__ = ("router_id", "peer_addresses", "heartbeat_interval_ms", "lease_ttl_ms")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    peer_addresses: _containers.RepeatedScalarFieldContainer[str]
+    heartbeat_interval_ms: int
+    lease_ttl_ms: int
+    def __init__(self, router_id: _Optional[str] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class DrainOrder(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class RouterMessage(_message.Message):
+    __slots__ = ("hello", "ack", "drain")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    hello: RouterHello
+    ack: HeartbeatAck
+    drain: DrainOrder
+    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., drain: _Optional[_Union[DrainOrder, _Mapping]] = ...) -> None: ...
+
+class GetFleetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "address", "state", "models", "load", "last_heartbeat_age_s", "router_in_flight", "engine", "gpu_model", "kind")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    GPU_MODEL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    state: NodeState
+    models: _containers.RepeatedCompositeFieldContainer[ServedModel]
+    load: LoadReport
+    last_heartbeat_age_s: float
+    router_in_flight: int
+    engine: str
+    gpu_model: str
+    kind: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class GetFleetResponse(_message.Message):
+    __slots__ = ("router_id", "policy", "nodes")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    policy: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    def __init__(self, router_id: _Optional[str] = ..., policy: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ...) -> None: ...
+
+class PickRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: _inference_pb2.GenerateRequest
+    def __init__(self, request: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class PickResponse(_message.Message):
+    __slots__ = ("node_id", "address", "ticket", "expires_unix_ms", "model")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    ticket: str
+    expires_unix_ms: int
+    model: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., ticket: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...

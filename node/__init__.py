@@ -1,0 +1,1 @@
+"""gpumesh node: a gRPC Inference servicer around one inference engine (vLLM or the simulator)."""

@@ -1,0 +1,126 @@
+"""The engine seam: what the node servicer needs from an inference engine.
+
+Two implementations: ``node.vllm_engine.VllmEngine`` (the real vLLM AsyncLLM; the only module
+that imports vllm) and ``node.sim_engine.SimEngine`` (a labelled simulator for fleet-scale
+benchmarks). The servicer, heartbeats and accounting are shared, so both report load through
+the same code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+
+class Finish(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the engine serves. ``max_context_length`` in tokens."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    max_context_length: int = 2048
+    tensor_parallel_size: int = 1
+    capacity_weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling parameters (the servicer validates; engines trust them)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """One engine step's new output for a request (a delta).
+
+    ``text`` is the detokenized delta (never splits a multi-byte character; stop strings
+    already removed). ``finish`` is set on the last output only.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish: Finish | None = None
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    index: int
+    utilization: float  # 0..1
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's own view of its load, from its scheduler (vLLM: a StatLoggerBase).
+
+    Counts are instantaneous; rates are over a recent window (a few seconds).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    prefix_cache_hit_rate: float = 0.0  # 0..1
+    generation_tokens_per_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    gpus: tuple[GpuSample, ...] = field(default_factory=tuple)
+
+
+class EngineError(Exception):
+    """An engine failure the servicer maps to a gRPC status (see node.errors)."""
+
+
+class PromptTooLong(EngineError):
+    pass
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Contract between the node servicer and an engine.
+
+    - ``generate`` yields deltas; cancelling the task that iterates it aborts the request in
+      the engine (running count drops). ``abort`` does the same by id.
+    - ``load`` is cheap and non-blocking (called by the heartbeat loop, every <= 250 ms).
+    - ``tokenize`` / ``render_chat`` may be called on the event loop; they must be fast.
+    """
+
+    kind: str  # "vllm" | "sim"
+
+    @property
+    def model(self) -> ModelSpec: ...
+
+    async def start(self) -> None: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> EngineLoad: ...
+
+    async def shutdown(self) -> None: ...

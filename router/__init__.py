@@ -1,0 +1,1 @@
+"""gpumesh router: fleet registry from heartbeats, weighted least-load routing, dispatch."""
