@@ -1,0 +1,190 @@
+"""`gpumesh` command line: node, router, generate, status, demo, make-tiny-model, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _cmd_node(args: argparse.Namespace) -> int:
+    from node.app import serve
+    from node.config import load_node_config
+
+    cfg = load_node_config(args.config, {
+        "model": args.model, "port": args.port, "host": args.host, "routers": args.router,
+        "served_name": args.served_name, "aliases": args.alias, "weight": args.weight,
+        "tensor_parallel_size": args.tensor_parallel_size, "engine": args.engine,
+        "node_id": args.node_id, "max_model_len": args.max_model_len,
+        "advertise_address": args.advertise,
+    })
+    if cfg.engine == "vllm" and not cfg.model:
+        print("gpumesh node: --model PATH is required for the vllm engine", file=sys.stderr)
+        return 2
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from router.app import main as router_main
+
+    return router_main(args)
+
+
+def _request_from_args(args: argparse.Namespace):
+    from gpumesh.client import build_request
+
+    return build_request(args.prompt, model=args.model or "", max_tokens=args.max_tokens,
+                         temperature=args.temperature, seed=args.seed, stop=args.stop or (),
+                         ignore_eos=args.ignore_eos)
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from gpumesh.client import MeshClient, StreamResult
+    from gpumesh.telemetry import client_trace_metadata
+
+    req = _request_from_args(args)
+    metadata, trace_id = client_trace_metadata(args.trace)
+    if args.trace:
+        print(f"trace id: {trace_id}", file=sys.stderr)
+    async with MeshClient(args.target, lookaside=args.lookaside) as client:
+        try:
+            if args.stream or args.lookaside:
+                result = StreamResult()
+                usage = None
+                finish = 0
+                async for chunk in client.stream(req, timeout=args.timeout, metadata=metadata,
+                                                 result=result):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    if chunk.HasField("usage"):
+                        usage, finish = chunk.usage, chunk.finish_reason
+                print()
+                if usage is not None:
+                    from gpumesh.v1 import inference_pb2 as pb
+                    print(f"[{pb.FinishReason.Name(finish)}] prompt_tokens={usage.prompt_tokens} "
+                          f"completion_tokens={usage.completion_tokens} node={result.node_id}",
+                          file=sys.stderr)
+            else:
+                from gpumesh.v1 import inference_pb2 as pb
+                resp = await client.generate(req, timeout=args.timeout, metadata=metadata)
+                print(resp.text)
+                print(f"[{pb.FinishReason.Name(resp.finish_reason)}] "
+                      f"prompt_tokens={resp.usage.prompt_tokens} "
+                      f"completion_tokens={resp.usage.completion_tokens}", file=sys.stderr)
+        except grpc.aio.AioRpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    return asyncio.run(_generate(args))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from gpumesh.status import print_fleet
+
+    return asyncio.run(print_fleet(args.router))
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from gpumesh.demo import run_demo
+
+    return asyncio.run(run_demo(args))
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from gpumesh.tiny_model import build_tiny_model
+
+    print(build_tiny_model(args.dir, seed=args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpumesh", description=__doc__)
+    p.add_argument("--log-level", default=os.environ.get("GPUMESH_LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    n = sub.add_parser("node", help="serve one engine (vLLM or the simulator) over gRPC")
+    n.add_argument("--config", help="TOML file with NodeConfig fields")
+    n.add_argument("--model", help="model folder (vllm) or name (sim)")
+    n.add_argument("--engine", choices=["vllm", "sim"])
+    n.add_argument("--host")
+    n.add_argument("--port", type=int)
+    n.add_argument("--advertise", help="address routers and clients use (default host:port)")
+    n.add_argument("--router", action="append", help="router control address (repeatable)")
+    n.add_argument("--served-name")
+    n.add_argument("--alias", action="append")
+    n.add_argument("--weight", type=float)
+    n.add_argument("--tensor-parallel-size", type=int)
+    n.add_argument("--max-model-len", type=int)
+    n.add_argument("--node-id")
+    n.set_defaults(func=_cmd_node)
+
+    r = sub.add_parser("router", help="serve the router")
+    r.add_argument("--config", help="TOML file with RouterConfig fields")
+    r.add_argument("--host")
+    r.add_argument("--port", type=int)
+    r.add_argument("--policy")
+    r.add_argument("--workers", type=int, help="router processes sharing the port")
+    r.set_defaults(func=_cmd_router)
+
+    g = sub.add_parser("generate", help="send one request to a router or a node")
+    g.add_argument("--target", default="127.0.0.1:50050")
+    g.add_argument("--model")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stream", action="store_true")
+    g.add_argument("--lookaside", action="store_true", help="pick via the router, stream from the node")
+    g.add_argument("--trace", action="store_true", help="start a trace and print its id")
+    g.add_argument("--timeout", type=float, default=120.0)
+    g.add_argument("prompt")
+    g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("status", help="print the fleet as the router sees it")
+    s.add_argument("--router", default="127.0.0.1:50050")
+    s.set_defaults(func=_cmd_status)
+
+    d = sub.add_parser("demo", help="router + two CPU vLLM nodes on the tiny model, one answer")
+    d.add_argument("--model-dir", default=os.environ.get("GPUMESH_TINY_MODEL", "models/tiny"))
+    d.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
+    d.add_argument("--prompt", default="Tell me about the mesh.")
+    d.add_argument("--port", type=int, default=50050)
+    d.set_defaults(func=_cmd_demo)
+
+    t = sub.add_parser("make-tiny-model", help="build a random-weight Qwen2-shaped model")
+    t.add_argument("dir")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_cmd_make_tiny_model)
+
+    b = sub.add_parser("bench", help="gRPC load generator and policy comparisons", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=lambda a: __import__("gpumesh.bench.cli", fromlist=["main"]).main(a.rest))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

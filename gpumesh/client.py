@@ -1,0 +1,176 @@
+"""The Python client library: one stub for a router or a node, plus lookaside mode.
+
+Proxy mode (default): calls go to ``target`` (a router or a node), tokens come back through it.
+Lookaside mode (``lookaside=True``, target must be a router): the client asks the router's
+``Router.Pick`` for a node and a signed ticket, then streams from the node directly. A node
+failing before the first token is retried once with a fresh pick; cancellation (closing the
+iterator, or the caller's task being cancelled) cancels the node call, which aborts in the
+engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from gpumesh import metadata as md
+from gpumesh.v1 import control_pb2 as cpb
+from gpumesh.v1 import control_pb2_grpc as cpb_grpc
+from gpumesh.v1 import inference_pb2 as pb
+from gpumesh.v1 import inference_pb2_grpc as pb_grpc
+
+# Channel-level retry for transient UNAVAILABLE on unary calls that never reached a server,
+# declared in the service config rather than hand-rolled (grpc's retry design).
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "gpumesh.v1.Inference", "method": "ListModels"},
+                 {"service": "gpumesh.v1.Router"}],
+        "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }]})
+CHANNEL_OPTIONS = [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1),
+                   ("grpc.keepalive_time_ms", 30_000)]
+
+
+def build_request(prompt: str | Sequence[int] | Sequence[tuple[str, str]], model: str = "",
+                  max_tokens: int | None = None, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                  stop: Sequence[str] = (), ignore_eos: bool = False, request_id: str = "",
+                  routing_key: str = "", per_token: bool = False) -> pb.GenerateRequest:
+    """prompt: text, token ids, or chat messages as (role, content) pairs."""
+    req = pb.GenerateRequest(model=model, request_id=request_id, routing_key=routing_key)
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif prompt and isinstance(prompt[0], tuple):
+        req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in prompt)
+    else:
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    s = req.sampling
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend(stop)
+    s.ignore_eos = ignore_eos
+    req.stream_options.per_token = per_token
+    return req
+
+
+@dataclass
+class StreamResult:
+    """Filled in as a stream is consumed; trailing metadata once it ended."""
+
+    node_id: str = ""
+    trace_id: str = ""
+    attempts: int = 1
+    trailing: dict[str, str] = field(default_factory=dict)
+
+
+class MeshClient:
+    def __init__(self, target: str, lookaside: bool = False,
+                 channel_options: Sequence[tuple[str, object]] = ()) -> None:
+        self.target = target
+        self.lookaside = lookaside
+        self._options = [*CHANNEL_OPTIONS, *channel_options]
+        self._channel = grpc.aio.insecure_channel(target, options=self._options)
+        self.inference = pb_grpc.InferenceStub(self._channel)
+        self.router = cpb_grpc.RouterStub(self._channel)
+        self._node_channels: dict[str, grpc.aio.Channel] = {}
+
+    async def close(self) -> None:
+        for ch in self._node_channels.values():
+            await ch.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> MeshClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _node_stub(self, address: str) -> pb_grpc.InferenceStub:
+        ch = self._node_channels.get(address)
+        if ch is None:
+            ch = self._node_channels[address] = grpc.aio.insecure_channel(address,
+                                                                          options=self._options)
+        return pb_grpc.InferenceStub(ch)
+
+    async def list_models(self, timeout: float = 10.0) -> pb.ListModelsResponse:
+        return await self.inference.ListModels(pb.ListModelsRequest(), timeout=timeout)
+
+    async def fleet(self, timeout: float = 10.0) -> cpb.GetFleetResponse:
+        return await self.router.GetFleet(cpb.GetFleetRequest(), timeout=timeout)
+
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None = None,
+                       metadata: Sequence[tuple[str, str]] = ()) -> pb.GenerateResponse:
+        if not self.lookaside:
+            return await self.inference.Generate(request, timeout=timeout, metadata=metadata)
+        parts: list[str] = []
+        ids: list[int] = []
+        last = pb.GenerateStreamResponse()
+        rid = ""
+        async for chunk in self.stream(request, timeout=timeout, metadata=metadata):
+            rid = rid or chunk.request_id
+            parts.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        return pb.GenerateResponse(text="".join(parts), token_ids=ids,
+                                   finish_reason=last.finish_reason, usage=last.usage,
+                                   request_id=rid)
+
+    async def stream(self, request: pb.GenerateRequest, timeout: float | None = None,
+                     metadata: Sequence[tuple[str, str]] = (),
+                     result: StreamResult | None = None
+                     ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """Yields chunks; ``result`` (optional) receives the serving node and trace id."""
+        result = result if result is not None else StreamResult()
+        if not self.lookaside:
+            call = self.inference.GenerateStream(request, timeout=timeout, metadata=metadata)
+            try:
+                async for chunk in call:
+                    yield chunk
+            finally:
+                _fill(result, await _trailing(call))
+            return
+        attempt = 0
+        while True:
+            attempt += 1
+            pick = await self.router.Pick(cpb.PickRequest(request=request), timeout=10.0,
+                                          metadata=metadata)
+            req = pb.GenerateRequest()
+            req.CopyFrom(request)
+            req.ticket = pick.ticket
+            call = self._node_stub(pick.address).GenerateStream(req, timeout=timeout,
+                                                                metadata=metadata)
+            got_token = False
+            try:
+                async for chunk in call:
+                    got_token = True
+                    yield chunk
+                _fill(result, await _trailing(call))
+                result.attempts = attempt
+                return
+            except grpc.aio.AioRpcError as exc:
+                # Retry-before-first-token, once, as the router does in proxy mode.
+                if got_token or attempt >= 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+            finally:
+                call.cancel()
+
+
+async def _trailing(call: grpc.aio.Call) -> dict[str, str]:
+    try:
+        return {k: v for k, v in (await call.trailing_metadata() or ()) if isinstance(v, str)}
+    except (grpc.aio.AioRpcError, AttributeError):
+        return {}
+
+
+def _fill(result: StreamResult, trailing: dict[str, str]) -> None:
+    result.trailing = trailing
+    result.node_id = trailing.get(md.NODE_ID, result.node_id)
+    result.trace_id = trailing.get(md.TRACE_ID, result.trace_id)
+    if md.ATTEMPTS in trailing:
+        result.attempts = int(trailing[md.ATTEMPTS])

@@ -1,0 +1,93 @@
+"""What the node has admitted, per router: the figures heartbeats carry.
+
+Counters are cumulative since this process started (the node's incarnation), so a router
+that misses a heartbeat loses nothing: it compares its own dispatch counts with the latest
+cumulative figures (see router.registry for how credits are cleared).
+
+``pending_prefill_tokens`` is the node's own count of prompt tokens admitted whose request
+has not produced its first token yet (queued or in prefill). It is engine-independent, so the
+vLLM and the simulated node report it the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Account:
+    admitted_requests: int = 0
+    admitted_prompt_tokens: int = 0
+    first_token_requests: int = 0
+    first_token_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class AccountSnapshot:
+    router_id: str
+    admitted_requests: int
+    admitted_prompt_tokens: int
+    first_token_requests: int
+    first_token_prompt_tokens: int
+
+
+@dataclass
+class Admission:
+    """One admitted request's ledger entry; the servicer calls first_token/finish on it."""
+
+    router_id: str
+    prompt_tokens: int
+    _ledger: "NodeLedger" = field(repr=False)
+    _first: bool = False
+    _done: bool = False
+
+    def first_token(self) -> None:
+        if self._first or self._done:
+            return
+        self._first = True
+        self._ledger._on_first(self)
+
+    def finish(self) -> None:
+        if self._done:
+            return
+        if not self._first:
+            # Ended before any token (error, cancel): no longer pending prefill, and counted
+            # as past its first token so the router's credit for it is released too.
+            self.first_token()
+        self._done = True
+        self._ledger._on_finish(self)
+
+
+class NodeLedger:
+    """In-flight and per-router admission counts. Single event loop; not thread-safe."""
+
+    def __init__(self) -> None:
+        self._accounts: dict[str, _Account] = {}
+        self.in_flight = 0
+        self.pending_prefill_tokens = 0
+
+    def admit(self, router_id: str, prompt_tokens: int) -> Admission:
+        """router_id "" = a direct client (still counted, as its own account)."""
+        acc = self._accounts.setdefault(router_id, _Account())
+        acc.admitted_requests += 1
+        acc.admitted_prompt_tokens += prompt_tokens
+        self.in_flight += 1
+        self.pending_prefill_tokens += prompt_tokens
+        return Admission(router_id, prompt_tokens, self)
+
+    def _on_first(self, a: Admission) -> None:
+        acc = self._accounts[a.router_id]
+        acc.first_token_requests += 1
+        acc.first_token_prompt_tokens += a.prompt_tokens
+        self.pending_prefill_tokens -= a.prompt_tokens
+
+    def _on_finish(self, a: Admission) -> None:
+        self.in_flight -= 1
+
+    def accounts(self) -> tuple[AccountSnapshot, ...]:
+        return tuple(
+            AccountSnapshot(rid, a.admitted_requests, a.admitted_prompt_tokens,
+                            a.first_token_requests, a.first_token_prompt_tokens)
+            for rid, a in self._accounts.items()
+            if rid
+        )

@@ -1,0 +1,196 @@
+"""Wiring for one node process: engine + servicer + health + reflection + heartbeats.
+
+Shutdown order (CONVENTIONS rule 5): health NOT_SERVING and draining heartbeat -> refuse new
+work (UNAVAILABLE) -> wait for in-flight requests (bounded by drain_timeout_s) -> deregister ->
+``server.stop(grace)`` -> engine shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gpumesh.v1 import control_pb2 as cpb
+from gpumesh.v1 import inference_pb2, inference_pb2_grpc
+from node.coalesce import CoalescePolicy
+from node.config import NodeConfig, new_incarnation
+from node.engine import Engine
+from node.heartbeat import HeartbeatClient
+from node.servicer import InferenceServicer, NodeState
+
+log = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+def build_engine(cfg: NodeConfig) -> Engine:
+    """The one place that picks an engine implementation from config."""
+    if cfg.engine == "sim":
+        from node.sim_engine import SimEngine, SimEngineConfig
+
+        sim = dict(cfg.sim)
+        sim.setdefault("model_name", cfg.resolved_served_name())
+        sim.setdefault("aliases", cfg.aliases)
+        sim.setdefault("capacity_weight", cfg.weight)
+        if cfg.max_model_len:
+            sim.setdefault("max_context_length", cfg.max_model_len)
+        return SimEngine(SimEngineConfig(**sim))
+    if cfg.engine == "vllm":
+        from node.vllm_engine import VllmEngine, VllmEngineConfig
+
+        return VllmEngine(VllmEngineConfig(
+            model=cfg.model, served_name=cfg.resolved_served_name(), aliases=cfg.aliases,
+            tokenizer=cfg.tokenizer or None, dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len or None,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, load_format=cfg.load_format,
+            enforce_eager=cfg.enforce_eager,
+            num_gpu_blocks_override=cfg.num_gpu_blocks_override or None,
+            capacity_weight=cfg.weight, extra=dict(cfg.engine_args)))
+    raise ValueError(f"unknown engine {cfg.engine!r} (expected 'vllm' or 'sim')")
+
+
+class NodeServer:
+    """One running node. ``start()`` binds and begins heartbeating; ``drain()`` and ``stop()``
+    follow the shutdown order above. Usable in-process from tests with any Engine."""
+
+    def __init__(self, cfg: NodeConfig, engine: Engine) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.state: NodeState | None = None
+        self.heartbeats: HeartbeatClient | None = None
+        self._drained = asyncio.Event()
+        self.incarnation = new_incarnation()
+
+    @property
+    def address(self) -> str:
+        return self.cfg.advertise_address or f"{self.cfg.host}:{self.port}"
+
+    # --- load report (what heartbeats carry) --------------------------------------------
+    def load_report(self) -> cpb.LoadReport:
+        assert self.state is not None
+        eng = self.engine.load()
+        ledger = self.state.ledger
+        return cpb.LoadReport(
+            num_running=eng.num_running, num_waiting=eng.num_waiting,
+            pending_prefill_tokens=max(0, ledger.pending_prefill_tokens),
+            kv_cache_usage=eng.kv_cache_usage, prefix_cache_hit_rate=eng.prefix_cache_hit_rate,
+            generation_tokens_per_s=eng.generation_tokens_per_s,
+            prompt_tokens_per_s=eng.prompt_tokens_per_s,
+            in_flight=ledger.in_flight, draining=self.state.draining,
+            gpus=[cpb.GpuStats(index=g.index, utilization=g.utilization,
+                               memory_used_bytes=g.memory_used_bytes,
+                               memory_total_bytes=g.memory_total_bytes) for g in eng.gpus],
+            router_accounts=[cpb.RouterAccount(
+                router_id=a.router_id, admitted_requests=a.admitted_requests,
+                admitted_prompt_tokens=a.admitted_prompt_tokens,
+                first_token_requests=a.first_token_requests,
+                first_token_prompt_tokens=a.first_token_prompt_tokens)
+                for a in ledger.accounts()])
+
+    def registration(self) -> cpb.Registration:
+        assert self.state is not None
+        spec = self.engine.model
+        return cpb.Registration(
+            node_id=self.state.node_id, address=self.address, incarnation=self.incarnation,
+            engine=self.engine.kind, max_concurrency=self.cfg.max_concurrency,
+            gpu_model=getattr(self.engine, "gpu_model", "") or "",
+            models=[cpb.ServedModel(
+                name=spec.name, aliases=spec.aliases, max_context_length=spec.max_context_length,
+                tensor_parallel_size=spec.tensor_parallel_size,
+                capacity_weight=spec.capacity_weight)])
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        self.server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", 4096),
+        ])
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
+        self.state = NodeState(self.cfg.resolved_node_id(self.port))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(
+            self.engine, self.state,
+            CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk),
+            self.cfg.ticket_secret.encode(), self.cfg.require_ticket), self.server)
+        reflection.enable_server_reflection(
+            (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        await self.server.start()
+        log.info("node %s listening on %s (engine %s, model %s)", self.state.node_id,
+                 self.address, self.engine.kind, self.engine.model.name)
+        await self.engine.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.heartbeats = HeartbeatClient(
+            self.cfg.routers, self.registration, self.load_report,
+            self.cfg.heartbeat_busy_interval_s, self.cfg.heartbeat_idle_interval_s,
+            self.cfg.reconnect_max_backoff_s, on_drain=self._drain_ordered)
+        self.heartbeats.start()
+
+    async def _set_health(self, status: int) -> None:
+        for svc in ("", INFERENCE_SERVICE):
+            await self._health.set(svc, status)
+
+    def _drain_ordered(self, reason: str) -> None:
+        log.warning("drain ordered: %s", reason)
+        asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Refuse new work, report draining, wait for in-flight requests (bounded)."""
+        assert self.state is not None
+        if self.state.draining:
+            await self._drained.wait()
+            return
+        self.state.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.heartbeats is not None:
+            self.heartbeats.wake()
+        deadline = asyncio.get_running_loop().time() + (
+            self.cfg.drain_timeout_s if timeout_s is None else timeout_s)
+        while self.state.ledger.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.ledger.in_flight:
+            log.warning("drain timeout: %d requests still in flight", self.state.ledger.in_flight)
+        self._drained.set()
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self.state is not None and not self.state.draining:
+            await self.drain(timeout_s=0)
+        if self.heartbeats is not None:
+            await self.heartbeats.close()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        await self.engine.shutdown()
+
+    async def wait(self) -> None:
+        assert self.server is not None
+        await self.server.wait_for_termination()
+
+
+async def serve(cfg: NodeConfig) -> None:
+    """`gpumesh node`: run until SIGTERM/SIGINT, then drain and exit."""
+    node = NodeServer(cfg, build_engine(cfg))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await node.start()
+        await stop.wait()
+        log.info("signal received: draining")
+        await node.drain()
+    finally:
+        await node.stop()

@@ -1,0 +1,113 @@
+"""The node's one typed configuration: defaults < TOML file < environment < CLI flags.
+
+Environment variables are ``GPUMESH_NODE_<FIELD>`` (upper case), e.g. GPUMESH_NODE_PORT=50051,
+GPUMESH_NODE_ROUTERS=host1:50050,host2:50050. The ticket secret also reads
+GPUMESH_TICKET_SECRET (shared with routers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str = ""                     # "" -> <hostname>-<port>
+    host: str = "127.0.0.1"
+    port: int = 50051                     # 0 -> any free port
+    advertise_address: str = ""          # "" -> host:bound_port
+    routers: tuple[str, ...] = ()         # control-plane addresses (host:port)
+
+    engine: str = "vllm"                  # "vllm" | "sim"
+    model: str = ""                       # model folder (vllm) or name (sim)
+    served_name: str = ""                 # "" -> model folder's name
+    aliases: tuple[str, ...] = ()
+    weight: float = 1.0                   # capacity weight (TP=2 or a faster GPU: more)
+    tensor_parallel_size: int = 1
+    max_model_len: int = 0                # 0 -> the model's own
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.85
+    load_format: str = "auto"             # "dummy" -> random weights from config.json
+    tokenizer: str = ""
+    enforce_eager: bool = False
+    num_gpu_blocks_override: int = 0
+    engine_args: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs
+    sim: Mapping[str, Any] = field(default_factory=dict)          # SimEngineConfig fields
+
+    max_concurrency: int = 0              # advertised to routers; 0 = unlimited
+    heartbeat_busy_interval_s: float = 0.25
+    heartbeat_idle_interval_s: float = 2.0
+    reconnect_max_backoff_s: float = 5.0
+    flush_interval_ms: int = 20           # coalescing default (0 = per token)
+    max_tokens_per_chunk: int = 64
+    drain_timeout_s: float = 30.0
+    ticket_secret: str = ""               # lookaside tickets; "" -> tickets refused
+    require_ticket: bool = False          # refuse requests without a router ticket/metadata
+
+    def resolved_node_id(self, bound_port: int) -> str:
+        return self.node_id or f"{socket.gethostname()}-{bound_port}".replace(".", "-")
+
+    def resolved_served_name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        return Path(self.model).name if self.model else "model"
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    origin = getattr(tp, "__origin__", None)
+    if tp is bool:
+        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+    if tp in (int, float, str):
+        return tp(value)
+    if origin is tuple:
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return tuple(value)
+    return value
+
+
+def build_config(cls: type, file: str | Path | None = None, env_prefix: str = "",
+                 overrides: Mapping[str, Any] | None = None,
+                 environ: Mapping[str, str] | None = None) -> Any:
+    """Layers defaults < TOML ``file`` < env ``<env_prefix><FIELD>`` < ``overrides`` (None
+    values in overrides are ignored, so argparse defaults of None fall through)."""
+    environ = os.environ if environ is None else environ
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    if file:
+        with open(file, "rb") as fh:
+            data = tomllib.load(fh)
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown keys in {file}: {sorted(unknown)}")
+        values.update(data)
+    for f in fields(cls):
+        key = f"{env_prefix}{f.name.upper()}"
+        if key in environ:
+            values[f.name] = environ[key]
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            values[k] = v
+    return cls(**{k: _coerce(hints[k], v) for k, v in values.items()})
+
+
+def load_node_config(file: str | Path | None = None,
+                     overrides: Mapping[str, Any] | None = None,
+                     environ: Mapping[str, str] | None = None) -> NodeConfig:
+    cfg = build_config(NodeConfig, file, "GPUMESH_NODE_", overrides, environ)
+    env = os.environ if environ is None else environ
+    if not cfg.ticket_secret and env.get("GPUMESH_TICKET_SECRET"):
+        cfg = dataclasses.replace(cfg, ticket_secret=env["GPUMESH_TICKET_SECRET"])
+    return cfg
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex[:16]

@@ -1,0 +1,47 @@
+"""The node's one error-mapping place: validation failures and engine errors -> gRPC status."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RequestError(Exception):
+    """A request the node refuses, with the gRPC status the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.NOT_FOUND, message)
+
+
+def out_of_range(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.OUT_OF_RANGE, message)
+
+
+def unavailable(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def permission_denied(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.PERMISSION_DENIED, message)
+
+
+def from_engine_exception(exc: BaseException) -> RequestError:
+    """Engine failures: bad token ids and length errors are the caller's; the rest INTERNAL."""
+    from node.engine import PromptTooLong
+
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, PromptTooLong):
+        return out_of_range(str(exc))
+    if isinstance(exc, ValueError):
+        return invalid(f"engine rejected the request: {exc}")
+    return RequestError(grpc.StatusCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}")

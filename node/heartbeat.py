@@ -1,0 +1,135 @@
+"""Heartbeats: the node's long-lived Connect stream to every router process.
+
+One task per router address keeps a stream open: Registration first, then a Heartbeat every
+``busy_interval_s`` while the node has work (in flight, running or waiting) and every
+``idle_interval_s`` otherwise. A broken stream is retried with jittered exponential backoff;
+the node keeps serving direct clients meanwhile. A router's RouterHello may list peer
+processes (multi-worker routers): the node opens a stream to each of them too. A DrainOrder
+from any router starts the node's drain. ``wake()`` sends the next heartbeat at once (used
+when draining starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from gpumesh.v1 import control_pb2 as cpb
+from gpumesh.v1 import control_pb2_grpc as cpb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatClient:
+    def __init__(self, routers: tuple[str, ...], registration: Callable[[], cpb.Registration],
+                 load: Callable[[], cpb.LoadReport], busy_interval_s: float = 0.25,
+                 idle_interval_s: float = 2.0, max_backoff_s: float = 5.0,
+                 on_drain: Callable[[str], None] | None = None,
+                 rng: random.Random | None = None) -> None:
+        self._seeds = routers
+        self._registration = registration
+        self._load = load
+        self._busy = busy_interval_s
+        self._idle = idle_interval_s
+        self._max_backoff = max_backoff_s
+        self._on_drain = on_drain
+        self._rng = rng or random.Random()
+        self._seq = 0
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._closing = False
+        self.connected: dict[str, str] = {}  # address -> router_id of live streams
+        self.reconnects = 0
+        self._stops: dict[str, asyncio.Event] = {}
+
+    def start(self) -> None:
+        for addr in self._seeds:
+            self._ensure(addr)
+
+    def _ensure(self, addr: str) -> None:
+        if addr not in self._tasks and not self._closing:
+            self._tasks[addr] = asyncio.create_task(self._keep(addr), name=f"heartbeat:{addr}")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _heartbeat(self) -> cpb.NodeMessage:
+        return cpb.NodeMessage(heartbeat=cpb.Heartbeat(
+            seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=self._load()))
+
+    async def _messages(self, stop: asyncio.Event) -> AsyncIterator[cpb.NodeMessage]:
+        yield cpb.NodeMessage(registration=self._registration())
+        while not stop.is_set():
+            hb = self._heartbeat()
+            yield hb
+            ld = hb.heartbeat.load
+            busy = ld.in_flight or ld.num_running or ld.num_waiting
+            interval = self._busy if busy else self._idle
+            self._wake.clear()
+            waits = {asyncio.ensure_future(self._wake.wait()),
+                     asyncio.ensure_future(stop.wait())}
+            _, pending = await asyncio.wait(waits, timeout=interval,
+                                            return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+        yield cpb.NodeMessage(heartbeat=self._heartbeat().heartbeat)
+        yield cpb.NodeMessage(deregistration=cpb.Deregistration(reason="node shutting down"))
+
+    async def _keep(self, addr: str) -> None:
+        backoff = 0.1
+        while not self._closing:
+            stop = asyncio.Event()
+            self._stops[addr] = stop
+            try:
+                async with grpc.aio.insecure_channel(addr) as channel:
+                    stub = cpb_grpc.ControlPlaneStub(channel)
+                    call = stub.Connect(self._messages(stop))
+                    async for msg in call:
+                        kind = msg.WhichOneof("kind")
+                        if kind == "hello":
+                            if addr not in self.connected:
+                                log.info("heartbeat stream to %s up (router %s)", addr,
+                                         msg.hello.router_id)
+                            self.connected[addr] = msg.hello.router_id
+                            backoff = 0.1
+                            for peer in msg.hello.peer_addresses:
+                                self._ensure(peer)
+                        elif kind == "drain" and self._on_drain is not None:
+                            self._on_drain(msg.drain.reason or f"drain ordered by {addr}")
+                    if self._closing:
+                        return
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                log.debug("heartbeat stream to %s broke: %s", addr, exc.code())
+            except Exception:  # noqa: BLE001 - keep retrying whatever broke
+                log.warning("heartbeat stream to %s failed", addr, exc_info=True)
+            finally:
+                self.connected.pop(addr, None)
+            if self._closing:
+                return
+            self.reconnects += 1
+            delay = backoff * (0.5 + self._rng.random())
+            backoff = min(self._max_backoff, backoff * 2)
+            await asyncio.sleep(delay)
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Deregisters from every router (best effort, bounded), then stops."""
+        self._closing = True
+        for stop in self._stops.values():
+            stop.set()
+        tasks = list(self._tasks.values())
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

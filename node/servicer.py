@@ -1,0 +1,231 @@
+"""The node's Inference servicer: a thin adapter (proto in -> validated request -> engine ->
+coalesced chunks -> proto out). The same contract the router serves.
+
+Who calls it: grpc.aio, per request. Cancellation or deadline: grpc cancels this handler's
+task, which closes the engine generator (vLLM aborts the request); ``finally`` also calls
+``engine.abort`` in case the engine had not noticed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gpumesh import metadata as md
+from gpumesh import tickets
+from gpumesh.v1 import inference_pb2 as pb
+from gpumesh.v1 import inference_pb2_grpc as pb_grpc
+from node.accounting import Admission, NodeLedger
+from node.coalesce import CoalescePolicy, coalesce
+from node.engine import Engine, EngineOutput, EngineRequest, Finish, Sampling
+from node.errors import (
+    RequestError,
+    from_engine_exception,
+    invalid,
+    not_found,
+    out_of_range,
+    permission_denied,
+    unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+_FINISH = {Finish.STOP: pb.FINISH_REASON_STOP, Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+           Finish.ABORT: pb.FINISH_REASON_ABORT}
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request: EngineRequest
+    router_id: str
+    coalescing: CoalescePolicy
+
+
+class NodeState:
+    """Mutable serving state shared by the servicer, heartbeats and drain."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.draining = False
+        self.ledger = NodeLedger()
+
+
+def _sampling(p: pb.SamplingParams) -> Sampling:
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    temperature = p.temperature if p.HasField("temperature") else 1.0
+    top_p = p.top_p if p.HasField("top_p") else 1.0
+    if max_tokens < 1:
+        raise invalid("sampling.max_tokens must be >= 1")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise invalid(f"sampling.temperature must be >= 0, got {temperature}")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise invalid(f"sampling.top_p must be in (0, 1], got {top_p}")
+    if any(s == "" for s in p.stop):
+        raise invalid("sampling.stop must not contain empty strings")
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                    top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
+                    stop=tuple(p.stop), ignore_eos=p.ignore_eos)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, engine: Engine, state: NodeState, default_coalescing: CoalescePolicy,
+                 ticket_secret: bytes = b"", require_ticket: bool = False) -> None:
+        self._engine = engine
+        self._state = state
+        self._default_coalescing = default_coalescing
+        self._secret = ticket_secret
+        self._require_ticket = require_ticket
+
+    # --- validation ---------------------------------------------------------------------
+    def _resolve_model(self, name: str) -> None:
+        spec = self._engine.model
+        if name and name != spec.name and name not in spec.aliases:
+            served = ", ".join((spec.name, *spec.aliases))
+            raise not_found(f"model {name!r} is not served here; served: {served}")
+
+    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            if not req.text:
+                raise invalid("prompt text is empty")
+            ids = self._engine.tokenize(req.text)
+        elif kind == "chat":
+            msgs = [(m.role, m.content) for m in req.chat.messages]
+            if not msgs:
+                raise invalid("chat has no messages")
+            if any(not role for role, _ in msgs):
+                raise invalid("every chat message needs a role")
+            ids = self._engine.render_chat(msgs)
+        elif kind == "token_ids":
+            ids = list(req.token_ids.ids)
+        else:
+            raise invalid("request has no prompt: set text, chat or token_ids")
+        if not ids:
+            raise invalid("prompt is empty after tokenization")
+        return ids
+
+    def _router_id(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+        if req.ticket:
+            if not self._secret:
+                raise permission_denied("this node accepts no lookaside tickets (no secret set)")
+            try:
+                ticket = tickets.verify(self._secret, req.ticket, self._state.node_id)
+            except tickets.TicketError as exc:
+                raise permission_denied(f"lookaside ticket refused: {exc}") from None
+            return ticket.router_id
+        router_id = dict(context.invocation_metadata() or ()).get(md.ROUTER_ID, "")
+        if self._require_ticket and not router_id:
+            raise permission_denied("this node only serves requests routed by a gpumesh router")
+        return router_id
+
+    def _prepare(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Prepared:
+        if self._state.draining:
+            raise unavailable(f"node {self._state.node_id} is draining")
+        self._resolve_model(req.model)
+        sampling = _sampling(req.sampling)
+        ids = self._prompt_ids(req)
+        limit = self._engine.model.max_context_length
+        if len(ids) + sampling.max_tokens > limit:
+            raise out_of_range(
+                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"context window of {limit} tokens")
+        router_id = self._router_id(req, context)
+        so = req.stream_options
+        if so.per_token:
+            policy = CoalescePolicy(0.0, 1)
+        else:
+            policy = CoalescePolicy(
+                so.flush_interval_ms / 1000 if so.flush_interval_ms else
+                self._default_coalescing.flush_interval_s,
+                so.max_tokens_per_chunk or self._default_coalescing.max_tokens)
+        request_id = req.request_id or uuid.uuid4().hex
+        return Prepared(EngineRequest(request_id, tuple(ids), sampling), router_id, policy)
+
+    # --- the generation loop shared by unary and streaming ------------------------------
+    async def _run(self, prep: Prepared, coalescing: CoalescePolicy
+                   ) -> AsyncIterator[EngineOutput]:
+        req = prep.request
+        admission: Admission = self._state.ledger.admit(prep.router_id, len(req.prompt_token_ids))
+        finished = False
+        try:
+            async for out in coalesce(self._engine.generate(req), coalescing):
+                if out.token_ids:
+                    admission.first_token()
+                finished = out.finish is not None
+                yield out
+        except RequestError:
+            raise
+        except Exception as exc:  # the engine's, mapped once here
+            raise from_engine_exception(exc) from exc
+        finally:
+            admission.finish()
+            if not finished:
+                # Client went away, deadline passed or an error: make sure the engine drops it.
+                try:
+                    await self._engine.abort(req.request_id)
+                except Exception:  # noqa: BLE001 - abort is best effort
+                    log.debug("abort of %s failed", req.request_id, exc_info=True)
+
+    def _trailing(self, context: grpc.aio.ServicerContext) -> None:
+        context.set_trailing_metadata(((md.NODE_ID, self._state.node_id),))
+
+    async def GenerateStream(self, request: pb.GenerateRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        try:
+            prep = self._prepare(request, context)
+            first = True
+            completion = 0
+            async for out in self._run(prep, prep.coalescing):
+                completion += len(out.token_ids)
+                msg = pb.GenerateStreamResponse(text=out.text, token_ids=out.token_ids)
+                if first:
+                    msg.request_id = prep.request.request_id
+                    first = False
+                if out.finish is not None:
+                    msg.finish_reason = _FINISH[out.finish]
+                    msg.usage.prompt_tokens = len(prep.request.prompt_token_ids)
+                    msg.usage.completion_tokens = completion
+                    self._trailing(context)
+                yield msg
+        except RequestError as err:
+            self._trailing(context)
+            await context.abort(err.code, err.message)
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        try:
+            prep = self._prepare(request, context)
+            texts: list[str] = []
+            ids: list[int] = []
+            finish = None
+            # Unary: no client is waiting on chunks, so take the engine's outputs as they come.
+            async for out in self._run(prep, CoalescePolicy(0.0, 1)):
+                texts.append(out.text)
+                ids.extend(out.token_ids)
+                finish = out.finish
+            self._trailing(context)
+            return pb.GenerateResponse(
+                text="".join(texts), token_ids=ids,
+                finish_reason=_FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
+                usage=pb.Usage(prompt_tokens=len(prep.request.prompt_token_ids),
+                               completion_tokens=len(ids)),
+                request_id=prep.request.request_id)
+        except RequestError as err:
+            self._trailing(context)
+            await context.abort(err.code, err.message)
+            raise AssertionError("unreachable")  # context.abort raises
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        spec = self._engine.model
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            name=spec.name, aliases=spec.aliases, max_context_length=spec.max_context_length,
+            tensor_parallel_size=spec.tensor_parallel_size, capacity_weight=spec.capacity_weight,
+            node_ids=[self._state.node_id])])

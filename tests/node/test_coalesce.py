@@ -1,0 +1,82 @@
+"""Coalescing contract: first output alone and at once, then merged by interval / token cap,
+final flushed at once, a stalled engine never holds a token longer than one interval."""
+
+import asyncio
+
+from node.coalesce import CoalescePolicy, coalesce
+from node.engine import EngineOutput, Finish
+
+
+async def _script(steps):
+    """steps: (delay_s, EngineOutput)"""
+    for delay, out in steps:
+        await asyncio.sleep(delay)
+        yield out
+
+
+def _tok(i, text=None, finish=None):
+    return EngineOutput((i,), text if text is not None else f"t{i} ", finish)
+
+
+async def _collect(gen):
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    got = []
+    async for out in gen:
+        got.append((loop.time() - t0, out))
+    return got
+
+
+async def test_first_token_alone_then_merged_and_final_at_once():
+    steps = [(0.0, _tok(0))] + [(0.001, _tok(i)) for i in range(1, 20)] + [
+        (0.001, _tok(20, finish=Finish.LENGTH))]
+    got = await _collect(coalesce(_script(steps), CoalescePolicy(0.5, 1000)))
+    assert [o.token_ids for _, o in got][0] == (0,)
+    assert len(got) == 2  # first alone, then everything else with the finish
+    assert got[-1][1].finish is Finish.LENGTH
+    assert got[-1][1].token_ids == tuple(range(1, 21))
+    assert "".join(o.text for _, o in got) == "".join(f"t{i} " for i in range(21))
+
+
+async def test_token_cap_splits():
+    steps = [(0.0, _tok(i)) for i in range(10)] + [(0.0, _tok(10, finish=Finish.STOP))]
+    got = await _collect(coalesce(_script(steps), CoalescePolicy(10.0, 4)))
+    assert [len(o.token_ids) for _, o in got] == [1, 4, 4, 2]
+
+
+async def test_stalled_engine_flushes_within_one_interval():
+    # token 1 arrives, then the engine stalls for 0.5 s: token 1 must go out after ~0.05 s.
+    steps = [(0.0, _tok(0)), (0.01, _tok(1)), (0.5, _tok(2, finish=Finish.STOP))]
+    got = await _collect(coalesce(_script(steps), CoalescePolicy(0.05, 100)))
+    assert [o.token_ids for _, o in got] == [(0,), (1,), (2,)]
+    assert got[1][0] < 0.3
+
+
+async def test_per_token_passthrough_and_multibyte_text_joined_intact():
+    parts = ["h", "é", "🙂", "漢字"]
+    steps = [(0.0, _tok(i, text=t)) for i, t in enumerate(parts)]
+    steps[-1] = (0.0, _tok(3, text="漢字", finish=Finish.STOP))
+    per_token = await _collect(coalesce(_script(steps), CoalescePolicy(0.0, 1)))
+    assert [o.text for _, o in per_token] == parts
+    merged = await _collect(coalesce(_script(steps), CoalescePolicy(1.0, 100)))
+    assert "".join(o.text for _, o in merged) == "hé🙂漢字"
+
+
+async def test_closing_early_closes_the_engine_generator():
+    closed = asyncio.Event()
+
+    async def engine():
+        try:
+            i = 0
+            while True:
+                yield _tok(i)
+                i += 1
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()
+
+    gen = coalesce(engine(), CoalescePolicy(0.02, 100))
+    async for _ in gen:
+        break
+    await gen.aclose()
+    assert closed.is_set()
