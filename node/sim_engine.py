@@ -87,7 +87,7 @@ EOS_TOKEN_ID = VOCAB_SIZE  # outside the sampled range, so it is never drawn by 
 class SimEngineConfig:
     """Parameters of one simulated engine. Times in ms, capacities in tokens."""
 
-    model: str = "sim-qwen2.5-0.5b"
+    model_name: str = "sim-qwen2.5-0.5b"
     aliases: tuple[str, ...] = ()
     max_context_length: int = 8704
     capacity_weight: float = 1.0
@@ -123,7 +123,7 @@ class SimEngineConfig:
         shapes: dict[str, dict[str, Any]] = {
             "0.5b": {},
             "7b": dict(
-                model="sim-qwen2.5-7b",
+                model_name="sim-qwen2.5-7b",
                 kv_capacity_tokens=1_910_000,
                 step_a_ms=4.073,
                 step_b_decode_ms=0.02912,
@@ -237,7 +237,7 @@ class SimEngine:
     def __init__(self, config: SimEngineConfig | None = None) -> None:
         self.config = cfg = config or SimEngineConfig()
         self._spec = ModelSpec(
-            name=cfg.model,
+            name=cfg.model_name,
             aliases=tuple(cfg.aliases),
             max_context_length=cfg.max_context_length,
             tensor_parallel_size=1,
