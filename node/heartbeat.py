@@ -68,16 +68,22 @@ class HeartbeatClient:
 
     async def _messages(self, stop: asyncio.Event) -> AsyncIterator[cpb.NodeMessage]:
         yield cpb.NodeMessage(registration=self._registration())
+        last_sent = -1e9
+        loop = asyncio.get_running_loop()
         while not stop.is_set():
-            hb = self._heartbeat()
-            yield hb
-            ld = hb.heartbeat.load
-            busy = ld.in_flight or ld.num_running or ld.num_waiting
-            interval = self._busy if busy else self._idle
-            self._wake.clear()
+            # Check every busy interval; send when busy, when the idle interval has passed, or
+            # when woken (drain). A node that turns busy is reported within one busy interval.
+            load = self._load()
+            busy = load.in_flight or load.num_running or load.num_waiting
+            now = loop.time()
+            if busy or self._wake.is_set() or now - last_sent >= self._idle:
+                self._wake.clear()
+                last_sent = now
+                yield cpb.NodeMessage(heartbeat=cpb.Heartbeat(
+                    seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=load))
             waits = {asyncio.ensure_future(self._wake.wait()),
                      asyncio.ensure_future(stop.wait())}
-            _, pending = await asyncio.wait(waits, timeout=interval,
+            _, pending = await asyncio.wait(waits, timeout=self._busy,
                                             return_when=asyncio.FIRST_COMPLETED)
             for t in pending:
                 t.cancel()
