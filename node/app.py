@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gpumesh import telemetry
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import inference_pb2, inference_pb2_grpc
 from node.coalesce import CoalescePolicy
@@ -23,6 +24,7 @@ from node.config import NodeConfig, new_incarnation
 from node.engine import Engine
 from node.heartbeat import HeartbeatClient
 from node.servicer import InferenceServicer, NodeState
+from node.telemetry import NodeTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class NodeServer:
         self.port = 0
         self.state: NodeState | None = None
         self.heartbeats: HeartbeatClient | None = None
+        self.telemetry = NodeTelemetry.disabled()
         self._drained = asyncio.Event()
         self.incarnation = new_incarnation()
 
@@ -118,13 +121,15 @@ class NodeServer:
         if self.port == 0:
             raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
         self.state = NodeState(self.cfg.resolved_node_id(self.port))
+        self.telemetry = self._init_telemetry()
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(
             self.engine, self.state,
             CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk),
-            self.cfg.ticket_secret.encode(), self.cfg.require_ticket), self.server)
+            self.cfg.ticket_secret.encode(), self.cfg.require_ticket, self.telemetry),
+            self.server)
         reflection.enable_server_reflection(
             (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
@@ -138,6 +143,27 @@ class NodeServer:
             self.cfg.heartbeat_busy_interval_s, self.cfg.heartbeat_idle_interval_s,
             self.cfg.reconnect_max_backoff_s, on_drain=self._drain_ordered)
         self.heartbeats.start()
+
+    def _init_telemetry(self) -> NodeTelemetry:
+        """OpenTelemetry from the OTEL_* environment (off, at no cost, when unset)."""
+        assert self.state is not None
+        gpu_model = getattr(self.engine, "gpu_model", "") or ""
+        tel = telemetry.init(telemetry.NODE_SERVICE, self.state.node_id, gpu_model=gpu_model,
+                             attributes={"gpumesh.engine": self.engine.kind})
+        nt = NodeTelemetry(tel, self.state.node_id, self.engine.kind, self.engine.model.name)
+
+        def load() -> dict[str, float]:
+            r = self.load_report()
+            return {"num_running": r.num_running, "num_waiting": r.num_waiting,
+                    "in_flight": r.in_flight, "kv_cache_usage": r.kv_cache_usage,
+                    "pending_prefill_tokens": r.pending_prefill_tokens}
+
+        def reconnects() -> list[tuple[str, int]]:
+            hb = self.heartbeats
+            return [("all", hb.reconnects)] if hb is not None else []
+
+        nt.register_gauges(load, reconnects)
+        return nt
 
     async def _set_health(self, status: int) -> None:
         for svc in ("", INFERENCE_SERVICE):
@@ -173,6 +199,7 @@ class NodeServer:
         if self.server is not None:
             await self.server.stop(grace_s)
         await self.engine.shutdown()
+        await asyncio.to_thread(self.telemetry.tel.shutdown)
 
     async def wait(self) -> None:
         assert self.server is not None

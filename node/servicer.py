@@ -8,6 +8,7 @@ task, which closes the engine generator (vLLM aborts the request); ``finally`` a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import uuid
@@ -32,6 +33,7 @@ from node.errors import (
     permission_denied,
     unavailable,
 )
+from node.telemetry import NOOP, NodeTelemetry, Trace
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +77,10 @@ def _sampling(p: pb.SamplingParams) -> Sampling:
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, engine: Engine, state: NodeState, default_coalescing: CoalescePolicy,
-                 ticket_secret: bytes = b"", require_ticket: bool = False) -> None:
+                 ticket_secret: bytes = b"", require_ticket: bool = False,
+                 telemetry: NodeTelemetry | None = None) -> None:
         self._engine = engine
+        self._telemetry = telemetry or NodeTelemetry.disabled()
         self._state = state
         self._default_coalescing = default_coalescing
         self._secret = ticket_secret
@@ -148,15 +152,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return Prepared(EngineRequest(request_id, tuple(ids), sampling), router_id, policy)
 
     # --- the generation loop shared by unary and streaming ------------------------------
-    async def _run(self, prep: Prepared, coalescing: CoalescePolicy
-                   ) -> AsyncIterator[EngineOutput]:
+    async def _run(self, prep: Prepared, coalescing: CoalescePolicy,
+                   trace: Trace = NOOP) -> AsyncIterator[EngineOutput]:
         req = prep.request
         admission: Admission = self._state.ledger.admit(prep.router_id, len(req.prompt_token_ids))
         finished = False
+        trace.admitted()
         try:
             async for out in coalesce(self._engine.generate(req), coalescing):
                 if out.token_ids:
                     admission.first_token()
+                trace.output(out)
                 finished = out.finish is not None
                 yield out
         except RequestError:
@@ -167,22 +173,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             admission.finish()
             if not finished:
                 # Client went away, deadline passed or an error: make sure the engine drops it.
+                trace.engine_abort()
                 try:
                     await self._engine.abort(req.request_id)
                 except Exception:  # noqa: BLE001 - abort is best effort
                     log.debug("abort of %s failed", req.request_id, exc_info=True)
 
-    def _trailing(self, context: grpc.aio.ServicerContext) -> None:
-        context.set_trailing_metadata(((md.NODE_ID, self._state.node_id),))
+    def _trailing(self, context: grpc.aio.ServicerContext,
+                  trace: Trace = NOOP) -> None:
+        context.set_trailing_metadata(((md.NODE_ID, self._state.node_id), *trace.trailing()))
 
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        trace = self._telemetry.start("GenerateStream", request, context)
         try:
             prep = self._prepare(request, context)
+            trace.prepared(prep.request, prep.router_id)
             first = True
             completion = 0
-            async for out in self._run(prep, prep.coalescing):
+            async for out in self._run(prep, prep.coalescing, trace):
                 completion += len(out.token_ids)
                 msg = pb.GenerateStreamResponse(text=out.text, token_ids=out.token_ids)
                 if first:
@@ -192,25 +202,33 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     msg.finish_reason = _FINISH[out.finish]
                     msg.usage.prompt_tokens = len(prep.request.prompt_token_ids)
                     msg.usage.completion_tokens = completion
-                    self._trailing(context)
+                    self._trailing(context, trace)
                 yield msg
         except RequestError as err:
-            self._trailing(context)
+            trace.fail(err.code, err.message)
+            self._trailing(context, trace)
             await context.abort(err.code, err.message)
+        except (asyncio.CancelledError, GeneratorExit):
+            trace.cancelled()
+            raise
+        finally:
+            trace.end()
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        trace = self._telemetry.start("Generate", request, context)
         try:
             prep = self._prepare(request, context)
+            trace.prepared(prep.request, prep.router_id)
             texts: list[str] = []
             ids: list[int] = []
             finish = None
             # Unary: no client is waiting on chunks, so take the engine's outputs as they come.
-            async for out in self._run(prep, CoalescePolicy(0.0, 1)):
+            async for out in self._run(prep, CoalescePolicy(0.0, 1), trace):
                 texts.append(out.text)
                 ids.extend(out.token_ids)
                 finish = out.finish
-            self._trailing(context)
+            self._trailing(context, trace)
             return pb.GenerateResponse(
                 text="".join(texts), token_ids=ids,
                 finish_reason=_FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
@@ -218,9 +236,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                completion_tokens=len(ids)),
                 request_id=prep.request.request_id)
         except RequestError as err:
-            self._trailing(context)
+            trace.fail(err.code, err.message)
+            self._trailing(context, trace)
             await context.abort(err.code, err.message)
             raise AssertionError("unreachable")  # context.abort raises
+        except asyncio.CancelledError:
+            trace.cancelled()
+            raise
+        finally:
+            trace.end()
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
