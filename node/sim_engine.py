@@ -122,13 +122,13 @@ class SimEngineConfig:
         """Calibrated defaults for ``"0.5b"`` or ``"7b"`` (see the module docstring)."""
         shapes: dict[str, dict[str, Any]] = {
             "0.5b": {},
-            "7b": dict(
-                model_name="sim-qwen2.5-7b",
-                kv_capacity_tokens=1_910_000,
-                step_a_ms=4.073,
-                step_b_decode_ms=0.02912,
-                step_b_prefill_ms=0.0241,
-            ),
+            "7b": {
+                "model_name": "sim-qwen2.5-7b",
+                "kv_capacity_tokens": 1_910_000,
+                "step_a_ms": 4.073,
+                "step_b_decode_ms": 0.02912,
+                "step_b_prefill_ms": 0.0241,
+            },
         }
         if shape.lower() not in shapes:
             raise ValueError(f"unknown shape {shape!r}; known: {sorted(shapes)}")
@@ -206,8 +206,21 @@ class _Tokenizer:
 
 class _Req:
     __slots__ = (
-        "id", "prompt_len", "max_out", "rng", "eos_p", "stop", "hold", "out", "sent",
-        "text", "text_sent", "computed", "blocks", "finish", "waiter",
+        "blocks",
+        "computed",
+        "eos_p",
+        "finish",
+        "hold",
+        "id",
+        "max_out",
+        "out",
+        "prompt_len",
+        "rng",
+        "sent",
+        "stop",
+        "text",
+        "text_sent",
+        "waiter",
     )
 
     def __init__(self, rid: str, prompt_len: int, max_out: int, rng: random.Random,
@@ -427,7 +440,7 @@ class SimEngine:
         while i < len(running) and budget > 0:
             req = running[i]
             n = req.prompt_len + len(req.out) - req.computed
-            if n > budget:
+            if n > budget:  # noqa: PLR1730 - cheaper than min() in the hot loop
                 n = budget
             need = -(-(req.computed + n) // B) - req.blocks
             if need > 0:
@@ -459,7 +472,7 @@ class SimEngine:
             while waiting and len(running) < cfg.max_num_seqs and budget > 0:
                 req = waiting[0]
                 n = req.prompt_len + len(req.out) - req.computed
-                if n > budget:
+                if n > budget:  # noqa: PLR1730
                     n = budget
                 need = -(-(req.computed + n) // B) - req.blocks
                 if need > self._free_blocks:
@@ -548,7 +561,7 @@ class SimEngine:
                 delay = t - loop.time()
                 if delay < -max_lag:
                     t = loop.time()
-                await asyncio.sleep(delay if delay > 0 else 0)
+                await asyncio.sleep(max(0.0, delay))
             else:
                 await asyncio.sleep(0)
             self._apply(scheduled)

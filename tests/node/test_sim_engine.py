@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from node.engine import Engine, EngineOutput, EngineRequest, Finish, PromptTooLong, Sampling
+from node.engine import (
+    Engine,
+    EngineOutput,
+    EngineRequest,
+    Finish,
+    PromptTooLong,
+    Sampling,
+)
 from node.sim_engine import SimEngine, SimEngineConfig
 
 FAST = SimEngineConfig(time_scale=0.0)  # steps back to back: simulated time only

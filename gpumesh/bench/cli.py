@@ -1,0 +1,229 @@
+"""``gpumesh bench``: run load, synthesize traces, tabulate and plot results.
+
+  gpumesh bench run --target HOST:PORT (--rate R | --concurrency C) [--requests N] [--duration S]
+                    [--prompt DIST] [--output DIST] [--trace FILE] [--procs N] [--slo-ttft-ms MS]
+                    [--slo-tpot-ms MS] [--label NAME] [--json OUT] [--md OUT]
+  gpumesh bench trace --out FILE --requests N [--rate R] [--prompt DIST] [--output DIST]
+  gpumesh bench report FILE... [--md OUT]
+  gpumesh bench plot FILE... --out PNG [--md OUT]
+
+DIST: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX] | bimodal:SHORT:LONG:P_LONG
+(see gpumesh.bench.workload). With --trace, arrivals come from the trace (--rate rescales
+them to that mean rate). --procs N runs N processes that split the same request stream by
+index (and so the rate, or the concurrency); their results are merged into one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import multiprocessing
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from gpumesh.bench.loadgen import LoadConfig, RequestResult, RunResult, run_load
+from gpumesh.bench.report import (
+    load_result,
+    markdown_table,
+    plot,
+    result_document,
+    write_json,
+)
+from gpumesh.bench.stats import SLO, summarize
+from gpumesh.bench.workload import (
+    BenchRequest,
+    LengthDist,
+    WorkloadSpec,
+    iter_requests,
+    load_trace,
+    save_trace,
+)
+
+
+def _dist(s: str) -> LengthDist:
+    try:
+        return LengthDist.parse(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpumesh bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="drive load against a router or a node")
+    r.add_argument("--target", required=True, help="host:port serving gpumesh.v1.Inference")
+    r.add_argument("--model", default="", help="model name or alias ('' = the only one)")
+    mode = r.add_mutually_exclusive_group()
+    mode.add_argument("--rate", type=float, default=0.0, help="open loop: Poisson req/s")
+    mode.add_argument("--concurrency", type=int, default=0, help="closed loop: requests in flight")
+    r.add_argument("--requests", type=int, default=0, help="stop after N requests")
+    r.add_argument("--duration", type=float, default=0.0, help="start no request after S seconds")
+    r.add_argument("--prompt", type=_dist, default=LengthDist("fixed", 128), help="prompt tokens")
+    r.add_argument("--output", type=_dist, default=LengthDist("fixed", 128), help="max_tokens")
+    r.add_argument("--trace", default="", help="replay a JSONL trace instead")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--procs", type=int, default=1, help="load-generator processes")
+    r.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
+    r.add_argument("--per-token", action="store_true", help="ask for one message per token")
+    r.add_argument("--temperature", type=float, default=None)
+    r.add_argument("--slo-ttft-ms", type=float, default=float("inf"))
+    r.add_argument("--slo-tpot-ms", type=float, default=float("inf"))
+    r.add_argument("--label", default="", help="policy / setup name for tables and plots")
+    r.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
+    r.add_argument("--json", default="", help="write the result here")
+    r.add_argument("--md", default="", help="write a markdown table here")
+    r.add_argument("--no-requests", action="store_true", help="omit per-request rows from JSON")
+
+    t = sub.add_parser("trace", help="write a synthetic workload as a JSONL trace")
+    t.add_argument("--out", required=True)
+    t.add_argument("--requests", type=int, required=True)
+    t.add_argument("--rate", type=float, default=1.0)
+    t.add_argument("--prompt", type=_dist, default=LengthDist("fixed", 128))
+    t.add_argument("--output", type=_dist, default=LengthDist("fixed", 128))
+    t.add_argument("--model", default="")
+    t.add_argument("--seed", type=int, default=0)
+
+    rep = sub.add_parser("report", help="markdown table of result files")
+    rep.add_argument("files", nargs="+")
+    rep.add_argument("--md", default="")
+
+    pl = sub.add_parser("plot", help="latency / TTFT / goodput vs offered load, one curve per label")
+    pl.add_argument("files", nargs="+")
+    pl.add_argument("--out", required=True)
+    pl.add_argument("--title", default="")
+    pl.add_argument("--md", default="")
+    return p
+
+
+# --- the request stream (rebuilt identically in every process) ------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    workload: WorkloadSpec
+    trace: str = ""
+    trace_time_scale: float = 1.0
+
+
+def make_stream(spec: StreamSpec) -> Iterator[BenchRequest]:
+    if spec.trace:
+        return iter(load_trace(spec.trace, spec.workload.model, spec.trace_time_scale))
+    return iter_requests(spec.workload)
+
+
+def _share(total: int, k: int, n: int) -> int:
+    return (total - k + n - 1) // n if total > 0 else 0
+
+
+def _proc_cfg(cfg: LoadConfig, k: int, n: int) -> LoadConfig:
+    conc = cfg.concurrency // n + (k < cfg.concurrency % n) if cfg.concurrency else 0
+    return dataclasses.replace(cfg, concurrency=conc, num_requests=_share(cfg.num_requests, k, n),
+                               progress_s=cfg.progress_s if k == 0 else 0.0)
+
+
+def _proc_requests(spec: StreamSpec, total: int, k: int, n: int) -> Iterator[BenchRequest]:
+    it = make_stream(spec)
+    if total > 0:
+        it = itertools.islice(it, total)
+    return (r for r in it if r.index % n == k)
+
+
+def _child(cfg: LoadConfig, spec: StreamSpec, total: int, k: int, n: int,
+           start_at: float) -> tuple[list[dict[str, Any]], float]:
+    run = asyncio.run(run_load(_proc_cfg(cfg, k, n), _proc_requests(spec, total, k, n),
+                               start_at=start_at, progress_prefix=f"[bench p{k}] "))
+    return [dataclasses.asdict(r) for r in run.results], run.wall_s
+
+
+def run_multi(cfg: LoadConfig, spec: StreamSpec, procs: int) -> RunResult:
+    """Run ``procs`` load-generator processes and merge their results (one start instant)."""
+    if procs <= 1:
+        return asyncio.run(run_load(cfg, _proc_requests(spec, cfg.num_requests, 0, 1),
+                                    progress_prefix="[bench] "))
+    if cfg.concurrency and cfg.concurrency < procs:
+        raise ValueError("--concurrency must be >= --procs")
+    start_at = time.time() + 2.0 + 0.2 * procs  # after every process has connected
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as ex:
+        futs = [ex.submit(_child, cfg, spec, cfg.num_requests, k, procs, start_at)
+                for k in range(procs)]
+        parts = [f.result() for f in futs]
+    results = sorted((RequestResult(**d) for rows, _ in parts for d in rows), key=lambda r: r.index)
+    return RunResult(config=dataclasses.asdict(cfg), results=results,
+                     wall_s=max(w for _, w in parts))
+
+
+def _cmd_run(a: argparse.Namespace) -> int:
+    workload = WorkloadSpec(a.prompt, a.output, a.seed, a.model, a.rate)
+    spec = StreamSpec(workload)
+    rate, total = a.rate, a.requests
+    if a.trace:
+        trace = load_trace(a.trace, a.model)
+        span = trace[-1].arrival_s if trace else 0.0
+        native = (len(trace) - 1) / span if span > 0 else 0.0
+        scale = native / a.rate if a.rate and native else 1.0
+        spec = StreamSpec(workload, a.trace, scale)
+        total = min(total, len(trace)) if total else len(trace)
+        if not a.concurrency:
+            rate = a.rate or native or 1e9  # all-at-zero traces: arrivals are still honoured
+    elif not a.rate and not a.concurrency:
+        print("gpumesh bench run: give --rate, --concurrency or --trace", file=sys.stderr)
+        return 2
+    cfg = LoadConfig(target=a.target, rate=0.0 if a.concurrency else rate,
+                     concurrency=a.concurrency, num_requests=total, duration_s=a.duration,
+                     timeout_s=a.timeout, seed=a.seed, per_token=a.per_token,
+                     temperature=a.temperature, progress_s=a.progress, label=a.label)
+    run = run_multi(cfg, spec, a.procs)
+    summary = summarize(run.results, SLO(a.slo_ttft_ms, a.slo_tpot_ms))
+    extra = {"procs": a.procs, "trace": a.trace, "prompt": str(a.prompt), "output": str(a.output)}
+    doc = result_document(run, summary, extra, include_requests=not a.no_requests)
+    table = markdown_table([doc])
+    print(table, end="")
+    if a.json:
+        write_json(a.json, doc)
+    if a.md:
+        with open(a.md, "w", encoding="utf-8") as f:
+            f.write(table)
+    return 0 if summary["ok"] else 1
+
+
+def _cmd_trace(a: argparse.Namespace) -> int:
+    reqs = itertools.islice(iter_requests(WorkloadSpec(a.prompt, a.output, a.seed, a.model, a.rate)),
+                            a.requests)
+    n = save_trace(reqs, a.out)
+    print(f"wrote {n} requests to {a.out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_report(a: argparse.Namespace) -> int:
+    table = markdown_table([load_result(f) for f in a.files])
+    print(table, end="")
+    if a.md:
+        with open(a.md, "w", encoding="utf-8") as f:
+            f.write(table)
+    return 0
+
+
+def _cmd_plot(a: argparse.Namespace) -> int:
+    docs = [load_result(f) for f in a.files]
+    plot(docs, a.out, a.title)
+    if a.md:
+        with open(a.md, "w", encoding="utf-8") as f:
+            f.write(markdown_table(docs))
+    print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(list(argv) if argv is not None else None)
+    return {"run": _cmd_run, "trace": _cmd_trace, "report": _cmd_report, "plot": _cmd_plot}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
