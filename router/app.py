@@ -1,0 +1,160 @@
+"""Wiring only: builds the router from a RouterConfig and runs its gRPC server.
+
+``RouterServer`` is the handle (tests construct it in-process with ``port=0``)::
+
+    server = RouterServer(RouterConfig(port=0, host="127.0.0.1"))
+    await server.start()            # returns the bound port; server.address is host:port
+    ...
+    await server.stop()
+
+``serve(config)`` runs one until cancelled or SIGINT/SIGTERM. Shutdown order: health
+NOT_SERVING -> refuse new requests -> drain in-flight (up to the grace) -> end node streams ->
+``server.stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gpumesh.v1 import control_pb2_grpc
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.registry import Registry
+from router.scheduling import WaitModel, build_profile, default_filters
+from router.servicer import (ControlPlaneServicer, InferenceServicer, RouterServicer,
+                             inference_handler)
+from router.transport import NodeChannels
+
+log = logging.getLogger(__name__)
+
+SERVICES = ("gpumesh.v1.Inference", "gpumesh.v1.ControlPlane", "gpumesh.v1.Router")
+
+
+class RouterServer:
+    """One router process's server. ``clock`` (monotonic seconds) and ``rng`` are injectable."""
+
+    def __init__(self, config: RouterConfig, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time,
+                 rng: random.Random | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.registry = Registry(config.router_id, lease_ttl_s=config.lease_ttl_s,
+                                 freshness_s=config.freshness_s,
+                                 max_concurrency_default=config.max_concurrency_default,
+                                 known_model_retention_s=config.known_model_retention_s,
+                                 clock=clock)
+        self.channels = NodeChannels(config.keepalive_time_ms,
+                                     close_grace_s=config.request_timeout_s)
+        self.registry.add_removal_listener(lambda e: self.channels.forget(e.node_id))
+        wait_model = WaitModel(config.reference_prompt_tokens_per_s, config.kv_penalty_s,
+                               config.kv_usage_cap, config.decode_s_per_request,
+                               config.wait_scale_s)
+        self.profile = build_profile(config.policy, config.scorer_weights, wait_model)
+        self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
+                                     default_filters(config.kv_hard_threshold),
+                                     rng or random.Random(), clock)
+        self.inference = InferenceServicer(config, self.registry, self.dispatcher, clock)
+        self.control = ControlPlaneServicer(config, self.registry)
+        self.router = RouterServicer(config, self.registry, self.dispatcher, clock, wall_clock)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        host = self.config.host
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 1),
+            # Nodes and clients may keep long-lived channels with keepalive pings.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ])
+        server.add_generic_rpc_handlers((inference_handler(self.inference),))
+        control_pb2_grpc.add_ControlPlaneServicer_to_server(self.control, server)
+        control_pb2_grpc.add_RouterServicer_to_server(self.router, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        for name in ("", *SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        log.info("router %s listening on %s (policy %s)", self.config.router_id, self.address,
+                 self.config.policy)
+        return self.port
+
+    async def _sweep(self) -> None:
+        period = min(self.config.lease_ttl_s / 4, 0.5)
+        while True:
+            await asyncio.sleep(period)
+            self.registry.expire()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._server is None:
+            return
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        self.inference.closing = True
+        try:
+            await asyncio.wait_for(self.inference.idle.wait(), grace)
+        except TimeoutError:
+            log.warning("router stopping with %d requests still in flight",
+                        self.inference.in_flight)
+        self.control.closing.set()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self._server.stop(min(grace, 1.0))
+        await self.channels.aclose()
+        self._server = None
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def serve(config: RouterConfig) -> None:
+    """Runs a router until cancelled or SIGINT/SIGTERM, then shuts it down in order."""
+    server = RouterServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread / platform
+            pass
+    try:
+        waiter = loop.create_task(server.wait_for_termination())
+        stopper = loop.create_task(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.remove_signal_handler(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+        await server.stop()
+
+
+__all__ = ["RouterServer", "serve"]

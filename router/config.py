@@ -1,0 +1,207 @@
+"""The router's one typed configuration: defaults < TOML file < environment < CLI flags.
+
+Who calls it: ``gpumesh.cli`` (``add_arguments`` + ``from_args``), tests (``RouterConfig(...)``
+or ``dataclasses.replace``), and ``router.app`` which only reads it.
+
+- TOML: top-level keys are the field names below; scorer weights live in a ``[scorer_weights]``
+  table (``expected_wait = 1.0``). An optional ``[router]`` table is read the same way.
+- Environment: ``GPUMESH_ROUTER_<FIELD>`` (upper case), e.g. ``GPUMESH_ROUTER_POLICY``;
+  ``GPUMESH_ROUTER_SCORER_WEIGHTS="expected_wait=1,kv_headroom=0.2"``. The ticket secret is also
+  read from ``GPUMESH_TICKET_SECRET`` (shared with nodes, see ``gpumesh.tickets``).
+- Flags: ``--<field-with-dashes>``; ``--scorer-weight NAME=W`` may repeat.
+
+Units are in the field names (``_s`` seconds, ``_ms`` milliseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any
+
+POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
+
+DEFAULT_SCORER_WEIGHTS: Mapping[str, float] = MappingProxyType(
+    {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 0.0}
+)
+
+ENV_PREFIX = "GPUMESH_ROUTER_"
+
+
+def _new_router_id() -> str:
+    return f"router-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    # --- serving
+    host: str = "0.0.0.0"
+    port: int = 50050  # 0 = any free port (tests)
+    router_id: str = field(default_factory=_new_router_id)  # no '.' (ticket format)
+    # Control-plane addresses of this router's sibling processes (multi-worker), sent in hello.
+    peer_addresses: tuple[str, ...] = ()
+    shutdown_grace_s: float = 5.0
+
+    # --- routing policy
+    policy: str = "weighted_least_load"
+    scorer_weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_SCORER_WEIGHTS))
+    # Expected-wait model (router.scheduling.scorers): throughput floor per unit of capacity
+    # weight when a node reports none (or a tiny one), prompt tokens per second.
+    reference_prompt_tokens_per_s: float = 8000.0
+    kv_penalty_s: float = 0.25      # c in c * k / (1 - k)
+    kv_usage_cap: float = 0.98      # k is capped here so the penalty stays finite
+    decode_s_per_request: float = 0.002  # the small in-flight decode term, per running request
+    wait_scale_s: float = 0.5       # expected wait that scores 0.5
+    kv_hard_threshold: float = 0.92  # filter: avoid nodes at or above while some are below
+    chars_per_token: float = 4.0    # prompt-size estimate for text/chat prompts
+
+    # --- membership
+    heartbeat_interval_ms: int = 250  # asked of nodes in RouterHello
+    lease_ttl_s: float = 3.0          # no heartbeat for this long -> removed
+    freshness_s: float = 1.0          # report older than this -> STALE (router counts only)
+    known_model_retention_s: float = 60.0  # a model whose nodes all left answers UNAVAILABLE
+
+    # --- dispatch
+    max_concurrency_default: int = 0  # per node, when the node declares 0 (0 = unlimited)
+    queue_bound: int = 256            # waiting requests per model; beyond -> RESOURCE_EXHAUSTED
+    request_timeout_s: float = 600.0  # per-attempt deadline when the client sets none
+    first_token_timeout_s: float = 120.0  # no first message by then -> attempt failed (retryable)
+    max_attempts: int = 2             # 2 = one transparent retry on another node
+    lookaside_credit_max_s: float = 30.0  # lookaside/unary credits expire after this at most
+
+    # --- lookaside tickets
+    ticket_secret: str = field(default="", repr=False)  # empty -> Pick: FAILED_PRECONDITION
+    ticket_ttl_s: float = 10.0
+
+    # --- node channels
+    keepalive_time_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        if "." in self.router_id or not self.router_id:
+            raise ValueError(f"router_id must be non-empty and contain no '.': {self.router_id!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        weights = dict(DEFAULT_SCORER_WEIGHTS)
+        weights.update({k: float(v) for k, v in self.scorer_weights.items()})
+        unknown = set(weights) - set(DEFAULT_SCORER_WEIGHTS)
+        if unknown:
+            raise ValueError(f"unknown scorer(s) {sorted(unknown)}; known {list(DEFAULT_SCORER_WEIGHTS)}")
+        if any(w < 0 for w in weights.values()) or not any(w > 0 for w in weights.values()):
+            raise ValueError("scorer weights must be >= 0 with at least one > 0")
+        object.__setattr__(self, "scorer_weights", MappingProxyType(weights))
+        object.__setattr__(self, "peer_addresses", tuple(self.peer_addresses))
+        for name in ("lease_ttl_s", "freshness_s", "reference_prompt_tokens_per_s",
+                     "wait_scale_s", "request_timeout_s", "first_token_timeout_s", "ticket_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if not 0 < self.kv_hard_threshold <= 1 or not 0 < self.kv_usage_cap < 1:
+            raise ValueError("kv_hard_threshold must be in (0, 1] and kv_usage_cap in (0, 1)")
+        if self.max_attempts < 1 or self.queue_bound < 0 or self.max_concurrency_default < 0:
+            raise ValueError("max_attempts >= 1, queue_bound >= 0, max_concurrency_default >= 0")
+
+    @property
+    def ticket_secret_bytes(self) -> bytes:
+        return self.ticket_secret.encode()
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None,
+             env: Mapping[str, str] | None = None,
+             overrides: Mapping[str, Any] | None = None) -> RouterConfig:
+        """Builds the config: defaults < TOML file at ``path`` < ``env`` < ``overrides``."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            with open(path, "rb") as f:  # startup only; not on the event loop's hot path
+                data = tomllib.load(f)
+            values.update(data.get("router", {}))
+            values.update({k: v for k, v in data.items() if k != "router"})
+        values.update(_from_env(os.environ if env is None else env))
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RouterConfig:
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(values) - set(known)
+        if unknown:
+            raise ValueError(f"unknown router config key(s): {sorted(unknown)}")
+        kwargs = {k: _coerce(known[k].type, k, v) for k, v in values.items()}
+        return cls(**kwargs)
+
+    def with_(self, **changes: Any) -> RouterConfig:
+        return replace(self, **changes)
+
+
+def _coerce(type_name: Any, key: str, value: Any) -> Any:
+    t = str(type_name)
+    if key == "scorer_weights":
+        if isinstance(value, str):
+            value = _parse_weights([p for p in value.split(",") if p.strip()])
+        return {str(k): float(v) for k, v in dict(value).items()}
+    if key == "peer_addresses":
+        if isinstance(value, str):
+            return tuple(p.strip() for p in value.split(",") if p.strip())
+        return tuple(value)
+    if t == "int":
+        return int(value)
+    if t == "float":
+        return float(value)
+    return str(value)
+
+
+def _parse_weights(items: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, weight = item.partition("=")
+        if not sep:
+            raise ValueError(f"scorer weight must be NAME=W, got {item!r}")
+        out[name.strip()] = float(weight)
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if env.get("GPUMESH_TICKET_SECRET"):
+        out["ticket_secret"] = env["GPUMESH_TICKET_SECRET"]
+    for f in fields(RouterConfig):
+        key = ENV_PREFIX + f.name.upper()
+        if key in env:
+            out[f.name] = env[key]
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--config`` and one flag per field (all default to None = not given)."""
+    parser.add_argument("--config", help="router TOML config file")
+    for f in fields(RouterConfig):
+        if f.name in ("scorer_weights", "ticket_secret"):
+            continue  # secrets do not belong on a command line; weights have their own flag
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, default=None,
+                            help=f"router {f.name} (default {_default_text(f)})")
+    parser.add_argument("--scorer-weight", dest="scorer_weight", action="append", default=None,
+                        metavar="NAME=W", help="scorer weight, may repeat")
+
+
+def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterConfig:
+    """The config for parsed CLI args (see ``add_arguments``)."""
+    ns = vars(args)
+    overrides = {f.name: ns.get(f.name) for f in fields(RouterConfig) if ns.get(f.name) is not None}
+    if ns.get("scorer_weight"):
+        env_or_file = RouterConfig.load(ns.get("config"), env)
+        weights = dict(env_or_file.scorer_weights)
+        weights.update(_parse_weights(ns["scorer_weight"]))
+        overrides["scorer_weights"] = weights
+    return RouterConfig.load(ns.get("config"), env, overrides)
+
+
+def _default_text(f: Any) -> str:
+    if f.name == "router_id":
+        return "random per process"
+    return repr(f.default)

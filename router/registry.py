@@ -1,0 +1,563 @@
+"""Fleet membership as soft state, and this router's own per-node accounting.
+
+Who calls it: the ControlPlane servicer (register / heartbeat / deregister / stream_closed),
+a sweeper task (``expire``), the dispatcher (``resolve``, ``candidates``, ``charge``) and
+GetFleet / ListModels (``fleet``, ``models``). Single-threaded: everything runs on one event
+loop, so there are no locks.
+
+Membership rules
+- A node joins with a Registration on its Connect stream and stays while it heartbeats. It
+  leaves at once on Deregistration or when that stream closes, and when its lease expires
+  (no heartbeat for ``lease_ttl_s``). Only the stream that registered a node can change it:
+  a late close of an old stream never removes a reconnected node.
+- Heartbeat ``seq`` must increase per registration: duplicates and out-of-order ones are
+  ignored. A report older than ``freshness_s`` makes the node STALE: routable, but scored
+  from this router's counts only. A draining report (or drain) makes it DRAINING.
+- A new ``incarnation`` for a known node id (the node restarted) resets the router's
+  accounting for it; the same incarnation reconnecting keeps it (the node's per-router
+  counters are cumulative per incarnation).
+
+Reads on the request path are immutable per-model ``ModelSnapshot`` values and a
+name/alias -> model index, both replaced on change (never rebuilt per request).
+
+Accounting (``NodeLedger``): each dispatch gets a per-node ordinal and a ``Credit`` holding its
+prompt-token estimate. A credit is outstanding until the request's first token:
+- proxy streams: released by the dispatcher at the first token it forwards, one by one;
+- unary and lookaside (the router sees no first token): released oldest-first as the node's
+  reported ``first_token_requests`` for this router grows, or at a time bound, or (unary) at
+  completion. Never wholesale at a heartbeat.
+A credit is "not yet in the last report" when its ordinal is above the report's
+``admitted_requests`` (corrected for requests the node never admitted, e.g. rejected ones).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from router import errors
+from router.scheduling.types import Candidate, LoadSample, NodeState
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+# ---------------------------------------------------------------------------- value types
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    aliases: tuple[str, ...] = ()
+    max_context_length: int = 0
+    tensor_parallel_size: int = 1
+    capacity_weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class NodeRegistration:
+    node_id: str
+    address: str
+    models: tuple[ModelSpec, ...]
+    incarnation: str
+    engine: str = ""
+    gpu_model: str = ""
+    max_concurrency: int = 0  # 0 = the router's default
+    kind: str = "gpumesh"
+
+
+@dataclass(frozen=True)
+class AccountSample:
+    """This router's cumulative counters as one node reported them (RouterAccount)."""
+
+    admitted_requests: int = 0
+    admitted_prompt_tokens: int = 0
+    first_token_requests: int = 0
+    first_token_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GpuStat:
+    index: int
+    utilization: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
+@dataclass(frozen=True)
+class Report:
+    seq: int
+    sent_unix_ms: int
+    received_at: float           # registry clock
+    load: LoadSample
+    account: AccountSample | None = None   # ours; None when the node sent no account for us
+    gpus: tuple[GpuStat, ...] = ()
+    accounts: tuple[tuple[str, AccountSample], ...] = ()  # every router's, for display
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    registration: NodeRegistration
+    stream_id: int
+    registered_at: float
+    last_seen: float             # registration or last accepted heartbeat (lease)
+    report: Report | None = None
+    drain_ordered: bool = False
+
+    @property
+    def node_id(self) -> str:
+        return self.registration.node_id
+
+
+@dataclass(frozen=True)
+class ModelSnapshot:
+    """Nodes serving one model (canonical name), replaced wholesale on change."""
+
+    model: str
+    spec: ModelSpec
+    nodes: tuple[NodeEntry, ...]
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    aliases: tuple[str, ...]
+    max_context_length: int
+    tensor_parallel_size: int
+    capacity_weight: float        # sum over healthy (not draining) nodes
+    node_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node for GetFleet / status."""
+
+    entry: NodeEntry
+    state: NodeState
+    report_age_s: float
+    router_in_flight: int
+
+
+# ---------------------------------------------------------------------------- accounting
+
+
+class Credit:
+    """One dispatched request's claim on a node. ``blind`` = the router will not see its first
+    token (unary, lookaside); ``holds_slot`` = it counts in router in-flight until
+    ``finish`` (proxy and unary) rather than until its tokens are released (lookaside)."""
+
+    __slots__ = ("ledger", "ordinal", "tokens", "blind", "expires_at", "pending", "slot",
+                 "slot_until_finish")
+
+    def __init__(self, ledger: NodeLedger, ordinal: int, tokens: int, blind: bool,
+                 expires_at: float, slot_until_finish: bool) -> None:
+        self.ledger = ledger
+        self.ordinal = ordinal
+        self.tokens = tokens
+        self.blind = blind
+        self.expires_at = expires_at
+        self.pending = True          # tokens still counted (before first token)
+        self.slot = True             # counted in router in-flight
+        self.slot_until_finish = slot_until_finish
+
+    def first_token(self) -> None:
+        """The router forwarded this request's first token (proxy streams)."""
+        self.ledger.first_token(self)
+
+    def finish(self, admitted: bool = True) -> None:
+        """The request ended (any outcome). ``admitted=False`` when the node refused it before
+        admission, so its ordinal never appears in the node's admitted count."""
+        self.ledger.finish(self, admitted)
+
+
+class NodeLedger:
+    """This router's counts for one node incarnation (see the module docstring)."""
+
+    def __init__(self, incarnation: str, on_release: Callable[[], None] | None = None) -> None:
+        self.incarnation = incarnation
+        self.dispatched = 0
+        self.in_flight = 0
+        self._pending: dict[int, Credit] = {}   # ordinal order = dispatch order
+        self._pending_tokens = 0
+        self._rejected: list[int] = []          # ordinals the node never admitted, sorted
+        self._rejected_below = 0                # pruned rejected ordinals <= cutoff
+        self._cutoff = 0                        # ordinals <= cutoff are in the last report
+        self._synced = False
+        self._base_admitted = 0
+        self._base_first = 0
+        self._proxy_first_seen = 0
+        self._blind_done = 0
+        self._on_release = on_release
+
+    # --- dispatch side
+
+    def charge(self, tokens: int, now: float, *, blind: bool, hold_s: float,
+               slot_until_finish: bool = True) -> Credit:
+        self.dispatched += 1
+        c = Credit(self, self.dispatched, max(int(tokens), 0), blind, now + hold_s,
+                   slot_until_finish)
+        self._pending[c.ordinal] = c
+        self._pending_tokens += c.tokens
+        self.in_flight += 1
+        return c
+
+    def first_token(self, c: Credit) -> None:
+        if c.pending and not c.blind:
+            self._proxy_first_seen += 1
+        self._release_tokens(c)
+
+    def finish(self, c: Credit, admitted: bool) -> None:
+        if c.pending and not admitted:
+            bisect.insort(self._rejected, c.ordinal)
+        elif c.pending and c.blind:
+            self._blind_done += 1   # a finished unary request had its first token
+        self._release_tokens(c)
+        self._release_slot(c)
+
+    def _release_tokens(self, c: Credit) -> None:
+        if c.pending:
+            c.pending = False
+            self._pending.pop(c.ordinal, None)
+            self._pending_tokens -= c.tokens
+            if not c.slot_until_finish:
+                self._release_slot(c)
+
+    def _release_slot(self, c: Credit) -> None:
+        if c.slot:
+            c.slot = False
+            self.in_flight -= 1
+            if self._on_release is not None:
+                self._on_release()
+
+    # --- report side
+
+    def on_report(self, account: AccountSample | None) -> None:
+        a = account or AccountSample()
+        if not self._synced:
+            # A node's counters are cumulative per incarnation and may predate this ledger
+            # (router restarted with the same id): take the offset from the first report.
+            self._synced = True
+            self._base_admitted = max(0, a.admitted_requests - self.dispatched
+                                      + len(self._rejected))
+            self._base_first = max(0, a.first_token_requests - self._proxy_first_seen
+                                   - self._blind_done)
+        admitted = max(0, a.admitted_requests - self._base_admitted)
+        cutoff = admitted + self._rejected_below
+        i = 0
+        while i < len(self._rejected) and self._rejected[i] <= cutoff:
+            cutoff += 1
+            i += 1
+        self._rejected_below += i
+        del self._rejected[:i]
+        self._cutoff = max(self._cutoff, min(cutoff, self.dispatched))
+        # Blind credits: release oldest-first as the node's first-token count grows.
+        blind_first = max(0, a.first_token_requests - self._base_first - self._proxy_first_seen)
+        if self._blind_done < blind_first:
+            for c in [c for c in self._pending.values() if c.blind]:
+                if self._blind_done >= blind_first:
+                    break
+                self._blind_done += 1
+                self._release_tokens(c)
+
+    def housekeep(self, now: float) -> None:
+        """Releases blind credits past their time bound."""
+        expired = [c for c in self._pending.values() if c.blind and c.expires_at <= now]
+        for c in expired:
+            self._blind_done += 1
+            self._release_tokens(c)
+
+    # --- reads
+
+    @property
+    def pending_tokens(self) -> int:
+        return self._pending_tokens
+
+    @property
+    def pending_requests(self) -> int:
+        return len(self._pending)
+
+    def unreported(self) -> tuple[int, int]:
+        """(prompt tokens, requests) outstanding and dispatched after the last report."""
+        tokens = n = 0
+        for ordinal in reversed(self._pending):
+            if ordinal <= self._cutoff:
+                break
+            tokens += self._pending[ordinal].tokens
+            n += 1
+        return tokens, n
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+@dataclass
+class _Index:
+    by_name: dict[str, str] = field(default_factory=dict)         # name or alias -> model
+    snapshots: dict[str, ModelSnapshot] = field(default_factory=dict)
+
+
+class Registry:
+    def __init__(self, router_id: str, *, lease_ttl_s: float, freshness_s: float,
+                 max_concurrency_default: int = 0, known_model_retention_s: float = 60.0,
+                 clock: Clock = time.monotonic) -> None:
+        self.router_id = router_id
+        self.lease_ttl_s = lease_ttl_s
+        self.freshness_s = freshness_s
+        self.max_concurrency_default = max_concurrency_default
+        self.known_model_retention_s = known_model_retention_s
+        self.clock = clock
+        self._nodes: dict[str, NodeEntry] = {}
+        self._ledgers: dict[str, NodeLedger] = {}
+        self._index = _Index()
+        self._gone_models: dict[str, float] = {}
+        self._listeners: list[Callable[[frozenset[str]], None]] = []
+        self._removal_listeners: list[Callable[[NodeEntry], None]] = []
+
+    # --- listeners (wiring: the dispatcher pumps its queues, transport closes channels)
+
+    def add_listener(self, cb: Callable[[frozenset[str]], None]) -> None:
+        """``cb(models)`` after any change that may free capacity or change candidates."""
+        self._listeners.append(cb)
+
+    def add_removal_listener(self, cb: Callable[[NodeEntry], None]) -> None:
+        self._removal_listeners.append(cb)
+
+    def _notify(self, models: Iterable[str]) -> None:
+        ms = frozenset(models)
+        for cb in self._listeners:
+            cb(ms)
+
+    # --- control plane
+
+    def register(self, reg: NodeRegistration, stream_id: int) -> None:
+        now = self.clock()
+        old = self._nodes.get(reg.node_id)
+        ledger = self._ledgers.get(reg.node_id)
+        if ledger is None or ledger.incarnation != reg.incarnation:
+            if ledger is not None:
+                log.info("node %s restarted (incarnation %s -> %s): accounting reset",
+                         reg.node_id, ledger.incarnation, reg.incarnation)
+            self._ledgers[reg.node_id] = NodeLedger(reg.incarnation,
+                                                    self._releaser(reg.node_id))
+        self._nodes[reg.node_id] = NodeEntry(reg, stream_id, now, now)
+        log.info("node %s registered at %s serving %s", reg.node_id, reg.address,
+                 [m.name for m in reg.models])
+        self._rebuild()
+        affected = {m.name for m in reg.models}
+        if old is not None:
+            affected |= {m.name for m in old.registration.models}
+        self._notify(affected)
+
+    def heartbeat(self, node_id: str, stream_id: int, seq: int, sent_unix_ms: int,
+                  load: LoadSample, accounts: Iterable[tuple[str, AccountSample]] = (),
+                  gpus: tuple[GpuStat, ...] = ()) -> bool:
+        """Applies a heartbeat; False when ignored (unknown node, other stream, old seq)."""
+        entry = self._nodes.get(node_id)
+        if entry is None or entry.stream_id != stream_id:
+            return False
+        if entry.report is not None and seq <= entry.report.seq:
+            return False
+        now = self.clock()
+        accounts = tuple(accounts)
+        ours = next((a for rid, a in accounts if rid == self.router_id), None)
+        self._ledgers[node_id].on_report(ours)
+        report = Report(seq, sent_unix_ms, now, load, ours, gpus, accounts)
+        was_draining = self._draining(entry)
+        self._nodes[node_id] = replace(entry, report=report, last_seen=now)
+        if was_draining != self._draining(self._nodes[node_id]):
+            self._rebuild()   # capacity sums change
+        else:
+            self._replace_in_snapshots(self._nodes[node_id])
+        self._notify(m.name for m in entry.registration.models)
+        return True
+
+    def deregister(self, node_id: str, stream_id: int, reason: str = "") -> None:
+        self._remove(node_id, stream_id, f"deregistered ({reason})" if reason else "deregistered")
+
+    def stream_closed(self, node_id: str, stream_id: int) -> None:
+        self._remove(node_id, stream_id, "control stream closed")
+
+    def drain(self, node_id: str) -> None:
+        """Stops routing to a node (operator drain); it stays listed until it leaves."""
+        entry = self._nodes.get(node_id)
+        if entry is not None and not entry.drain_ordered:
+            self._nodes[node_id] = replace(entry, drain_ordered=True)
+            self._rebuild()
+            self._notify(m.name for m in entry.registration.models)
+
+    def expire(self) -> list[str]:
+        """Removes nodes whose lease expired; returns their ids. Called by a sweeper."""
+        now = self.clock()
+        gone = [e for e in self._nodes.values() if now - e.last_seen > self.lease_ttl_s]
+        for e in gone:
+            self._remove(e.node_id, e.stream_id, f"lease expired ({self.lease_ttl_s}s)")
+        cutoff = now - self.known_model_retention_s
+        for name in [n for n, t in self._gone_models.items() if t < cutoff]:
+            del self._gone_models[name]
+        for node_id in [n for n in self._ledgers if n not in self._nodes]:
+            ledger = self._ledgers[node_id]
+            if ledger.in_flight == 0:
+                del self._ledgers[node_id]   # a node coming back starts a fresh ledger
+        return [e.node_id for e in gone]
+
+    def _remove(self, node_id: str, stream_id: int, why: str) -> None:
+        entry = self._nodes.get(node_id)
+        if entry is None or entry.stream_id != stream_id:
+            return
+        del self._nodes[node_id]
+        log.info("node %s removed: %s", node_id, why)
+        self._rebuild()
+        for cb in self._removal_listeners:
+            cb(entry)
+        self._notify(m.name for m in entry.registration.models)
+
+    def _releaser(self, node_id: str) -> Callable[[], None]:
+        def released() -> None:
+            entry = self._nodes.get(node_id)
+            if entry is not None:
+                self._notify(m.name for m in entry.registration.models)
+        return released
+
+    # --- snapshots and index (rebuilt on change only)
+
+    def _draining(self, e: NodeEntry) -> bool:
+        return e.drain_ordered or (e.report is not None and e.report.load.draining)
+
+    def _rebuild(self) -> None:
+        by_model: dict[str, list[NodeEntry]] = {}
+        specs: dict[str, ModelSpec] = {}
+        by_name: dict[str, str] = {}
+        for e in sorted(self._nodes.values(), key=lambda e: e.node_id):
+            for m in e.registration.models:
+                by_model.setdefault(m.name, []).append(e)
+                prev = specs.get(m.name)
+                specs[m.name] = m if prev is None else replace(
+                    prev, aliases=tuple(dict.fromkeys(prev.aliases + m.aliases)),
+                    max_context_length=max(prev.max_context_length, m.max_context_length))
+        for name, spec in specs.items():
+            for alias in spec.aliases:
+                by_name.setdefault(alias, name)
+        for name in specs:
+            by_name[name] = name  # a real name always wins over another model's alias
+        now = self.clock()
+        for old in self._index.snapshots:
+            if old not in specs:
+                self._gone_models[old] = now
+        for name in specs:
+            self._gone_models.pop(name, None)
+        self._index = _Index(by_name, {n: ModelSnapshot(n, specs[n], tuple(by_model[n]))
+                                       for n in specs})
+
+    def _replace_in_snapshots(self, entry: NodeEntry) -> None:
+        snaps = dict(self._index.snapshots)
+        for m in entry.registration.models:
+            s = snaps.get(m.name)
+            if s is not None:
+                snaps[m.name] = replace(s, nodes=tuple(
+                    entry if e.node_id == entry.node_id else e for e in s.nodes))
+        self._index = _Index(self._index.by_name, snaps)
+
+    # --- request path
+
+    def resolve(self, model: str) -> str:
+        """Canonical model name for a name or alias; empty -> the only model served.
+
+        Raises RouterError: NOT_FOUND (unknown, listing served models), INVALID_ARGUMENT
+        (empty with several served), UNAVAILABLE (none served, or its nodes all left)."""
+        index = self._index
+        if not model:
+            if len(index.snapshots) == 1:
+                return next(iter(index.snapshots))
+            if not index.snapshots:
+                raise errors.no_models()
+            raise errors.model_required(index.snapshots)
+        name = index.by_name.get(model)
+        if name is not None:
+            return name
+        if model in self._gone_models:
+            raise errors.no_healthy_node(model, {"*": "every node serving it has left"})
+        raise errors.model_not_found(model, index.snapshots)
+
+    def snapshot(self, model: str) -> ModelSnapshot | None:
+        return self._index.snapshots.get(model)
+
+    def ledger(self, node_id: str) -> NodeLedger:
+        return self._ledgers[node_id]
+
+    def entry(self, node_id: str) -> NodeEntry | None:
+        return self._nodes.get(node_id)
+
+    def state_of(self, e: NodeEntry, now: float) -> tuple[NodeState, float]:
+        age = now - e.report.received_at if e.report is not None else math.inf
+        if self._draining(e):
+            return NodeState.DRAINING, age
+        if age > self.freshness_s:
+            return NodeState.STALE, age
+        return NodeState.HEALTHY, age
+
+    def candidates(self, model: str) -> list[Candidate]:
+        """The model's live nodes as frozen candidates, read now (leases checked here too,
+        so a decision never uses an expired node even between sweeps)."""
+        snap = self._index.snapshots.get(model)
+        if snap is None:
+            return []
+        now = self.clock()
+        out = []
+        for e in snap.nodes:
+            if now - e.last_seen > self.lease_ttl_s:
+                continue
+            ledger = self._ledgers[e.node_id]
+            ledger.housekeep(now)
+            state, age = self.state_of(e, now)
+            spec = next(m for m in e.registration.models if m.name == model)
+            tokens, requests = ledger.unreported()
+            fresh = e.report is not None and state is not NodeState.STALE
+            out.append(Candidate(
+                node_id=e.node_id, address=e.registration.address, state=state,
+                capacity_weight=spec.capacity_weight,
+                max_concurrency=e.registration.max_concurrency or self.max_concurrency_default,
+                report=e.report.load if fresh and e.report is not None else None,
+                report_age_s=age,
+                kv_cache_usage=e.report.load.kv_cache_usage if e.report is not None else 0.0,
+                router_in_flight=ledger.in_flight,
+                outstanding_prompt_tokens=ledger.pending_tokens,
+                outstanding_requests=ledger.pending_requests,
+                unreported_prompt_tokens=tokens, unreported_requests=requests))
+        return out
+
+    def charge(self, node_id: str, tokens: int, *, blind: bool = False, hold_s: float = 0.0,
+               slot_until_finish: bool = True) -> Credit:
+        return self._ledgers[node_id].charge(tokens, self.clock(), blind=blind, hold_s=hold_s,
+                                             slot_until_finish=slot_until_finish)
+
+    # --- reads for operators
+
+    def models(self) -> list[ModelSummary]:
+        now = self.clock()
+        out = []
+        for name, snap in sorted(self._index.snapshots.items()):
+            live = [e for e in snap.nodes if now - e.last_seen <= self.lease_ttl_s]
+            healthy = [e for e in live if not self._draining(e)]
+            weight = sum(m.capacity_weight for e in healthy for m in e.registration.models
+                         if m.name == name)
+            tp = max((m.tensor_parallel_size for e in live for m in e.registration.models
+                      if m.name == name), default=snap.spec.tensor_parallel_size)
+            out.append(ModelSummary(name, snap.spec.aliases, snap.spec.max_context_length, tp,
+                                    weight, tuple(e.node_id for e in live)))
+        return out
+
+    def fleet(self) -> list[NodeView]:
+        now = self.clock()
+        out = []
+        for e in sorted(self._nodes.values(), key=lambda e: e.node_id):
+            state, age = self.state_of(e, now)
+            out.append(NodeView(e, state, age, self._ledgers[e.node_id].in_flight))
+        return out
+
+    def __len__(self) -> int:
+        return len(self._nodes)

@@ -1,0 +1,53 @@
+"""Filters: one-method plugins that drop candidates a request must not go to.
+
+Each takes the candidates and returns (kept, dropped) where dropped maps node id -> reason.
+They run in order (``run_filters``); the reasons end up in ``Decision.filtered``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from router.scheduling.types import Candidate, NodeState
+
+Filter = Callable[[Sequence[Candidate]], tuple[list[Candidate], dict[str, str]]]
+
+
+def healthy(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
+    """Drops draining nodes. STALE nodes stay: they are routable, scored from router counts."""
+    kept = [c for c in candidates if c.state is not NodeState.DRAINING]
+    return kept, {c.node_id: "draining" for c in candidates if c.state is NodeState.DRAINING}
+
+
+def kv_below(threshold: float) -> Filter:
+    """Drops nodes whose fresh report shows KV usage >= threshold, but only while at least one
+    candidate is under it (a full fleet still serves). Nodes without a fresh report pass:
+    their KV is unknown."""
+
+    def kv_filter(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
+        def over(c: Candidate) -> bool:
+            return c.report is not None and c.report.kv_cache_usage >= threshold
+
+        kept = [c for c in candidates if not over(c)]
+        if not kept:
+            return list(candidates), {}
+        return kept, {c.node_id: f"kv {c.report.kv_cache_usage:.2f} >= {threshold:.2f}"
+                      for c in candidates if over(c) and c.report is not None}
+
+    return kv_filter
+
+
+def has_capacity(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
+    """Drops nodes where this router already has max_concurrency requests in flight."""
+    kept = [c for c in candidates if not c.at_capacity]
+    return kept, {c.node_id: f"at max concurrency {c.max_concurrency}"
+                  for c in candidates if c.at_capacity}
+
+
+def run_filters(candidates: Sequence[Candidate], filters: Sequence[Filter]
+                ) -> tuple[list[Candidate], dict[str, str]]:
+    kept, dropped = list(candidates), {}
+    for f in filters:
+        kept, more = f(kept)
+        dropped.update(more)
+    return kept, dropped

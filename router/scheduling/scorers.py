@@ -1,0 +1,79 @@
+"""Scorers: each maps a candidate to [0, 1], 1 best. Pure functions of a ``Candidate``.
+
+The expected-wait model (default profile ``weighted_least_load``)
+-----------------------------------------------------------------
+For node n with a fresh report (age <= freshness window)::
+
+    P    = pending_prefill_tokens from n's last heartbeat (all routers' prompt tokens queued
+           or in prefill, as the node counted them)
+    C    = prompt tokens of THIS router's requests to n that have not produced their first
+           token and were not yet in that report (dispatch ordinal > the report's
+           RouterAccount.admitted_requests for this router)
+    T    = max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback)
+    k    = min(kv_cache_usage, kv_usage_cap)
+    R    = num_running from the report + C's request count
+    wait = ((P + C) / T  +  kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
+
+where w is n's declared capacity weight (a TP=2 node or faster GPU declares more). For a STALE
+node (report older than the window, or none yet) only the router's own counts are used::
+
+    wait = (C_all / reference_prompt_tokens_per_s + decode_s_per_request * in_flight) / w
+
+with C_all = all of this router's pre-first-token prompt tokens on n and in_flight = all of
+this router's requests on n. Credits (C) are released one by one: at each request's first
+token in proxy mode, by the node's per-router first-token count (or a time bound) in lookaside
+mode, never wholesale at a heartbeat, so a report never makes a node look suddenly idle.
+
+``expected_wait`` then scores 1 / (1 + wait / wait_scale_s): 1 at zero wait, 0.5 at
+wait_scale_s, falling towards 0 hyperbolically (monotone, so the max picks the least wait).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.scheduling.types import Candidate
+
+
+@dataclass(frozen=True)
+class WaitModel:
+    """Parameters of the expected-wait estimate (from ``RouterConfig``)."""
+
+    reference_prompt_tokens_per_s: float = 8000.0
+    kv_penalty_s: float = 0.25
+    kv_usage_cap: float = 0.98
+    decode_s_per_request: float = 0.002
+    wait_scale_s: float = 0.5
+
+
+def expected_wait_s(c: Candidate, m: WaitModel) -> float:
+    """Seconds a new request is expected to wait for prefill on ``c`` (formula above)."""
+    weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
+    r = c.report
+    if r is None:
+        wait = (c.outstanding_prompt_tokens / m.reference_prompt_tokens_per_s
+                + m.decode_s_per_request * c.router_in_flight)
+        return wait / weight
+    tps = max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
+    k = min(max(r.kv_cache_usage, 0.0), m.kv_usage_cap)
+    wait = ((r.pending_prefill_tokens + c.unreported_prompt_tokens) / tps
+            + m.kv_penalty_s * k / (1.0 - k)
+            + m.decode_s_per_request * (r.num_running + c.unreported_requests))
+    return wait / weight
+
+
+def wait_score(wait_s: float, m: WaitModel) -> float:
+    """1 / (1 + wait / wait_scale_s): 1 at 0 s, 0.5 at wait_scale_s, -> 0 as wait grows."""
+    return 1.0 / (1.0 + max(wait_s, 0.0) / m.wait_scale_s)
+
+
+def kv_headroom(c: Candidate) -> float:
+    """1 - KV usage (linear) from the last known report; 1 when the node never reported."""
+    return min(max(1.0 - c.kv_cache_usage, 0.0), 1.0)
+
+
+def least_request(c: Candidate) -> float:
+    """1 / (1 + in_flight / w): this router's in-flight count per unit of capacity weight
+    (nginx ``least_conn`` with server weights). 1 when idle, 0.5 at one request per unit."""
+    weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
+    return 1.0 / (1.0 + c.router_in_flight / weight)

@@ -1,0 +1,91 @@
+"""Frozen inputs and outputs of a routing decision (no proto types, no I/O).
+
+The registry turns its snapshot plus its own per-node counts into ``Candidate`` values at the
+moment of a decision; policies read only these. ``Decision`` keeps every candidate's raw
+per-scorer scores so a trace span (issue 4) can carry them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+
+
+class NodeState(str, Enum):
+    HEALTHY = "healthy"
+    STALE = "stale"        # last report older than the freshness window: router counts only
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """One node's load report (from a heartbeat), as the router keeps it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    pending_prefill_tokens: int = 0
+    kv_cache_usage: float = 0.0          # 0..1
+    prefix_cache_hit_rate: float = 0.0   # 0..1
+    generation_tokens_per_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    in_flight: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A node as one decision sees it.
+
+    ``report`` is None when the node is STALE (or has not reported yet): scorers then use the
+    router's own counts only. Token counts are prompt tokens (router estimates for its own
+    requests, the node's exact count in ``report.pending_prefill_tokens``).
+    """
+
+    node_id: str
+    address: str
+    state: NodeState
+    capacity_weight: float
+    max_concurrency: int                 # 0 = unlimited
+    report: LoadSample | None
+    report_age_s: float                  # inf when never reported
+    kv_cache_usage: float                # last known (0 when never reported)
+    router_in_flight: int                # this router's requests on the node, any phase
+    outstanding_prompt_tokens: int       # this router's requests before their first token
+    outstanding_requests: int
+    unreported_prompt_tokens: int        # ... of those, not yet in the last report
+    unreported_requests: int
+
+    @property
+    def at_capacity(self) -> bool:
+        return self.max_concurrency > 0 and self.router_in_flight >= self.max_concurrency
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What routing knows about a request."""
+
+    model: str
+    prompt_tokens: int
+    routing_key: str = ""
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    node_id: str
+    total: float                          # weighted sum of ``scores``
+    scores: Mapping[str, float]           # scorer name -> [0, 1]
+    expected_wait_s: float | None = None  # the raw estimate behind "expected_wait", if computed
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The result of one pick: the chosen node and why (raw scores for tracing)."""
+
+    policy: str
+    node_id: str
+    candidates: int                       # after filters
+    considered: tuple[CandidateScore, ...] = ()
+    filtered: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    tie_size: int = 1                     # how many candidates tied for the best total

@@ -1,0 +1,122 @@
+"""Router -> node calls: one grpc.aio channel per node, raw bytes both ways.
+
+The router forwards the client's serialized GenerateRequest unchanged and hands the node's
+serialized responses back unchanged (no protobuf work per token chunk on the hot path).
+Retry of transient connection failures and keepalive are declared in the channel's service
+config / options. Every call carries a deadline and the metadata ``ROUTER_ID`` and
+``CHARGED_TOKENS`` (gpumesh.metadata); callers may add more (e.g. a traceparent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from gpumesh import metadata as md
+
+log = logging.getLogger(__name__)
+
+_GENERATE = "/gpumesh.v1.Inference/Generate"
+_GENERATE_STREAM = "/gpumesh.v1.Inference/GenerateStream"
+
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "gpumesh.v1.Inference"}],
+        # The dispatcher retries on ANOTHER node; this only covers a connection that fails
+        # before the node saw the call (gRPC retries only uncommitted calls).
+        "retryPolicy": {
+            "maxAttempts": 2,
+            "initialBackoff": "0.02s",
+            "maxBackoff": "0.1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+        "waitForReady": False,
+    }]
+})
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+class NodeClient:
+    """Calls to one node. Cheap to keep; ``close`` waits for in-flight calls up to grace."""
+
+    def __init__(self, node_id: str, address: str, keepalive_time_ms: int) -> None:
+        self.node_id = node_id
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.service_config", _SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.keepalive_time_ms", keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ])
+        self._stream = self.channel.unary_stream(
+            _GENERATE_STREAM, request_serializer=_identity, response_deserializer=_identity)
+        self._unary = self.channel.unary_unary(
+            _GENERATE, request_serializer=_identity, response_deserializer=_identity)
+
+    def stream(self, request: bytes, *, timeout_s: float, metadata: Sequence[tuple[str, str]]
+               ) -> grpc.aio.UnaryStreamCall:
+        """GenerateStream; iterate the call for serialized GenerateStreamResponse chunks and
+        ``cancel()`` it to abort on the node."""
+        return self._stream(request, timeout=timeout_s, metadata=tuple(metadata))
+
+    def unary(self, request: bytes, *, timeout_s: float, metadata: Sequence[tuple[str, str]]
+              ) -> grpc.aio.UnaryUnaryCall:
+        """Generate; await the call for the serialized GenerateResponse."""
+        return self._unary(request, timeout=timeout_s, metadata=tuple(metadata))
+
+    async def close(self, grace_s: float | None) -> None:
+        await self.channel.close(grace_s)
+
+
+def dispatch_metadata(router_id: str, charged_tokens: int,
+                      extra: Sequence[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
+    return ((md.ROUTER_ID, router_id), (md.CHARGED_TOKENS, str(int(charged_tokens))), *extra)
+
+
+class NodeChannels:
+    """One NodeClient per (node id, address), created on first use."""
+
+    def __init__(self, keepalive_time_ms: int = 30_000, close_grace_s: float = 30.0) -> None:
+        self._clients: dict[str, NodeClient] = {}
+        self._keepalive_time_ms = keepalive_time_ms
+        self._close_grace_s = close_grace_s
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def get(self, node_id: str, address: str) -> NodeClient:
+        c = self._clients.get(node_id)
+        if c is None or c.address != address:
+            if c is not None:
+                self._close_later(c)
+            c = NodeClient(node_id, address, self._keepalive_time_ms)
+            self._clients[node_id] = c
+        return c
+
+    def forget(self, node_id: str) -> None:
+        """The node left: close its channel once its in-flight calls end (bounded grace)."""
+        c = self._clients.pop(node_id, None)
+        if c is not None:
+            self._close_later(c)
+
+    def _close_later(self, c: NodeClient) -> None:
+        task = asyncio.get_running_loop().create_task(c.close(self._close_grace_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.close(None) for c in clients), *self._closing,
+                             return_exceptions=True)
+
+    def __contains__(self, node_id: str) -> bool:
+        return node_id in self._clients
+

@@ -1,0 +1,353 @@
+"""Registry membership and accounting, plus fleet-level routing behaviour over the registry's
+snapshots with an injected clock and RNG (no servers)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import grpc
+import pytest
+
+from router.errors import RouterError
+from router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
+from router.scheduling import (LoadSample, NodeState, RequestInfo, WaitModel, build_profile,
+                               default_filters, expected_wait_s, select)
+
+RID = "r1"
+WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.25, kv_usage_cap=0.98,
+               decode_s_per_request=0.0, wait_scale_s=0.5)
+WEIGHTS = {"expected_wait": 1.0}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def reg(node_id: str, model: str = "m", *, weight: float = 1.0, incarnation: str = "i1",
+        aliases: tuple[str, ...] = (), max_concurrency: int = 0) -> NodeRegistration:
+    return NodeRegistration(node_id, f"{node_id}:1", (ModelSpec(model, aliases,
+                                                                capacity_weight=weight),),
+                            incarnation, max_concurrency=max_concurrency)
+
+
+def make(clock: Clock, **kw) -> Registry:  # type: ignore[no-untyped-def]
+    return Registry(RID, lease_ttl_s=kw.pop("lease_ttl_s", 3.0),
+                    freshness_s=kw.pop("freshness_s", 1.0), clock=clock, **kw)
+
+
+def hb(r: Registry, node_id: str, stream: int, seq: int, *, pending: int = 0, kv: float = 0.0,
+       admitted: int = 0, first: int = 0, running: int = 0, draining: bool = False) -> bool:
+    return r.heartbeat(node_id, stream, seq, 0,
+                       LoadSample(num_running=running, pending_prefill_tokens=pending,
+                                  kv_cache_usage=kv, draining=draining),
+                       accounts=[(RID, AccountSample(admitted, 0, first, 0)),
+                                 ("other-router", AccountSample(99, 0, 99, 0))])
+
+
+# ---------------------------------------------------------------- membership
+
+
+def test_register_resolve_alias_and_empty_model() -> None:
+    r = make(Clock())
+    r.register(reg("a", "llama", aliases=("l",)), 1)
+    assert r.resolve("llama") == "llama" and r.resolve("l") == "llama" and r.resolve("") == "llama"
+    r.register(reg("b", "qwen"), 2)
+    with pytest.raises(RouterError) as e:
+        r.resolve("")
+    assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(RouterError) as e:
+        r.resolve("gpt")
+    assert e.value.code is grpc.StatusCode.NOT_FOUND and "llama, qwen" in e.value.message
+
+
+def test_seq_ordering_ignores_duplicates_and_out_of_order() -> None:
+    c = Clock()
+    r = make(c)
+    r.register(reg("a"), 1)
+    assert hb(r, "a", 1, 5, pending=50)
+    assert not hb(r, "a", 1, 5, pending=999)   # duplicate
+    assert not hb(r, "a", 1, 3, pending=999)   # out of order
+    assert hb(r, "a", 1, 6, pending=60)
+    (cand,) = r.candidates("m")
+    assert cand.report is not None and cand.report.pending_prefill_tokens == 60
+
+
+def test_heartbeat_from_another_stream_is_ignored() -> None:
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    assert not hb(r, "a", 2, 1)
+    assert not hb(r, "zz", 1, 1)
+
+
+def test_lease_expiry() -> None:
+    c = Clock()
+    r = make(c, lease_ttl_s=3.0)
+    r.register(reg("a"), 1)
+    r.register(reg("b"), 2)
+    hb(r, "a", 1, 1)
+    c.t += 2.0
+    hb(r, "b", 2, 1)
+    c.t += 1.5   # a: 3.5 s since its heartbeat, b: 1.5 s
+    assert [x.node_id for x in r.candidates("m")] == ["b"]   # excluded even before a sweep
+    assert r.expire() == ["a"]
+    assert len(r) == 1
+    c.t += 5
+    assert r.expire() == ["b"]
+    with pytest.raises(RouterError) as e:
+        r.resolve("m")   # recently served: UNAVAILABLE, not NOT_FOUND
+    assert e.value.code is grpc.StatusCode.UNAVAILABLE
+
+
+def test_stream_break_removes_at_once_but_old_stream_cannot_remove_new() -> None:
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    r.register(reg("a"), 2)          # reconnected on a new stream
+    r.stream_closed("a", 1)          # the old stream's close arrives late
+    assert len(r) == 1
+    r.stream_closed("a", 2)
+    assert len(r) == 0
+
+
+def test_deregister() -> None:
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    r.deregister("a", 1, "bye")
+    assert len(r) == 0
+
+
+def test_stale_and_draining_states() -> None:
+    c = Clock()
+    r = make(c, freshness_s=1.0)
+    r.register(reg("a"), 1)
+    r.register(reg("b"), 2)
+    (a, b) = r.candidates("m")
+    assert a.state is NodeState.STALE and a.report is None   # never reported
+    hb(r, "a", 1, 1)
+    hb(r, "b", 2, 1, draining=True)
+    states = {x.node_id: x.state for x in r.candidates("m")}
+    assert states == {"a": NodeState.HEALTHY, "b": NodeState.DRAINING}
+    assert [m.capacity_weight for m in r.models()] == [1.0]   # draining not counted
+    c.t += 1.5
+    assert r.candidates("m")[0].state is NodeState.STALE
+
+
+def test_incarnation_change_resets_accounting_same_incarnation_keeps_it() -> None:
+    r = make(Clock())
+    r.register(reg("a", incarnation="i1"), 1)
+    r.charge("a", 100)
+    r.stream_closed("a", 1)
+    r.register(reg("a", incarnation="i1"), 2)     # reconnect: same counts
+    assert r.ledger("a").in_flight == 1 and r.ledger("a").pending_tokens == 100
+    r.register(reg("a", incarnation="i2"), 3)     # restarted: fresh ledger
+    assert r.ledger("a").in_flight == 0 and r.ledger("a").pending_tokens == 0
+
+
+def test_snapshots_are_replaced_not_mutated() -> None:
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    before = r.snapshot("m")
+    hb(r, "a", 1, 1, pending=10)
+    after = r.snapshot("m")
+    assert before is not after and before.nodes[0].report is None
+    assert after.nodes[0].report.load.pending_prefill_tokens == 10
+
+
+def test_models_aggregate_capacity_and_nodes() -> None:
+    r = make(Clock())
+    r.register(reg("a", weight=1.0, aliases=("x",)), 1)
+    r.register(reg("b", weight=2.0, aliases=("y",)), 2)
+    r.register(reg("c", "other"), 3)
+    ms = {m.name: m for m in r.models()}
+    assert ms["m"].capacity_weight == 3.0 and ms["m"].node_ids == ("a", "b")
+    assert set(ms["m"].aliases) == {"x", "y"} and ms["other"].node_ids == ("c",)
+
+
+# ---------------------------------------------------------------- accounting
+
+
+def test_credits_split_by_report_admitted_count() -> None:
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    credits = [r.charge("a", 100) for _ in range(5)]
+    (c,) = r.candidates("m")
+    assert (c.unreported_prompt_tokens, c.outstanding_prompt_tokens) == (500, 500)
+    hb(r, "a", 1, 1, pending=300, admitted=3)   # the node has seen the first 3
+    (c,) = r.candidates("m")
+    assert (c.unreported_prompt_tokens, c.unreported_requests) == (200, 2)
+    credits[4].first_token()                     # released one by one, at first tokens
+    (c,) = r.candidates("m")
+    assert (c.unreported_prompt_tokens, c.outstanding_prompt_tokens) == (100, 400)
+    assert c.router_in_flight == 5               # the slot lasts until the stream ends
+    credits[4].finish()
+    assert r.candidates("m")[0].router_in_flight == 4
+
+
+def test_rejected_requests_do_not_shift_the_cutoff() -> None:
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    c1 = r.charge("a", 10)
+    r.charge("a", 10)
+    c1.finish(admitted=False)                    # INVALID_ARGUMENT: the node never admitted it
+    r.charge("a", 10)
+    hb(r, "a", 1, 1, admitted=1)                 # = ordinal 2 (1 was rejected)
+    (c,) = r.candidates("m")
+    assert (c.unreported_requests, c.outstanding_requests) == (1, 2)
+
+
+def test_ledger_syncs_to_counters_from_before_it_existed() -> None:
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    hb(r, "a", 1, 1, admitted=500, first=500)    # router restarted with the same id
+    r.charge("a", 10)
+    (c,) = r.candidates("m")
+    assert c.unreported_requests == 1
+    hb(r, "a", 1, 2, admitted=501)
+    assert r.candidates("m")[0].unreported_requests == 0
+
+
+def test_lookaside_credits_released_by_first_token_count_and_time() -> None:
+    c = Clock()
+    r = make(c, lease_ttl_s=10.0)
+    r.register(reg("a"), 1)
+    hb(r, "a", 1, 1)
+    blind = [r.charge("a", 100, blind=True, hold_s=5.0, slot_until_finish=False)
+             for _ in range(4)]
+    proxy = r.charge("a", 100)
+    proxy.first_token()
+    assert r.ledger("a").pending_requests == 4 and r.ledger("a").in_flight == 5
+    hb(r, "a", 1, 2, admitted=5, first=3)        # 1 proxy + 2 lookaside first tokens
+    assert [b.pending for b in blind] == [False, False, True, True]   # oldest first, not all
+    assert r.ledger("a").in_flight == 3
+    c.t += 6.0                                   # time bound for the rest
+    r.candidates("m")
+    assert r.ledger("a").pending_requests == 0 and r.ledger("a").in_flight == 1
+
+
+# ---------------------------------------------------------------- fleet behaviour
+
+
+def _pick(r: Registry, rng: random.Random, policy: str = "weighted_least_load") -> str:
+    profile = _PROFILES.setdefault(policy, build_profile(policy, WEIGHTS, WM))
+    return select(profile, r.candidates("m"), RequestInfo("m", 100), rng,
+                  default_filters(0.92)).node_id
+
+
+_PROFILES: dict = {}
+
+
+def test_double_weight_node_takes_twice_the_requests() -> None:
+    c = Clock()
+    r = make(c)
+    r.register(reg("big", weight=2.0), 1)
+    r.register(reg("small", weight=1.0), 2)
+    hb(r, "big", 1, 1)
+    hb(r, "small", 2, 1)
+    rng = random.Random(5)
+    # A burst from equal (idle) load: exactly 2:1.
+    burst = Counter(_pick_and_charge(r, rng) for _ in range(300))
+    assert burst == {"big": 200, "small": 100}
+
+
+def test_double_weight_node_takes_twice_the_requests_in_steady_state() -> None:
+    c = Clock()
+    r = make(c)
+    r.register(reg("big", weight=2.0), 1)
+    r.register(reg("small", weight=1.0), 2)
+    hb(r, "big", 1, 1)
+    hb(r, "small", 2, 1)
+    rng = random.Random(5)
+    queues: dict[str, list] = {"big": [], "small": []}
+    picks: Counter[str] = Counter()
+    for step in range(300):
+        for _ in range(3):                       # 3 arrivals per step ...
+            n = _pick(r, rng)
+            picks[n] += 1
+            queues[n].append(r.charge(n, 100))
+        for n, served in (("big", 2), ("small", 1)):   # ... served 2:1 by capacity
+            for credit in queues[n][:served]:
+                credit.first_token()
+                credit.finish()
+            del queues[n][:served]
+    assert 1.9 <= picks["big"] / picks["small"] <= 2.1, picks
+    assert max(len(q) for q in queues.values()) <= 4   # neither node builds a backlog
+
+
+def _waits(r: Registry) -> dict[str, float]:
+    return {c.node_id: expected_wait_s(c, WM) for c in r.candidates("m")}
+
+
+def test_burst_between_heartbeats_spreads_and_next_heartbeat_does_not_herd() -> None:
+    c = Clock()
+    r = make(c)
+    nodes = ["a", "b", "c", "d"]
+    for i, n in enumerate(nodes, 1):
+        r.register(reg(n), i)
+        hb(r, n, i, 1)
+    rng = random.Random(11)
+    credits: dict[str, list] = {n: [] for n in nodes}
+    for _ in range(100):                          # no heartbeat arrives during the burst
+        n = _pick(r, rng)
+        credits[n].append(r.charge(n, 100))
+    counts = {n: len(v) for n, v in credits.items()}
+    assert all(24 <= v <= 26 for v in counts.values()), counts
+
+    # Node "a" prefilled 10 of its requests (the router saw those first tokens as they came).
+    # Then every node reports, each report taken before the last 2 requests reached it.
+    for credit in credits["a"][:10]:
+        credit.first_token()
+    before = _waits(r)
+    c.t += 0.25
+    for i, n in enumerate(nodes, 1):
+        done = 10 if n == "a" else 0
+        hb(r, n, i, 2, admitted=counts[n] - 2, first=done,
+           pending=(counts[n] - 2 - done) * 100)
+    after = _waits(r)
+    for n in nodes:                               # the report changes no node's estimate
+        assert after[n] == pytest.approx(before[n]), (before, after)
+    # The next wave: "a" gets exactly its 10-request deficit, then the wave spreads evenly,
+    # no burst onto the node whose report looks idlest.
+    wave = Counter(_pick_and_charge(r, rng) for _ in range(50))
+    assert wave["a"] == 10 + 10 and all(wave[n] == 10 for n in "bcd"), wave
+
+
+def _pick_and_charge(r: Registry, rng: random.Random) -> str:
+    n = _pick(r, rng)
+    r.charge(n, 100)
+    return n
+
+
+def test_without_router_credits_a_stale_report_would_herd() -> None:
+    """Control for the test above: least_request over the same fleet spreads only by count;
+    the expected-wait profile also spreads (credits move before any heartbeat)."""
+    c = Clock()
+    r = make(c)
+    for i, n in enumerate(["a", "b"], 1):
+        r.register(reg(n), i)
+    hb(r, "a", 1, 1, pending=0)
+    hb(r, "b", 2, 1, pending=2000)               # b reported busy, a idle
+    rng = random.Random(2)
+    picks = Counter(_pick_and_charge(r, rng) for _ in range(60))
+    # a absorbs b's 2000-token head start (20 requests), then they alternate.
+    assert 38 <= picks["a"] <= 42 and picks["b"] >= 18, picks
+
+
+def test_stale_node_scored_from_router_counts_only() -> None:
+    c = Clock()
+    r = make(c, freshness_s=1.0, lease_ttl_s=10.0)
+    r.register(reg("a"), 1)
+    r.register(reg("b"), 2)
+    hb(r, "a", 1, 1, pending=50_000, kv=0.9)      # a reported very busy ... long ago
+    c.t += 2.0
+    hb(r, "b", 2, 1, pending=1000)
+    cands = {x.node_id: x for x in r.candidates("m")}
+    assert cands["a"].state is NodeState.STALE and cands["a"].report is None
+    assert expected_wait_s(cands["a"], WM) == 0.0    # the old report is ignored
+    rng = random.Random(0)
+    picks = Counter(_pick_and_charge(r, rng) for _ in range(20))
+    # a: router's own 100-token credits; b: 1000 reported + credits -> a gets ~15 of 20
+    assert picks["a"] == 15, picks

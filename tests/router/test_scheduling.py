@@ -1,0 +1,179 @@
+"""Table-driven tests of filters, scorers and profiles over in-memory candidates (injected RNG)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from router.scheduling import (Candidate, LoadSample, NodeState, RequestInfo, WaitModel,
+                               build_profile, default_filters, expected_wait_s, select)
+from router.scheduling import scorers
+from router.scheduling.filters import healthy, kv_below
+from router.scheduling.profiles import NoCandidate
+
+WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.25, kv_usage_cap=0.98,
+               decode_s_per_request=0.0, wait_scale_s=0.5)
+REQ = RequestInfo("m", 100)
+WEIGHTS = {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 0.0}
+
+
+def cand(node_id: str = "n", *, weight: float = 1.0, pending: int = 0, kv: float = 0.0,
+         tps: float = 0.0, running: int = 0, state: NodeState = NodeState.HEALTHY,
+         in_flight: int = 0, outstanding: int = 0, unreported: int = 0, unreported_n: int = 0,
+         max_concurrency: int = 0, stale: bool = False) -> Candidate:
+    report = None if stale else LoadSample(num_running=running, pending_prefill_tokens=pending,
+                                           kv_cache_usage=kv, prompt_tokens_per_s=tps,
+                                           draining=state is NodeState.DRAINING)
+    return Candidate(node_id=node_id, address=f"{node_id}:1",
+                     state=NodeState.STALE if stale else state, capacity_weight=weight,
+                     max_concurrency=max_concurrency, report=report,
+                     report_age_s=10.0 if stale else 0.1, kv_cache_usage=kv,
+                     router_in_flight=in_flight, outstanding_prompt_tokens=outstanding,
+                     outstanding_requests=0, unreported_prompt_tokens=unreported,
+                     unreported_requests=unreported_n)
+
+
+@pytest.mark.parametrize("c, expected", [
+    (cand(), 0.0),
+    (cand(pending=1000), 1.0),                      # 1000 tokens at the 1000 tok/s floor
+    (cand(pending=1000, tps=4000), 0.25),           # measured throughput above the floor
+    (cand(pending=1000, tps=10), 1.0),              # tiny measured throughput -> floor
+    (cand(pending=500, unreported=500), 1.0),       # report + router's unreported credits
+    (cand(pending=1000, weight=2.0), 0.5),          # capacity weight divides the whole
+    (cand(kv=0.5), 0.25),                           # c * k / (1 - k) = 0.25 * 1
+    (cand(kv=1.0), 0.25 * 0.98 / 0.02),             # k capped
+    (cand(stale=True, pending=0, outstanding=2000, unreported=0), 2.0),  # router counts only
+])
+def test_expected_wait(c: Candidate, expected: float) -> None:
+    assert expected_wait_s(c, WM) == pytest.approx(expected)
+
+
+def test_decode_term_counts_running_and_unreported() -> None:
+    wm = replace(WM, decode_s_per_request=0.01)
+    assert expected_wait_s(cand(running=3, unreported_n=2), wm) == pytest.approx(0.05)
+    assert expected_wait_s(cand(stale=True, in_flight=4), wm) == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize("wait, score", [(0.0, 1.0), (0.5, 0.5), (1.5, 0.25), (1e9, 0.0)])
+def test_wait_score_curve(wait: float, score: float) -> None:
+    assert scorers.wait_score(wait, WM) == pytest.approx(score, abs=1e-6)
+
+
+@pytest.mark.parametrize("c, score", [
+    (cand(kv=0.0), 1.0), (cand(kv=0.25), 0.75), (cand(kv=1.0), 0.0)])
+def test_kv_headroom_curve(c: Candidate, score: float) -> None:
+    assert scorers.kv_headroom(c) == pytest.approx(score)
+
+
+@pytest.mark.parametrize("c, score", [
+    (cand(in_flight=0), 1.0), (cand(in_flight=1), 0.5), (cand(in_flight=2, weight=2.0), 0.5),
+    (cand(in_flight=3), 0.25)])
+def test_least_request_curve(c: Candidate, score: float) -> None:
+    assert scorers.least_request(c) == pytest.approx(score)
+
+
+def test_scores_stay_in_unit_interval() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        c = cand(pending=rng.randrange(10**6), kv=rng.random(), tps=rng.random() * 1e5,
+                 in_flight=rng.randrange(100), weight=rng.uniform(0.1, 8))
+        for s in (scorers.wait_score(expected_wait_s(c, WM), WM), scorers.kv_headroom(c),
+                  scorers.least_request(c)):
+            assert 0.0 <= s <= 1.0
+
+
+# ---------------------------------------------------------------- filters
+
+
+def test_kv_filter_avoids_full_node_while_others_have_room() -> None:
+    cs = [cand("a", kv=0.95), cand("b", kv=0.5), cand("c", kv=0.2)]
+    kept, dropped = kv_below(0.92)(cs)
+    assert [c.node_id for c in kept] == ["b", "c"] and "a" in dropped
+    profile = build_profile("weighted_least_load", WEIGHTS, WM)
+    rng = random.Random(1)
+    picks = Counter(select(profile, cs, REQ, rng, default_filters(0.92)).node_id
+                    for _ in range(200))
+    assert picks["a"] == 0
+
+
+def test_kv_filter_keeps_everyone_when_all_are_full() -> None:
+    cs = [cand("a", kv=0.95), cand("b", kv=0.97)]
+    kept, dropped = kv_below(0.92)(cs)
+    assert len(kept) == 2 and not dropped
+
+
+def test_kv_filter_lets_stale_nodes_through() -> None:
+    kept, _ = kv_below(0.92)([cand("a", kv=0.99, stale=True), cand("b", kv=0.1)])
+    assert {c.node_id for c in kept} == {"a", "b"}
+
+
+def test_draining_dropped_and_stale_kept() -> None:
+    cs = [cand("a", state=NodeState.DRAINING), cand("b", stale=True), cand("c")]
+    kept, dropped = healthy(cs)
+    assert [c.node_id for c in kept] == ["b", "c"] and dropped == {"a": "draining"}
+
+
+def test_select_distinguishes_busy_from_none() -> None:
+    profile = build_profile("least_request", WEIGHTS, WM)
+    with pytest.raises(NoCandidate) as e:
+        select(profile, [cand("a", state=NodeState.DRAINING)], REQ, random.Random(0),
+               default_filters(0.92))
+    assert not e.value.busy
+    with pytest.raises(NoCandidate) as e:
+        select(profile, [cand("a", max_concurrency=1, in_flight=1)], REQ, random.Random(0),
+               default_filters(0.92))
+    assert e.value.busy
+
+
+# ---------------------------------------------------------------- policies
+
+
+@pytest.mark.parametrize("policy", ["weighted_least_load", "least_request", "power_of_two",
+                                    "round_robin"])
+def test_tie_break_is_fair(policy: str) -> None:
+    profile = build_profile(policy, WEIGHTS, WM)
+    cs = [cand(f"n{i}") for i in range(4)]
+    rng = random.Random(42)
+    n = 4000
+    picks = Counter(select(profile, cs, REQ, rng, default_filters(0.92)).node_id
+                    for _ in range(n))
+    assert set(picks) == {c.node_id for c in cs}
+    for count in picks.values():
+        assert abs(count - n / 4) < 0.1 * n / 4, picks
+
+
+def test_decision_keeps_raw_scores() -> None:
+    profile = build_profile("weighted_least_load",
+                            {"expected_wait": 1.0, "kv_headroom": 0.5, "least_request": 0.0}, WM)
+    d = select(profile, [cand("a", pending=1000), cand("b", kv=0.5)], REQ, random.Random(0),
+               default_filters(0.92))
+    by_node = {s.node_id: s for s in d.considered}
+    assert d.node_id == "b" and d.policy == "weighted_least_load" and d.candidates == 2
+    assert by_node["a"].expected_wait_s == pytest.approx(1.0)
+    assert by_node["a"].scores["expected_wait"] == pytest.approx(1 / 3)
+    assert by_node["b"].scores["kv_headroom"] == pytest.approx(0.5)
+    assert by_node["b"].total == pytest.approx(2 / 3 + 0.25)
+
+
+def test_power_of_two_prefers_less_loaded_of_sample() -> None:
+    profile = build_profile("power_of_two", WEIGHTS, WM)
+    cs = [cand("busy", in_flight=10), cand("idle")]
+    picks = Counter(select(profile, cs, REQ, random.Random(3), ()).node_id for _ in range(50))
+    assert picks == {"idle": 50}
+
+
+def test_least_request_honours_weight() -> None:
+    profile = build_profile("least_request", WEIGHTS, WM)
+    d = select(profile, [cand("big", weight=2.0, in_flight=3), cand("small", in_flight=2)], REQ,
+               random.Random(0), ())
+    assert d.node_id == "big"   # 3/2 < 2/1
+
+
+def test_expected_wait_is_finite_and_monotone_in_pending() -> None:
+    waits = [expected_wait_s(cand(pending=p, kv=0.3), WM) for p in range(0, 10_000, 500)]
+    assert all(math.isfinite(w) for w in waits)
+    assert waits == sorted(waits)
