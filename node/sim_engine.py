@@ -320,8 +320,11 @@ class SimEngine:
                     req.text_sent = max(req.text_sent, end)
                 else:
                     text = detokenize(ids)
-                yield EngineOutput(tuple(ids), text, req.finish)
-                if req.finish is not None:
+                # Read finish once: the step loop may finish the request while this generator
+                # is suspended at the yield, and that last delta must still be delivered.
+                finish = req.finish
+                yield EngineOutput(tuple(ids), text, finish)
+                if finish is not None:
                     return
         finally:
             if req.finish is None:  # consumer cancelled or closed the stream

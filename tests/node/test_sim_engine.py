@@ -306,3 +306,30 @@ async def test_shutdown_aborts_in_flight() -> None:
     await eng.shutdown()
     outs = await t
     assert outs[-1].finish is Finish.ABORT
+
+
+async def test_slow_consumer_still_gets_every_token_and_the_finish():
+    """Regression: a consumer suspended at the yield while the request finishes must still
+    receive the last delta (it was dropped when finish was re-read after the yield)."""
+    import asyncio as _asyncio
+
+    from node.engine import EngineRequest, Sampling
+    from node.sim_engine import SimEngine, SimEngineConfig
+
+    eng = SimEngine(SimEngineConfig(model_name="m", time_scale=0))
+    await eng.start()
+    try:
+        async def one(i):
+            outs = []
+            async for o in eng.generate(EngineRequest(f"s{i}", (1, 2, 3),
+                                                      Sampling(max_tokens=5, ignore_eos=True))):
+                outs.append(o)
+                await _asyncio.sleep(0.002)  # slower than the engine's steps
+            return outs
+
+        results = await _asyncio.gather(*(one(i) for i in range(64)))
+        for outs in results:
+            assert sum(len(o.token_ids) for o in outs) == 5
+            assert outs[-1].finish is not None
+    finally:
+        await eng.shutdown()
