@@ -151,8 +151,16 @@ class Credit:
     token (unary, lookaside); ``holds_slot`` = it counts in router in-flight until
     ``finish`` (proxy and unary) rather than until its tokens are released (lookaside)."""
 
-    __slots__ = ("ledger", "ordinal", "tokens", "blind", "expires_at", "pending", "slot",
-                 "slot_until_finish")
+    __slots__ = (
+        "blind",
+        "expires_at",
+        "ledger",
+        "ordinal",
+        "pending",
+        "slot",
+        "slot_until_finish",
+        "tokens",
+    )
 
     def __init__(self, ledger: NodeLedger, ordinal: int, tokens: int, blind: bool,
                  expires_at: float, slot_until_finish: bool) -> None:

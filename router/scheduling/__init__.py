@@ -4,11 +4,35 @@
 turns the configured policy into a profile. See ``scorers`` for the expected-wait formula.
 """
 
-from router.scheduling.profiles import NoCandidate, Profile, build_profile, default_filters, select
+from router.scheduling.profiles import (
+                                     NoCandidate,
+                                     Profile,
+                                     build_profile,
+                                     default_filters,
+                                     select,
+)
 from router.scheduling.scorers import WaitModel, expected_wait_s
-from router.scheduling.types import (Candidate, CandidateScore, Decision, LoadSample, NodeState,
-                                     RequestInfo)
+from router.scheduling.types import (
+                                     Candidate,
+                                     CandidateScore,
+                                     Decision,
+                                     LoadSample,
+                                     NodeState,
+                                     RequestInfo,
+)
 
-__all__ = ["Candidate", "CandidateScore", "Decision", "LoadSample", "NodeState", "NoCandidate",
-           "Profile", "RequestInfo", "WaitModel", "build_profile", "default_filters",
-           "expected_wait_s", "select"]
+__all__ = [
+                                     "Candidate",
+                                     "CandidateScore",
+                                     "Decision",
+                                     "LoadSample",
+                                     "NoCandidate",
+                                     "NodeState",
+                                     "Profile",
+                                     "RequestInfo",
+                                     "WaitModel",
+                                     "build_profile",
+                                     "default_filters",
+                                     "expected_wait_s",
+                                     "select",
+]

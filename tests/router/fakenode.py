@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ import grpc
 
 from gpumesh import metadata as md
 from gpumesh.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,8 +136,8 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
                         call.cancel()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - router down: retry
-                pass
+            except Exception:
+                log.debug("control stream to %s ended", router, exc_info=True)
             await asyncio.sleep(0.05)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:

@@ -11,8 +11,16 @@ import pytest
 
 from router.errors import RouterError
 from router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
-from router.scheduling import (LoadSample, NodeState, RequestInfo, WaitModel, build_profile,
-                               default_filters, expected_wait_s, select)
+from router.scheduling import (
+    LoadSample,
+    NodeState,
+    RequestInfo,
+    WaitModel,
+    build_profile,
+    default_filters,
+    expected_wait_s,
+    select,
+)
 
 RID = "r1"
 WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.25, kv_usage_cap=0.98,
@@ -125,7 +133,7 @@ def test_stale_and_draining_states() -> None:
     r = make(c, freshness_s=1.0)
     r.register(reg("a"), 1)
     r.register(reg("b"), 2)
-    (a, b) = r.candidates("m")
+    (a, _) = r.candidates("m")
     assert a.state is NodeState.STALE and a.report is None   # never reported
     hb(r, "a", 1, 1)
     hb(r, "b", 2, 1, draining=True)

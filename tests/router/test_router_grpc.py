@@ -33,9 +33,9 @@ async def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def config(**kw: Any) -> RouterConfig:
-    base: dict[str, Any] = dict(host="127.0.0.1", port=0, router_id="rt", lease_ttl_s=1.0,
-                                freshness_s=0.5, heartbeat_interval_ms=50, shutdown_grace_s=0.5,
-                                ticket_secret=SECRET)
+    base: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "router_id": "rt",
+                            "lease_ttl_s": 1.0, "freshness_s": 0.5, "heartbeat_interval_ms": 50,
+                            "shutdown_grace_s": 0.5, "ticket_secret": SECRET}
     base.update(kw)
     return RouterConfig(**base)
 

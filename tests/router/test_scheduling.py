@@ -9,9 +9,18 @@ from dataclasses import replace
 
 import pytest
 
-from router.scheduling import (Candidate, LoadSample, NodeState, RequestInfo, WaitModel,
-                               build_profile, default_filters, expected_wait_s, select)
-from router.scheduling import scorers
+from router.scheduling import (
+    Candidate,
+    LoadSample,
+    NodeState,
+    RequestInfo,
+    WaitModel,
+    build_profile,
+    default_filters,
+    expected_wait_s,
+    scorers,
+    select,
+)
 from router.scheduling.filters import healthy, kv_below
 from router.scheduling.profiles import NoCandidate
 
