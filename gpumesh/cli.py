@@ -36,9 +36,15 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from router.app import main as router_main
+    from router.app import serve
+    from router.workers import serve_workers
+    from router.config import from_args
 
-    return router_main(args)
+    cfg = from_args(args)
+    if args.workers > 1:
+        return serve_workers(cfg, args.workers)
+    asyncio.run(serve(cfg))
+    return 0
 
 
 def _request_from_args(args: argparse.Namespace):
@@ -133,11 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     n.set_defaults(func=_cmd_node)
 
     r = sub.add_parser("router", help="serve the router")
-    r.add_argument("--config", help="TOML file with RouterConfig fields")
-    r.add_argument("--host")
-    r.add_argument("--port", type=int)
-    r.add_argument("--policy")
-    r.add_argument("--workers", type=int, help="router processes sharing the port")
+    from router.config import add_arguments as add_router_arguments
+
+    add_router_arguments(r)
+    r.add_argument("--workers", type=int, default=1,
+                   help="router processes sharing the port (SO_REUSEPORT)")
     r.set_defaults(func=_cmd_router)
 
     g = sub.add_parser("generate", help="send one request to a router or a node")

@@ -37,6 +37,7 @@ class Admission:
 
     router_id: str
     prompt_tokens: int
+    charged_tokens: int
     _ledger: "NodeLedger" = field(repr=False)
     _first: bool = False
     _done: bool = False
@@ -66,19 +67,24 @@ class NodeLedger:
         self.in_flight = 0
         self.pending_prefill_tokens = 0
 
-    def admit(self, router_id: str, prompt_tokens: int) -> Admission:
-        """router_id "" = a direct client (still counted, as its own account)."""
+    def admit(self, router_id: str, prompt_tokens: int,
+              charged_tokens: int | None = None) -> Admission:
+        """Called once a request passed validation. router_id "" = a direct client (counted
+        apart, not reported). ``charged_tokens``: what the router charged for it (metadata
+        CHARGED_TOKENS or the ticket), so the per-router token counters match the router's own
+        credit arithmetic exactly; ``prompt_tokens`` (the real count) drives pending prefill."""
+        charged = prompt_tokens if charged_tokens is None else charged_tokens
         acc = self._accounts.setdefault(router_id, _Account())
         acc.admitted_requests += 1
-        acc.admitted_prompt_tokens += prompt_tokens
+        acc.admitted_prompt_tokens += charged
         self.in_flight += 1
         self.pending_prefill_tokens += prompt_tokens
-        return Admission(router_id, prompt_tokens, self)
+        return Admission(router_id, prompt_tokens, charged, self)
 
     def _on_first(self, a: Admission) -> None:
         acc = self._accounts[a.router_id]
         acc.first_token_requests += 1
-        acc.first_token_prompt_tokens += a.prompt_tokens
+        acc.first_token_prompt_tokens += a.charged_tokens
         self.pending_prefill_tokens -= a.prompt_tokens
 
     def _on_finish(self, a: Admission) -> None:

@@ -116,6 +116,9 @@ class NodeServer:
         self.server = grpc.aio.server(options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_concurrent_streams", 4096),
+            # Routers ping their node channels (keepalive) during long prefills.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ])
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:

@@ -93,6 +93,7 @@ class HeartbeatClient:
     async def _keep(self, addr: str) -> None:
         backoff = 0.1
         while not self._closing:
+            parked = False
             stop = asyncio.Event()
             self._stops[addr] = stop
             try:
@@ -107,8 +108,14 @@ class HeartbeatClient:
                                          msg.hello.router_id)
                             self.connected[addr] = msg.hello.router_id
                             backoff = 0.1
-                            for peer in msg.hello.peer_addresses:
+                            peers = tuple(msg.hello.peer_addresses)
+                            for peer in peers:
                                 self._ensure(peer)
+                            if peers and addr not in peers:
+                                # A multi-worker router's shared port: it only told us the
+                                # workers' own control addresses, which we now stream to.
+                                parked = True
+                                break
                         elif kind == "drain" and self._on_drain is not None:
                             self._on_drain(msg.drain.reason or f"drain ordered by {addr}")
                     if self._closing:
@@ -123,6 +130,13 @@ class HeartbeatClient:
                 self.connected.pop(addr, None)
             if self._closing:
                 return
+            if parked:
+                # Come back to the shared address only when no worker stream is left (the
+                # router restarted elsewhere, or on other control ports).
+                await asyncio.sleep(self._max_backoff)
+                while self.connected and not self._closing:
+                    await asyncio.sleep(self._max_backoff)
+                continue
             self.reconnects += 1
             delay = backoff * (0.5 + self._rng.random())
             backoff = min(self._max_backoff, backoff * 2)

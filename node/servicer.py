@@ -46,6 +46,7 @@ DEFAULT_MAX_TOKENS = 16
 class Prepared:
     request: EngineRequest
     router_id: str
+    charged_tokens: int | None
     coalescing: CoalescePolicy
 
 
@@ -114,7 +115,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise invalid("prompt is empty after tokenization")
         return ids
 
-    def _router_id(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+    def _dispatcher(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                    ) -> tuple[str, int | None]:
+        """(router id, tokens it charged) from a lookaside ticket or the router's metadata."""
         if req.ticket:
             if not self._secret:
                 raise permission_denied("this node accepts no lookaside tickets (no secret set)")
@@ -122,11 +125,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 ticket = tickets.verify(self._secret, req.ticket, self._state.node_id)
             except tickets.TicketError as exc:
                 raise permission_denied(f"lookaside ticket refused: {exc}") from None
-            return ticket.router_id
-        router_id = dict(context.invocation_metadata() or ()).get(md.ROUTER_ID, "")
+            return ticket.router_id, ticket.prompt_tokens
+        meta = dict(context.invocation_metadata() or ())
+        router_id = meta.get(md.ROUTER_ID, "")
         if self._require_ticket and not router_id:
             raise permission_denied("this node only serves requests routed by a gpumesh router")
-        return router_id
+        charged = meta.get(md.CHARGED_TOKENS)
+        return router_id, int(charged) if charged and charged.isdigit() else None
 
     def _prepare(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Prepared:
         if self._state.draining:
@@ -139,7 +144,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise out_of_range(
                 f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"context window of {limit} tokens")
-        router_id = self._router_id(req, context)
+        router_id, charged = self._dispatcher(req, context)
         so = req.stream_options
         if so.per_token:
             policy = CoalescePolicy(0.0, 1)
@@ -149,13 +154,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 self._default_coalescing.flush_interval_s,
                 so.max_tokens_per_chunk or self._default_coalescing.max_tokens)
         request_id = req.request_id or uuid.uuid4().hex
-        return Prepared(EngineRequest(request_id, tuple(ids), sampling), router_id, policy)
+        return Prepared(EngineRequest(request_id, tuple(ids), sampling), router_id, charged,
+                        policy)
 
     # --- the generation loop shared by unary and streaming ------------------------------
     async def _run(self, prep: Prepared, coalescing: CoalescePolicy,
                    trace: Trace = NOOP) -> AsyncIterator[EngineOutput]:
         req = prep.request
-        admission: Admission = self._state.ledger.admit(prep.router_id, len(req.prompt_token_ids))
+        admission: Admission = self._state.ledger.admit(prep.router_id, len(req.prompt_token_ids),
+                                                        prep.charged_tokens)
         finished = False
         trace.admitted()
         try:

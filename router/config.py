@@ -45,6 +45,9 @@ class RouterConfig:
     router_id: str = field(default_factory=_new_router_id)  # no '.' (ticket format)
     # Control-plane addresses of this router's sibling processes (multi-worker), sent in hello.
     peer_addresses: tuple[str, ...] = ()
+    # A second, private port of this process alone (multi-worker: the public port is shared
+    # through SO_REUSEPORT, so nodes reach each worker through its control port). 0 = none.
+    control_port: int = 0
     shutdown_grace_s: float = 5.0
 
     # --- routing policy
@@ -63,7 +66,8 @@ class RouterConfig:
     # --- membership
     heartbeat_interval_ms: int = 250  # asked of nodes in RouterHello
     lease_ttl_s: float = 3.0          # no heartbeat for this long -> removed
-    freshness_s: float = 1.0          # report older than this -> STALE (router counts only)
+    freshness_s: float = 1.5          # report older than this -> STALE (router counts only);
+    #                                   > the node idle heartbeat interval (1 s by default)
     known_model_retention_s: float = 60.0  # a model whose nodes all left answers UNAVAILABLE
 
     # --- dispatch
