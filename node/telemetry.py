@@ -81,7 +81,7 @@ class RequestTrace:
 
     __slots__ = ("_tel", "_span", "_context", "_t0", "_t_admit", "_t_first", "_t_last",
                  "_model", "_input_tokens", "_output_tokens", "_finish", "_status",
-                 "_queued_s", "_ended", "trace_id")
+                 "_queued_s", "_ended", "_abort_noted", "trace_id")
 
     def __init__(self, tel: NodeTelemetry, span: trace.Span | None,
                  context: grpc.aio.ServicerContext, model: str) -> None:
@@ -99,6 +99,7 @@ class RequestTrace:
         self._status = "OK"
         self._queued_s: float | None = None
         self._ended = False
+        self._abort_noted = False
         self.trace_id = gt.span_trace_id(span) if span is not None else ""
 
     # --- hooks, in request order ---------------------------------------------------------
@@ -143,7 +144,11 @@ class RequestTrace:
                 self._span.add_event("gpumesh.engine.aborted")
 
     def engine_abort(self) -> None:
-        if self._span is not None:
+        """The node drops an unfinished request from the engine. Idempotent: ``end`` notes it
+        too, because a cancelled stream handler may end its span before the generation loop's
+        ``finally`` (which does the abort) has run."""
+        if self._span is not None and not self._abort_noted:
+            self._abort_noted = True
             self._span.add_event("gpumesh.engine.abort")
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
@@ -178,6 +183,8 @@ class RequestTrace:
         ttft = (self._t_first - self._t_admit
                 if self._t_first is not None and self._t_admit is not None else None)
         span = self._span
+        if self._t_admit is not None and self._finish is None:
+            self.engine_abort()   # admitted, never finished: the engine is told to drop it
         if span is not None and span.is_recording():
             attrs: dict[str, Any] = {"gen_ai.usage.output_tokens": self._output_tokens}
             if self._finish is not None:

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gpumesh import telemetry as otel
 from gpumesh.v1 import control_pb2_grpc
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
@@ -32,6 +33,7 @@ from router.registry import Registry
 from router.scheduling import WaitModel, build_profile, default_filters
 from router.servicer import (ControlPlaneServicer, InferenceServicer, RouterServicer,
                              inference_handler)
+from router.telemetry import RouterTelemetry
 from router.transport import NodeChannels
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,8 @@ class RouterServer:
 
     def __init__(self, config: RouterConfig, *, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 telemetry: RouterTelemetry | None = None) -> None:
         self.config = config
         self.clock = clock
         self.registry = Registry(config.router_id, lease_ttl_s=config.lease_ttl_s,
@@ -62,9 +65,15 @@ class RouterServer:
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
                                      default_filters(config.kv_hard_threshold),
                                      rng or random.Random(), clock)
-        self.inference = InferenceServicer(config, self.registry, self.dispatcher, clock)
+        # OpenTelemetry from the OTEL_* environment; off (and free) when no endpoint is set.
+        self.telemetry = telemetry or RouterTelemetry(
+            otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)
+        self.telemetry.register_gauges()
+        self.inference = InferenceServicer(config, self.registry, self.dispatcher, clock,
+                                           self.telemetry)
         self.control = ControlPlaneServicer(config, self.registry)
-        self.router = RouterServicer(config, self.registry, self.dispatcher, clock, wall_clock)
+        self.router = RouterServicer(config, self.registry, self.dispatcher, clock, wall_clock,
+                                     self.telemetry)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -106,7 +115,8 @@ class RouterServer:
         period = min(self.config.lease_ttl_s / 4, 0.5)
         while True:
             await asyncio.sleep(period)
-            self.registry.expire()
+            expired = self.registry.expire()
+            self.telemetry.on_sweep(expired, self.dispatcher.queue_length)
 
     async def stop(self, grace_s: float | None = None) -> None:
         if self._server is None:
@@ -125,6 +135,7 @@ class RouterServer:
         await self._server.stop(min(grace, 1.0))
         await self.channels.aclose()
         self._server = None
+        await asyncio.to_thread(self.telemetry.tel.shutdown)
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

@@ -69,6 +69,10 @@ class Lease:
     queued_s: float
 
 
+# Called with each attempt's lease before the node call; returns metadata to add (tracing).
+AttemptHook = Callable[[Lease], Sequence[tuple[str, str]]]
+
+
 @dataclass
 class _Waiter:
     info: RequestInfo
@@ -196,10 +200,11 @@ class Dispatcher:
     # ------------------------------------------------------------------ proxy modes
 
     async def stream(self, request: bytes, info: RequestInfo, deadline: float,
-                     record: DispatchRecord, extra_metadata: Sequence[tuple[str, str]] = ()
-                     ) -> AsyncIterator[bytes]:
+                     record: DispatchRecord, extra_metadata: Sequence[tuple[str, str]] = (),
+                     on_attempt: AttemptHook | None = None) -> AsyncIterator[bytes]:
         """Yields the node's serialized GenerateStreamResponse chunks. Raises RouterError or
-        the node's AioRpcError (its status passes through). Close it (aclosing) on exit."""
+        the node's AioRpcError (its status passes through). Close it (aclosing) on exit.
+        ``on_attempt(lease)`` (tracing) runs before each node call and returns metadata to add."""
         record.model, record.prompt_tokens = info.model, info.prompt_tokens
         exclude: frozenset[str] = frozenset()
         last_error: errors.RouterError | grpc.aio.AioRpcError | None = None
@@ -212,9 +217,10 @@ class Dispatcher:
                     raise last_error from None   # no other node to retry on
                 raise
             client = self.channels.get(lease.node_id, lease.address)
+            extra = (*extra_metadata, *on_attempt(lease)) if on_attempt else extra_metadata
             call = client.stream(request, timeout_s=self._attempt_timeout(deadline),
                                  metadata=dispatch_metadata(self.registry.router_id,
-                                                            info.prompt_tokens, extra_metadata))
+                                                            info.prompt_tokens, extra))
             admitted = True
             streamed = False
             try:
@@ -268,8 +274,8 @@ class Dispatcher:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def unary(self, request: bytes, info: RequestInfo, deadline: float,
-                    record: DispatchRecord, extra_metadata: Sequence[tuple[str, str]] = ()
-                    ) -> bytes:
+                    record: DispatchRecord, extra_metadata: Sequence[tuple[str, str]] = (),
+                    on_attempt: AttemptHook | None = None) -> bytes:
         """Returns the node's serialized GenerateResponse; retries once on another node."""
         record.model, record.prompt_tokens = info.model, info.prompt_tokens
         exclude: frozenset[str] = frozenset()
@@ -283,9 +289,10 @@ class Dispatcher:
                     raise last_error from None
                 raise
             client = self.channels.get(lease.node_id, lease.address)
+            extra = (*extra_metadata, *on_attempt(lease)) if on_attempt else extra_metadata
             call = client.unary(request, timeout_s=self._attempt_timeout(deadline),
                                 metadata=dispatch_metadata(self.registry.router_id,
-                                                           info.prompt_tokens, extra_metadata))
+                                                           info.prompt_tokens, extra))
             admitted = True
             try:
                 response: bytes = await call

@@ -30,6 +30,7 @@ from router.dispatch import DispatchRecord, Dispatcher
 from router.registry import (AccountSample, GpuStat, ModelSpec, NodeRegistration, Registry,
                              Report)
 from router.scheduling.types import LoadSample, NodeState, RequestInfo
+from router.telemetry import NOOP, RouterTelemetry, Trace
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,16 @@ def estimate_prompt_tokens(req: inference_pb2.GenerateRequest, chars_per_token: 
     return 0
 
 
-def _trailing(record: DispatchRecord) -> tuple[tuple[str, str], ...]:
-    return ((md.NODE_ID, record.node_id), (md.ATTEMPTS, str(len(record.attempts))))
+def _trailing(record: DispatchRecord, trace: Trace = NOOP) -> tuple[tuple[str, str], ...]:
+    return ((md.NODE_ID, record.node_id), (md.ATTEMPTS, str(len(record.attempts))),
+            *trace.trailing())
 
 
 class InferenceServicer:
     def __init__(self, config: RouterConfig, registry: Registry, dispatcher: Dispatcher,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], telemetry: RouterTelemetry | None = None) -> None:
         self.config = config
+        self.telemetry = telemetry or RouterTelemetry.disabled()
         self.registry = registry
         self.dispatcher = dispatcher
         self.clock = clock
@@ -96,38 +99,55 @@ class InferenceServicer:
 
     async def GenerateStream(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         record = DispatchRecord()
+        trace = self.telemetry.start("GenerateStream", context, record)
         with self._tracked():
             try:
                 req = self._parse(raw)
                 info, deadline = self._route(req, context)
-                async with contextlib.aclosing(
-                        self.dispatcher.stream(raw, info, deadline, record)) as chunks:
+                trace.routed(req, info.model, info.prompt_tokens)
+                async with contextlib.aclosing(self.dispatcher.stream(
+                        raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
                     async for chunk in chunks:
+                        trace.chunk()
                         await context.write(chunk)
             except (errors.RouterError, grpc.aio.AioRpcError) as e:
-                await _abort(context, e, record)
+                trace.fail(e)
+                await _abort(context, e, record, trace)
             except asyncio.CancelledError:
+                trace.cancelled()
                 raise
             except Exception as e:  # noqa: BLE001 - one place turns surprises into INTERNAL
                 log.exception("GenerateStream failed")
-                await _abort(context, e, record)
-            context.set_trailing_metadata(_trailing(record))
+                trace.fail(e)
+                await _abort(context, e, record, trace)
+            finally:
+                trace.finish(record)
+            context.set_trailing_metadata(_trailing(record, trace))
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         record = DispatchRecord()
+        trace = self.telemetry.start("Generate", context, record)
         with self._tracked():
             try:
                 req = self._parse(raw)
                 info, deadline = self._route(req, context)
-                response = await self.dispatcher.unary(raw, info, deadline, record)
+                trace.routed(req, info.model, info.prompt_tokens)
+                response = await self.dispatcher.unary(raw, info, deadline, record,
+                                                       on_attempt=trace.on_attempt)
+                trace.chunk()
             except (errors.RouterError, grpc.aio.AioRpcError) as e:
-                await _abort(context, e, record)
+                trace.fail(e)
+                await _abort(context, e, record, trace)
             except asyncio.CancelledError:
+                trace.cancelled()
                 raise
             except Exception as e:  # noqa: BLE001
                 log.exception("Generate failed")
-                await _abort(context, e, record)
-            context.set_trailing_metadata(_trailing(record))
+                trace.fail(e)
+                await _abort(context, e, record, trace)
+            finally:
+                trace.finish(record)
+            context.set_trailing_metadata(_trailing(record, trace))
             return response
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest,
@@ -141,9 +161,9 @@ class InferenceServicer:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException,
-                 record: DispatchRecord) -> None:
+                 record: DispatchRecord, trace: Trace = NOOP) -> None:
     code, details = errors.status_for(exc)
-    await context.abort(code, details, trailing_metadata=_trailing(record))
+    await context.abort(code, details, trailing_metadata=_trailing(record, trace))
 
 
 def _identity(b: bytes) -> bytes:
@@ -285,8 +305,10 @@ def _load_to_proto(report: Report | None) -> control_pb2.LoadReport:
 
 class RouterServicer(control_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig, registry: Registry, dispatcher: Dispatcher,
-                 clock: Callable[[], float], wall_clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], wall_clock: Callable[[], float],
+                 telemetry: RouterTelemetry | None = None) -> None:
         self.config = config
+        self.telemetry = telemetry or RouterTelemetry.disabled()
         self.registry = registry
         self.dispatcher = dispatcher
         self.clock = clock
@@ -313,6 +335,7 @@ class RouterServicer(control_pb2_grpc.RouterServicer):
     async def Pick(self, request: control_pb2.PickRequest,
                    context: grpc.aio.ServicerContext) -> control_pb2.PickResponse:
         record = DispatchRecord()
+        trace = self.telemetry.start("Pick", context, record)
         try:
             if not self.config.ticket_secret:
                 raise errors.lookaside_disabled()
@@ -320,6 +343,7 @@ class RouterServicer(control_pb2_grpc.RouterServicer):
             model = self.registry.resolve(req.model)
             info = RequestInfo(model, estimate_prompt_tokens(req, self.config.chars_per_token),
                                req.routing_key)
+            trace.routed(req, model, info.prompt_tokens)
             remaining = context.time_remaining()
             deadline = self.clock() + (self.config.request_timeout_s
                                        if remaining is None else remaining)
@@ -330,8 +354,11 @@ class RouterServicer(control_pb2_grpc.RouterServicer):
         except (errors.RouterError, ValueError) as e:
             if isinstance(e, ValueError):
                 e = errors.RouterError(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            await _abort(context, e, record)
-        context.set_trailing_metadata(_trailing(record))
+            trace.fail(e)
+            await _abort(context, e, record, trace)
+        finally:
+            trace.finish(record)
+        context.set_trailing_metadata(_trailing(record, trace))
         return control_pb2.PickResponse(node_id=lease.node_id, address=lease.address,
                                         ticket=ticket, expires_unix_ms=expires_ms, model=model)
 

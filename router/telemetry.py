@@ -250,8 +250,9 @@ class RouterRequestTrace:
                 attrs["rpc.grpc.status_code"] = 0
             span.set_attributes(attrs)
             span.end()
-        self._tel.metrics.request_done(self._model or record.model, record.node_id,
-                                       self._status, duration, ttft)
+        if self._method != "Pick":   # lookaside: the node counts the request itself
+            self._tel.metrics.request_done(self._model or record.model, record.node_id,
+                                           self._status, duration, ttft)
 
     def trailing(self) -> tuple[tuple[str, str], ...]:
         return ((md.TRACE_ID, self.trace_id),) if self.trace_id else ()

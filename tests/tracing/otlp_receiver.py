@@ -160,11 +160,13 @@ class Receiver:
                                      + "\n".join(f"{s.service}:{s.name}" for s in spans))
             await asyncio.sleep(0.05)
 
-    def metric_names(self) -> set[str]:
+    def metric_names(self, service: str = "") -> set[str]:
+        """Names of metrics received (from ``service`` only, when given)."""
         with self._lock:
             reqs = list(self.metric_requests)
-        return {m.name for r in reqs for rm in r.resource_metrics for sm in rm.scope_metrics
-                for m in sm.metrics}
+        return {m.name for r in reqs for rm in r.resource_metrics
+                if not service or _attrs(rm.resource.attributes).get("service.name") == service
+                for sm in rm.scope_metrics for m in sm.metrics}
 
 
 def build_tree(spans: list[Span]) -> list[Span]:
