@@ -196,7 +196,8 @@ class Metrics:
         def _cb(_options: Any) -> list[Observation]:
             try:
                 return [Observation(v, dict(a)) for v, a in callback()]
-            except Exception:  # noqa: BLE001 - a broken gauge must not break export
+            except Exception:
+                # A broken gauge must not break the whole export.
                 log.debug("gauge %s callback failed", name, exc_info=True)
                 return []
 
@@ -213,7 +214,7 @@ class Metrics:
         def _cb(_options: Any) -> list[Observation]:
             try:
                 return [Observation(v, dict(a)) for v, a in callback()]
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("counter %s callback failed", name, exc_info=True)
                 return []
 
@@ -244,7 +245,7 @@ class Telemetry:
         for fn in fns:
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - shutdown is best effort
+            except Exception:  # shutdown is best effort
                 log.debug("telemetry shutdown step failed", exc_info=True)
         self.tracing = False
 
@@ -279,7 +280,9 @@ def init(service_name: str, instance_id: str, *, gpu_model: str = "",
     tel = Telemetry(service_name=service_name, instance_id=instance_id)
 
     if want_traces:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter,
+        )
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -298,7 +301,9 @@ def init(service_name: str, instance_id: str, *, gpu_model: str = "",
 
     readers: list[Any] = []
     if want_otlp_metrics:
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+            OTLPMetricExporter,
+        )
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))

@@ -35,6 +35,7 @@ With telemetry off, ``start`` returns a shared no-op whose methods do nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -79,9 +80,24 @@ NOOP = _NoopTrace()
 class RequestTrace:
     """Span + timings of one node request. Not thread-safe (one per handler task)."""
 
-    __slots__ = ("_tel", "_span", "_context", "_t0", "_t_admit", "_t_first", "_t_last",
-                 "_model", "_input_tokens", "_output_tokens", "_finish", "_status",
-                 "_queued_s", "_ended", "_abort_noted", "trace_id")
+    __slots__ = (
+        "_abort_noted",
+        "_context",
+        "_ended",
+        "_finish",
+        "_input_tokens",
+        "_model",
+        "_output_tokens",
+        "_queued_s",
+        "_span",
+        "_status",
+        "_t0",
+        "_t_admit",
+        "_t_first",
+        "_t_last",
+        "_tel",
+        "trace_id",
+    )
 
     def __init__(self, tel: NodeTelemetry, span: trace.Span | None,
                  context: grpc.aio.ServicerContext, model: str) -> None:
@@ -159,10 +175,8 @@ class RequestTrace:
     def cancelled(self) -> None:
         """The handler was cancelled: the client went away or its deadline passed."""
         remaining = None
-        try:
+        with contextlib.suppress(Exception):   # best effort: the call may be gone
             remaining = self._context.time_remaining()
-        except Exception:  # noqa: BLE001 - best effort: the call may be gone
-            pass
         deadline = remaining is not None and remaining <= 0.001
         code = grpc.StatusCode.DEADLINE_EXCEEDED if deadline else grpc.StatusCode.CANCELLED
         self._status = code.name

@@ -15,7 +15,9 @@ from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as msvc
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as msvc_grpc
+from opentelemetry.proto.collector.metrics.v1 import (
+    metrics_service_pb2_grpc as msvc_grpc,
+)
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tsvc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsvc_grpc
 from opentelemetry.proto.common.v1 import common_pb2
@@ -71,8 +73,8 @@ class Span:
         return out
 
     def render(self, depth: int = 0) -> str:
-        lines = [f"{'  ' * depth}{self.service}:{self.name} {self.span_id} "
-                 f"status={self.status_code} events={self.event_names()}"]
+        lines = [(f"{'  ' * depth}{self.service}:{self.name} {self.span_id} "
+                  f"status={self.status_code} events={self.event_names()}")]
         for c in sorted(self.children, key=lambda s: s.start_ns):
             lines.append(c.render(depth + 1))
         return "\n".join(lines)

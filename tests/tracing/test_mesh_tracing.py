@@ -169,7 +169,7 @@ class _GhostNode:
                 async for _ in cpb_grpc.ControlPlaneStub(ch).Connect(self._messages()):
                     pass
 
-    async def __aenter__(self) -> _GhostNode:
+    async def __aenter__(self) -> _GhostNode:  # noqa: PYI034
         self._task = asyncio.create_task(self._run())
         return self
 
@@ -268,7 +268,7 @@ async def test_cli_generate_trace_prints_the_trace_id(mesh, receiver):
         sys.executable, "-m", "gpumesh.cli", "generate", "--target", raddr, "--trace",
         "--model", SIM_MODEL, "--max-tokens", "4", "--stream", "hello from the cli",
         env=otel_env(receiver), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     m = re.search(r"trace id: ([0-9a-f]{32})", err.decode())
     assert m, err.decode()

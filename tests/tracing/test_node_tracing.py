@@ -10,7 +10,6 @@ import pytest
 
 from gpumesh import metadata as md
 from gpumesh.client import MeshClient, StreamResult, build_request
-from gpumesh.v1 import inference_pb2 as pb
 from tests.integration.procs import Proc, free_port, wait_serving
 from tests.tracing.conftest import SIM_MODEL, new_traceparent, otel_env
 from tests.tracing.otlp_receiver import build_tree, by_name

@@ -12,9 +12,9 @@ from opentelemetry import trace
 from gpumesh import telemetry as gt
 from node.telemetry import NOOP as NODE_NOOP
 from node.telemetry import NodeTelemetry
+from router.scheduling.types import CandidateScore, Decision
 from router.telemetry import NOOP as ROUTER_NOOP
 from router.telemetry import RouterTelemetry, decision_attributes
-from router.scheduling.types import CandidateScore, Decision
 
 
 @pytest.mark.parametrize("env,expected", [
