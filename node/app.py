@@ -25,6 +25,7 @@ from node.engine import Engine
 from node.heartbeat import HeartbeatClient
 from node.servicer import InferenceServicer, NodeState
 from node.telemetry import NodeTelemetry
+from node.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,12 @@ class NodeServer:
             CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk),
             self.cfg.ticket_secret.encode(), self.cfg.require_ticket, self.telemetry),
             self.server)
+        # vLLM's native gRPC (what SMG and vLLM clients speak) on the same port and ledger.
+        add_vllm_engine_service(self.server, self.engine, self.state,
+                                model_path=self.cfg.model, require_ticket=self.cfg.require_ticket)
         reflection.enable_server_reflection(
-            (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            (INFERENCE_SERVICE, VLLM_ENGINE_SERVICE,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
         await self.server.start()
         log.info("node %s listening on %s (engine %s, model %s)", self.state.node_id,
@@ -169,7 +174,7 @@ class NodeServer:
         return nt
 
     async def _set_health(self, status: int) -> None:
-        for svc in ("", INFERENCE_SERVICE):
+        for svc in ("", INFERENCE_SERVICE, VLLM_ENGINE_SERVICE):
             await self._health.set(svc, status)
 
     def _drain_ordered(self, reason: str) -> None:

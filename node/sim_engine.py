@@ -102,6 +102,12 @@ class SimEngineConfig:
     max_num_batched_tokens: int = 16384
     seed: int = 0
     eos_probability: float = 0.0  # per generated token, unless ignore_eos
+    # Token ids are drawn from [0, vocab_size). A gateway that detokenizes the ids itself with
+    # a real tokenizer (SMG over VllmEngine gRPC) needs them inside that tokenizer's vocab:
+    # set vocab_size to it, and eos_token_id to its EOS (never drawn, only emitted by the EOS
+    # draw). eos_token_id -1 = vocab_size (outside the sampled range).
+    vocab_size: int = VOCAB_SIZE
+    eos_token_id: int = -1
     rate_window_s: float = 5.0  # wall-clock window of the load() rates
 
     def __post_init__(self) -> None:
@@ -116,6 +122,13 @@ class SimEngineConfig:
             raise ValueError("kv_capacity_tokens must hold at least max_context_length tokens")
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError("eos_probability must be in [0, 1]")
+        if self.vocab_size < 2:
+            raise ValueError("vocab_size must be >= 2")
+
+    @property
+    def eos(self) -> int:
+        """The EOS token id the simulator emits (see ``eos_token_id``)."""
+        return self.vocab_size if self.eos_token_id < 0 else self.eos_token_id
 
     @classmethod
     def for_shape(cls, shape: str, **overrides: Any) -> SimEngineConfig:
@@ -172,9 +185,9 @@ WORDS = _build_words()
 _NWORDS = len(WORDS)
 
 
-def detokenize(token_ids: Sequence[int]) -> str:
+def detokenize(token_ids: Sequence[int], eos: int = EOS_TOKEN_ID) -> str:
     """The simulator's text for generated ids (EOS renders as nothing)."""
-    return "".join([WORDS[t % _NWORDS] for t in token_ids if t != EOS_TOKEN_ID])
+    return "".join([WORDS[t % _NWORDS] for t in token_ids if t != eos])
 
 
 # Whitespace then up to four non-space characters: ~1 token per short word, ~4 chars per
@@ -183,10 +196,11 @@ _PIECE = re.compile(r"\s*\S{1,4}|\s+")
 
 
 class _Tokenizer:
-    __slots__ = ("_memo",)
+    __slots__ = ("_memo", "_vocab")
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int = VOCAB_SIZE) -> None:
         self._memo: dict[str, int] = {}
+        self._vocab = vocab_size
 
     def encode(self, text: str) -> list[int]:
         memo = self._memo
@@ -194,7 +208,7 @@ class _Tokenizer:
         for piece in _PIECE.findall(text):
             tid = memo.get(piece)
             if tid is None:
-                tid = zlib.crc32(piece.encode()) % VOCAB_SIZE
+                tid = zlib.crc32(piece.encode()) % self._vocab
                 if len(memo) < 200_000:
                     memo[piece] = tid
             out.append(tid)
@@ -256,7 +270,9 @@ class SimEngine:
             tensor_parallel_size=1,
             capacity_weight=cfg.capacity_weight,
         )
-        self._tok = _Tokenizer()
+        self._tok = _Tokenizer(cfg.vocab_size)
+        self._vocab = cfg.vocab_size
+        self._eos = cfg.eos
         self._reqs: dict[str, _Req] = {}
         self._running: list[_Req] = []
         self._waiting: deque[_Req] = deque()
@@ -319,7 +335,7 @@ class SimEngine:
                     text = req.text[req.text_sent:end] if end > req.text_sent else ""
                     req.text_sent = max(req.text_sent, end)
                 else:
-                    text = detokenize(ids)
+                    text = detokenize(ids, self._eos)
                 # Read finish once: the step loop may finish the request while this generator
                 # is suspended at the yield, and that last delta must still be delivered.
                 finish = req.finish
@@ -501,10 +517,12 @@ class SimEngine:
                 continue  # mid prefill (or mid recompute)
             rng = req.rng
             if req.eos_p and rng.random() < req.eos_p:
-                out.append(EOS_TOKEN_ID)
+                out.append(self._eos)
                 req.finish = Finish.STOP
             else:
-                tid = int(rng.random() * VOCAB_SIZE)
+                tid = int(rng.random() * self._vocab)
+                if tid == self._eos:  # an in-vocab EOS is only ever the EOS draw's
+                    tid = tid + 1 if tid + 1 < self._vocab else 0
                 out.append(tid)
                 if req.stop:
                     self._check_stop(req, tid)
