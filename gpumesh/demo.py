@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import grpc
 
@@ -50,7 +49,7 @@ async def _stop(procs: list[asyncio.subprocess.Process], grace_s: float = 20.0) 
     for p in procs:
         try:
             await asyncio.wait_for(p.wait(), grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             await p.wait()

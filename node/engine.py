@@ -93,7 +93,16 @@ class EngineError(Exception):
 
 
 class PromptTooLong(EngineError):
-    pass
+    """The prompt (plus max_tokens) does not fit the context window -> OUT_OF_RANGE."""
+
+
+class InvalidRequest(EngineError):
+    """The engine rejected the request as malformed (e.g. a token id out of vocabulary)
+    -> INVALID_ARGUMENT."""
+
+
+class EngineOverloaded(EngineError):
+    """The engine refused the request for lack of capacity -> RESOURCE_EXHAUSTED."""
 
 
 @runtime_checkable

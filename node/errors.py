@@ -36,12 +36,16 @@ def permission_denied(message: str) -> RequestError:
 
 def from_engine_exception(exc: BaseException) -> RequestError:
     """Engine failures: bad token ids and length errors are the caller's; the rest INTERNAL."""
-    from node.engine import PromptTooLong
+    from node.engine import EngineOverloaded, InvalidRequest, PromptTooLong
 
     if isinstance(exc, RequestError):
         return exc
     if isinstance(exc, PromptTooLong):
         return out_of_range(str(exc))
+    if isinstance(exc, InvalidRequest):
+        return invalid(f"engine rejected the request: {exc}")
+    if isinstance(exc, EngineOverloaded):
+        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"engine is full: {exc}")
     if isinstance(exc, ValueError):
         return invalid(f"engine rejected the request: {exc}")
     return RequestError(grpc.StatusCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}")

@@ -9,6 +9,7 @@ task, which closes the engine generator (vLLM aborts the request); ``finally`` a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import uuid
@@ -199,18 +200,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             trace.prepared(prep.request, prep.router_id)
             first = True
             completion = 0
-            async for out in self._run(prep, prep.coalescing, trace):
-                completion += len(out.token_ids)
-                msg = pb.GenerateStreamResponse(text=out.text, token_ids=out.token_ids)
-                if first:
-                    msg.request_id = prep.request.request_id
-                    first = False
-                if out.finish is not None:
-                    msg.finish_reason = _FINISH[out.finish]
-                    msg.usage.prompt_tokens = len(prep.request.prompt_token_ids)
-                    msg.usage.completion_tokens = completion
-                    self._trailing(context, trace)
-                yield msg
+            # aclosing: a cancelled stream aborts in the engine at once, not when the
+            # generator is garbage-collected.
+            async with contextlib.aclosing(self._run(prep, prep.coalescing, trace)) as outs:
+                async for out in outs:
+                    completion += len(out.token_ids)
+                    msg = pb.GenerateStreamResponse(text=out.text, token_ids=out.token_ids)
+                    if first:
+                        msg.request_id = prep.request.request_id
+                        first = False
+                    if out.finish is not None:
+                        msg.finish_reason = _FINISH[out.finish]
+                        msg.usage.prompt_tokens = len(prep.request.prompt_token_ids)
+                        msg.usage.completion_tokens = completion
+                        self._trailing(context, trace)
+                    yield msg
         except RequestError as err:
             trace.fail(err.code, err.message)
             self._trailing(context, trace)
@@ -231,10 +235,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             ids: list[int] = []
             finish = None
             # Unary: no client is waiting on chunks, so take the engine's outputs as they come.
-            async for out in self._run(prep, CoalescePolicy(0.0, 1), trace):
-                texts.append(out.text)
-                ids.extend(out.token_ids)
-                finish = out.finish
+            async with contextlib.aclosing(self._run(prep, CoalescePolicy(0.0, 1), trace)) as outs:
+                async for out in outs:
+                    texts.append(out.text)
+                    ids.extend(out.token_ids)
+                    finish = out.finish
             self._trailing(context, trace)
             return pb.GenerateResponse(
                 text="".join(texts), token_ids=ids,

@@ -31,8 +31,12 @@ from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.registry import Registry
 from router.scheduling import WaitModel, build_profile, default_filters
-from router.servicer import (ControlPlaneServicer, InferenceServicer, RouterServicer,
-                             inference_handler)
+from router.servicer import (
+    ControlPlaneServicer,
+    InferenceServicer,
+    RouterServicer,
+    inference_handler,
+)
 from router.telemetry import RouterTelemetry
 from router.transport import NodeChannels
 
@@ -102,6 +106,9 @@ class RouterServer:
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
+        if self.config.control_port and not server.add_insecure_port(
+                f"{self.config.host}:{self.config.control_port}"):
+            raise RuntimeError(f"could not bind control port {self.config.control_port}")
         await server.start()
         self._server = server
         for name in ("", *SERVICES):

@@ -26,9 +26,15 @@ from gpumesh import tickets
 from gpumesh.v1 import control_pb2, control_pb2_grpc, inference_pb2
 from router import errors
 from router.config import RouterConfig
-from router.dispatch import DispatchRecord, Dispatcher
-from router.registry import (AccountSample, GpuStat, ModelSpec, NodeRegistration, Registry,
-                             Report)
+from router.dispatch import Dispatcher, DispatchRecord
+from router.registry import (
+    AccountSample,
+    GpuStat,
+    ModelSpec,
+    NodeRegistration,
+    Registry,
+    Report,
+)
 from router.scheduling.types import LoadSample, NodeState, RequestInfo
 from router.telemetry import NOOP, RouterTelemetry, Trace
 
@@ -116,7 +122,7 @@ class InferenceServicer:
             except asyncio.CancelledError:
                 trace.cancelled()
                 raise
-            except Exception as e:  # noqa: BLE001 - one place turns surprises into INTERNAL
+            except Exception as e:
                 log.exception("GenerateStream failed")
                 trace.fail(e)
                 await _abort(context, e, record, trace)
@@ -141,7 +147,7 @@ class InferenceServicer:
             except asyncio.CancelledError:
                 trace.cancelled()
                 raise
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.exception("Generate failed")
                 trace.fail(e)
                 await _abort(context, e, record, trace)
@@ -253,6 +259,10 @@ class ControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             "the first message must be a Registration")
                     hb = msg.heartbeat
+                    if self.registry.entry(node_id) is None:
+                        # Dropped meanwhile (its other stream to this router closed, or the lease
+                        # lapsed) but this stream is alive: soft state re-admits it.
+                        self.registry.register(reg, stream_id)
                     self.registry.heartbeat(
                         node_id, stream_id, hb.seq, hb.sent_unix_ms, load_from_proto(hb.load),
                         accounts=[(a.router_id, AccountSample(
@@ -284,7 +294,7 @@ _STATE = {NodeState.HEALTHY: control_pb2.NODE_STATE_HEALTHY,
 def _load_to_proto(report: Report | None) -> control_pb2.LoadReport:
     if report is None:
         return control_pb2.LoadReport()
-    l = report.load  # noqa: E741
+    l = report.load
     return control_pb2.LoadReport(
         num_running=l.num_running, num_waiting=l.num_waiting,
         pending_prefill_tokens=l.pending_prefill_tokens, kv_cache_usage=l.kv_cache_usage,

@@ -154,7 +154,7 @@ async def test_cancel_aborts_in_engine(node, cp):
         await asyncio.sleep(0.1)
         recent = [m.heartbeat.load for t, m in plane.received
                   if t > t_cancel + 0.3 and m.WhichOneof("kind") == "heartbeat"]
-        seen_running = seen_running or any(h.num_running for h in plane.heartbeats(NODE_ID))
+        seen_running = seen_running or any(h.load.num_running for h in plane.heartbeats(NODE_ID))
         if recent and recent[-1].num_running == 0 and recent[-1].in_flight == 0:
             break
     else:
@@ -252,7 +252,7 @@ async def test_drain_last(node, cp):
     plane, _ = cp
     proc = node[0]
     long_req = build_request("drain me", model="tiny", max_tokens=150, ignore_eos=True)
-    in_flight = asyncio.create_task(stub(node).Generate(long_req, timeout=120))
+    in_flight = asyncio.ensure_future(stub(node).Generate(long_req, timeout=120))
     await asyncio.sleep(1.0)
     plane.drain(NODE_ID)
     hs = health_pb2_grpc.HealthStub(node[2])
@@ -269,5 +269,10 @@ async def test_drain_last(node, cp):
     assert any(h.load.draining for h in plane.heartbeats(NODE_ID))
     done = await in_flight  # the in-flight request still finishes
     assert done.usage.completion_tokens == 150
-    assert proc.terminate(timeout_s=30) == 0
+    # terminate() blocks: run it off the loop that also serves the recording control plane.
+    assert await asyncio.to_thread(proc.terminate, 30) == 0
+    for _ in range(20):
+        if plane.messages[NODE_ID][-1].WhichOneof("kind") == "deregistration":
+            break
+        await asyncio.sleep(0.1)
     assert plane.messages[NODE_ID][-1].WhichOneof("kind") == "deregistration"
