@@ -29,6 +29,7 @@ from gpumesh import telemetry as otel
 from gpumesh.v1 import control_pb2_grpc
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
+from router.foreign import ForeignFleet
 from router.registry import Registry
 from router.scheduling import WaitModel, build_profile, default_filters
 from router.servicer import (
@@ -79,6 +80,9 @@ class RouterServer:
         self.router = RouterServicer(config, self.registry, self.dispatcher, clock, wall_clock,
                                      self.telemetry)
         self.health = health.aio.HealthServicer()
+        # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
+        self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,
+                                    config.foreign_poll_interval_s)
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.port = 0
@@ -114,6 +118,7 @@ class RouterServer:
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self.foreign.start()
         log.info("router %s listening on %s (policy %s)", self.config.router_id, self.address,
                  self.config.policy)
         return self.port
@@ -140,6 +145,7 @@ class RouterServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self._server.stop(min(grace, 1.0))
+        await self.foreign.stop()
         await self.channels.aclose()
         self._server = None
         await asyncio.to_thread(self.telemetry.tel.shutdown)

@@ -85,6 +85,11 @@ class RouterConfig:
     # --- node channels
     keepalive_time_ms: int = 30_000
 
+    # --- foreign nodes: stock vLLM gRPC workers (router.foreign), each
+    # "host:port[?weight=W&node_id=ID&tokenizer=PATH&max_concurrency=N]"
+    foreign_nodes: tuple[str, ...] = ()
+    foreign_poll_interval_s: float = 0.25  # GetLoads while no pushed load record arrives
+
     def __post_init__(self) -> None:
         if "." in self.router_id or not self.router_id:
             raise ValueError(f"router_id must be non-empty and contain no '.': {self.router_id!r}")
@@ -99,8 +104,10 @@ class RouterConfig:
             raise ValueError("scorer weights must be >= 0 with at least one > 0")
         object.__setattr__(self, "scorer_weights", MappingProxyType(weights))
         object.__setattr__(self, "peer_addresses", tuple(self.peer_addresses))
+        object.__setattr__(self, "foreign_nodes", tuple(self.foreign_nodes))
         for name in ("lease_ttl_s", "freshness_s", "reference_prompt_tokens_per_s",
-                     "wait_scale_s", "request_timeout_s", "first_token_timeout_s", "ticket_ttl_s"):
+                     "wait_scale_s", "request_timeout_s", "first_token_timeout_s", "ticket_ttl_s",
+                     "foreign_poll_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.kv_hard_threshold <= 1 or not 0 < self.kv_usage_cap < 1:
@@ -148,7 +155,7 @@ def _coerce(type_name: Any, key: str, value: Any) -> Any:
         if isinstance(value, str):
             value = _parse_weights([p for p in value.split(",") if p.strip()])
         return {str(k): float(v) for k, v in dict(value).items()}
-    if key == "peer_addresses":
+    if key in ("peer_addresses", "foreign_nodes"):
         if isinstance(value, str):
             return tuple(p.strip() for p in value.split(",") if p.strip())
         return tuple(value)

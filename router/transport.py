@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -100,6 +101,14 @@ class NodeChannels:
             c = NodeClient(node_id, address, self._keepalive_time_ms)
             self._clients[node_id] = c
         return c
+
+    def adopt(self, client: NodeClient | Any) -> None:
+        """Use ``client`` for its ``node_id`` from now on: a foreign node's translating client
+        (router.foreign) with NodeClient's interface. Removal (``forget``) drops it as usual."""
+        old = self._clients.get(client.node_id)
+        if old is not None and old is not client:
+            self._close_later(old)
+        self._clients[client.node_id] = client
 
     def forget(self, node_id: str) -> None:
         """The node left: close its channel once its in-flight calls end (bounded grace)."""

