@@ -133,7 +133,10 @@ class MeshClient:
                 async for chunk in call:
                     yield chunk
             finally:
-                _fill(result, await _trailing(call))
+                if call.done():
+                    _fill(result, await _trailing(call))
+                else:
+                    call.cancel()  # the caller stopped early: cancel, which aborts in the engine
             return
         attempt = 0
         while True:
