@@ -139,10 +139,12 @@ class MeshClient:
                     call.cancel()  # the caller stopped early: cancel, which aborts in the engine
             return
         attempt = 0
+        failed: list[str] = []
         while True:
             attempt += 1
-            pick = await self.router.Pick(cpb.PickRequest(request=request), timeout=10.0,
-                                          metadata=metadata)
+            pick = await self.router.Pick(cpb.PickRequest(request=request,
+                                                          exclude_node_ids=failed),
+                                          timeout=10.0, metadata=metadata)
             req = pb.GenerateRequest()
             req.CopyFrom(request)
             req.ticket = pick.ticket
@@ -160,6 +162,7 @@ class MeshClient:
                 # Retry-before-first-token, once, as the router does in proxy mode.
                 if got_token or attempt >= 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
+                failed.append(pick.node_id)
             finally:
                 call.cancel()
 

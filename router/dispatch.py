@@ -311,10 +311,12 @@ class Dispatcher:
             exclude = exclude | {lease.node_id}
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def pick(self, info: RequestInfo, deadline: float, record: DispatchRecord) -> Lease:
-        """Lookaside: choose and charge a node; the client calls it with a ticket."""
+    async def pick(self, info: RequestInfo, deadline: float, record: DispatchRecord,
+                   exclude: frozenset[str] = frozenset()) -> Lease:
+        """Lookaside: choose and charge a node; the client calls it with a ticket.
+        ``exclude``: nodes the client saw fail before a first token (its retry)."""
         record.model, record.prompt_tokens = info.model, info.prompt_tokens
-        return await self._lease(info, deadline, frozenset(),
+        return await self._lease(info, deadline, exclude,
                                  self._blind_charge(info.prompt_tokens, False), record)
 
     def _retry(self, code: grpc.StatusCode, attempt: int, deadline: float) -> bool:

@@ -357,7 +357,8 @@ class RouterServicer(control_pb2_grpc.RouterServicer):
             remaining = context.time_remaining()
             deadline = self.clock() + (self.config.request_timeout_s
                                        if remaining is None else remaining)
-            lease = await self.dispatcher.pick(info, deadline, record)
+            lease = await self.dispatcher.pick(info, deadline, record,
+                                               frozenset(request.exclude_node_ids))
             ticket, expires_ms = tickets.issue(
                 self.config.ticket_secret_bytes, self.config.router_id, lease.node_id,
                 info.prompt_tokens, self.config.ticket_ttl_s, now=self.wall_clock())

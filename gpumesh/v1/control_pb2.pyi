@@ -202,10 +202,12 @@ class GetFleetResponse(_message.Message):
     def __init__(self, router_id: _Optional[str] = ..., policy: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ...) -> None: ...
 
 class PickRequest(_message.Message):
-    __slots__ = ("request",)
+    __slots__ = ("request", "exclude_node_ids")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     request: _inference_pb2.GenerateRequest
-    def __init__(self, request: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
+    exclude_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PickResponse(_message.Message):
     __slots__ = ("node_id", "address", "ticket", "expires_unix_ms", "model")
