@@ -45,6 +45,7 @@ def build_engine(cfg: NodeConfig) -> Engine:
             sim.setdefault("max_context_length", cfg.max_model_len)
         return SimEngine(SimEngineConfig(**sim))
     if cfg.engine == "vllm":
+        from node.gpu import GpuSampler
         from node.vllm_engine import VllmEngine, VllmEngineConfig
 
         return VllmEngine(VllmEngineConfig(
@@ -55,7 +56,8 @@ def build_engine(cfg: NodeConfig) -> Engine:
             gpu_memory_utilization=cfg.gpu_memory_utilization, load_format=cfg.load_format,
             enforce_eager=cfg.enforce_eager,
             num_gpu_blocks_override=cfg.num_gpu_blocks_override or None,
-            capacity_weight=cfg.weight, extra=dict(cfg.engine_args)))
+            capacity_weight=cfg.weight, extra=dict(cfg.engine_args)),
+            gpu_sampler=GpuSampler())
     raise ValueError(f"unknown engine {cfg.engine!r} (expected 'vllm' or 'sim')")
 
 

@@ -66,6 +66,13 @@ class GpuSampler:
         self._unavailable = False
         self._lock = threading.Lock()  # NVML init/shutdown vs. sampling in worker threads
         self._latest: tuple[GpuSample, ...] = ()
+        self._device_name = ""
+
+    @property
+    def device_name(self) -> str:
+        """NVML name of the first visible GPU (e.g. "NVIDIA H200"); "" before the first
+        sample or without NVML. The node registers it as its ``gpu_model``."""
+        return self._device_name
 
     @property
     def available(self) -> bool:
@@ -129,6 +136,12 @@ class GpuSampler:
             pynvml.nvmlShutdown()
             return False
         self._nvml = pynvml
+        if self._handles:
+            try:
+                name = pynvml.nvmlDeviceGetName(self._handles[0])
+                self._device_name = name.decode() if isinstance(name, bytes) else str(name)
+            except pynvml.NVMLError as e:
+                logger.debug("NVML device name unavailable: %s", e)
         return True
 
     def _resolve_handles(self, pynvml: Any) -> tuple[Any, ...]:

@@ -244,6 +244,12 @@ class VllmEngine:
         self._tokenizer: Any = None
         self._max_model_len = config.max_model_len or 0
         self._shut = False
+        self._sampler_task: asyncio.Task[None] | None = None
+
+    @property
+    def gpu_model(self) -> str:
+        """The GPU's NVML name (the node registers it), "" without a sampler or NVML."""
+        return getattr(self._gpu_sampler, "device_name", "") or ""
 
     # -- Engine protocol -----------------------------------------------------------------
 
@@ -298,6 +304,11 @@ class VllmEngine:
             run_handler()
         self._max_model_len = int(self._llm.model_config.max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
+        if self._gpu_sampler is not None and self._sampler_task is None:
+            # One reading now, so the first heartbeat (sent once start() returns) carries GPU
+            # samples and the registration its gpu_model; then one a second.
+            await self._gpu_sampler.sample()
+            self._sampler_task = asyncio.create_task(self._gpu_sampler.run(1.0))
         logger.info(
             "vLLM engine ready: model=%s max_model_len=%d in %.1fs",
             self._config.name, self._max_model_len, time.monotonic() - t0,
@@ -393,6 +404,10 @@ class VllmEngine:
 
     async def shutdown(self) -> None:
         """Abort what is left and stop the engine core process. Idempotent."""
+        if self._sampler_task is not None:
+            self._sampler_task.cancel()
+            await asyncio.gather(self._sampler_task, return_exceptions=True)
+            self._sampler_task = None
         if self._llm is None:
             return
         self._shut = True
