@@ -14,14 +14,23 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
 
-async def _spawn(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gpumesh.cli", *args, env={**os.environ, **(env or {})},
-        start_new_session=True)
+LOG_DIR = Path(os.environ.get("GPUMESH_DEMO_LOGS", "demo-logs"))
+
+
+async def _spawn(name: str, *args: str, env: dict[str, str] | None = None
+                 ) -> asyncio.subprocess.Process:
+    """A child in its own session (Ctrl-C reaches only the demo, which stops children in
+    order); its output goes to demo-logs/<name>.log so the terminal shows the demo alone."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    with open(LOG_DIR / f"{name}.log", "wb") as log:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gpumesh.cli", *args, env={**os.environ, **(env or {})},
+            stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
 
 
 async def wait_for_fleet(router: str, nodes: int, timeout_s: float) -> None:
@@ -72,14 +81,15 @@ async def run_demo(args: argparse.Namespace) -> int:
         model_args = ["--engine", "sim", "--model", "tiny"]
     procs: list[asyncio.subprocess.Process] = []
     try:
-        procs.append(await _spawn("router", "--port", str(args.port)))
+        procs.append(await _spawn("router", "router", "--host", "127.0.0.1",
+                                  "--port", str(args.port)))
         for i in range(2):
             procs.append(await _spawn(
-                "node", *model_args, "--port", "0", "--node-id", f"node-{i}", "--router", router,
+                f"node-{i}", "node", *model_args, "--port", "0", "--node-id", f"node-{i}", "--router", router,
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
                      "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}))
-        print("[demo] waiting for two healthy nodes (a CPU engine starts in ~20-40 s)...",
-              file=sys.stderr)
+        print(f"[demo] router on {router}, two vLLM CPU nodes starting (~20-60 s; logs in "
+              f"{LOG_DIR}/)...", file=sys.stderr)
         await wait_for_fleet(router, 2, timeout_s=300)
         async with MeshClient(router) as client:
             result = StreamResult()
@@ -95,8 +105,14 @@ async def run_demo(args: argparse.Namespace) -> int:
             print(f"[demo] served by {result.node_id}: {usage.prompt_tokens} prompt tokens, "
                   f"{usage.completion_tokens} completion tokens (random weights: gibberish is "
                   f"expected)", file=sys.stderr)
-            await asyncio.sleep(0.6)  # let a heartbeat carry the finished request's figures
-            print(fleet_table(await client.fleet()))
+            # Show the fleet once a heartbeat has carried the finished request's figures.
+            deadline = time.monotonic() + 3.0
+            while True:
+                fleet = await client.fleet()
+                if all(n.load.in_flight == 0 for n in fleet.nodes) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            print(fleet_table(fleet))
         return 0
     except (asyncio.CancelledError, KeyboardInterrupt):
         print("\n[demo] interrupted", file=sys.stderr)

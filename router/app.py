@@ -167,11 +167,9 @@ async def serve(config: RouterConfig) -> None:
         except (NotImplementedError, RuntimeError):  # not the main thread / platform
             pass
     try:
-        waiter = loop.create_task(server.wait_for_termination())
-        stopper = loop.create_task(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        stopper.cancel()
+        # Not server.wait_for_termination(): cancelling that waiter cancels the server's
+        # shutdown future, and server.stop() below then dies with CancelledError.
+        await stop.wait()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
