@@ -6,6 +6,11 @@
   gpumesh bench trace --out FILE --requests N [--rate R] [--prompt DIST] [--output DIST]
   gpumesh bench report FILE... [--md OUT]
   gpumesh bench plot FILE... --out PNG [--md OUT]
+  gpumesh bench compare-policies [--fleets ...] [--loads ...] [--time-scale T] [--repeats R]
+  gpumesh bench compare-report compare.json... [--md OUT]
+  gpumesh bench overhead [--parts direct,modes,workers,tracing,decision] [--repeats R]
+  gpumesh bench scaling [--sizes 1,2,4,8,16,64] [--vllm]
+  gpumesh bench vs-smg [--concurrency 8,32] [--repeats R]
 
 DIST: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX] | bimodal:SHORT:LONG:P_LONG
 (see gpumesh.bench.workload). With --trace, arrivals come from the trace (--rate rescales
@@ -99,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", required=True)
     pl.add_argument("--title", default="")
     pl.add_argument("--md", default="")
+    from gpumesh.bench import compare, overhead, scaling
+
+    cp = sub.add_parser("compare-policies", help="every policy + nginx on one fleet and one trace")
+    compare.add_arguments(cp)
+    cr = sub.add_parser("compare-report", help="medians over compare-policies result files")
+    cr.add_argument("files", nargs="+")
+    cr.add_argument("--md", default="")
+    ov = sub.add_parser("overhead", help="router vs direct, streaming modes, workers, tracing, "
+                                         "decision time")
+    overhead.add_arguments(ov)
+    sc = sub.add_parser("scaling", help="data-parallel scaling of sim (and vLLM CPU) nodes")
+    scaling.add_arguments(sc)
+    from gpumesh.bench import vs_smg
+
+    vs = sub.add_parser("vs-smg", help="gpumesh router vs SMG, each against one vLLM CPU worker")
+    vs_smg.add_arguments(vs)
     return p
 
 
@@ -222,6 +243,19 @@ def _cmd_plot(a: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(argv) if argv is not None else None)
+    if a.cmd == "compare-policies":
+        from gpumesh.bench import compare
+
+        return compare.main(a)
+    if a.cmd == "compare-report":
+        from gpumesh.bench import compare
+
+        return compare.report_main(a.files, a.md)
+    if a.cmd in ("overhead", "scaling", "vs-smg"):
+        from gpumesh.bench import overhead, scaling, vs_smg
+
+        return {"overhead": overhead.main, "scaling": scaling.main,
+                "vs-smg": vs_smg.main}[a.cmd](a)
     return {"run": _cmd_run, "trace": _cmd_trace, "report": _cmd_report, "plot": _cmd_plot}[a.cmd](a)
 
 

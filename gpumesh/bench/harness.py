@@ -1,0 +1,75 @@
+"""Shared pieces of the comparison benchmarks: one measured run, capacity, CPU accounting.
+
+``measured_run`` drives one open- or closed-loop run against a target and returns the result
+document (``report.result_document``) with extra fields: the CPU seconds each watched
+process group spent during the run (``cpu``: name -> {"s", "pct", "ms_per_req"}), the load
+generator's own CPU, and the run's labels. Rates and times are wall-clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from gpumesh.bench.fleet import group_cpu_s
+from gpumesh.bench.loadgen import LoadConfig, RequestResult, run_load
+from gpumesh.bench.report import result_document
+from gpumesh.bench.stats import SLO, percentile, summarize
+from gpumesh.bench.workload import BenchRequest
+
+
+async def measured_run(cfg: LoadConfig, requests: Iterable[BenchRequest], slo: SLO,
+                       watch: Mapping[str, int] | None = None,
+                       extra: Mapping[str, Any] | None = None,
+                       keep_requests: bool = False) -> dict[str, Any]:
+    """One run; ``watch`` maps a name to a process-group id whose CPU is measured."""
+    watch = dict(watch or {})
+    c0 = {k: group_cpu_s(p) for k, p in watch.items()}
+    p0, w0 = time.process_time(), time.perf_counter()
+    run = await run_load(cfg, requests)
+    wall = time.perf_counter() - w0
+    lg = time.process_time() - p0
+    c1 = {k: group_cpu_s(p) for k, p in watch.items()}
+    summary = summarize(run.results, slo)
+    ok = max(1, summary["ok"])
+    cpu = {k: {"s": c1[k] - c0[k], "pct": 100 * (c1[k] - c0[k]) / wall,
+               "ms_per_req": 1000 * (c1[k] - c0[k]) / ok} for k in watch}
+    cpu["loadgen"] = {"s": lg, "pct": 100 * lg / wall, "ms_per_req": 1000 * lg / ok}
+    summary["chunks_per_req"] = (sum(r.chunks for r in run.results if r.status == "OK") / ok)
+    doc = result_document(run, summary, dict(extra or {}), include_requests=keep_requests)
+    doc["cpu"] = cpu
+    doc["run_wall_s"] = wall
+    return doc
+
+
+def closed_loop_throughput(results: Sequence[RequestResult], warmup_s: float,
+                           end_s: float) -> float:
+    """Completions per second inside [warmup_s, end_s] (offsets from the run's start)."""
+    done = sum(1 for r in results if r.status == "OK" and warmup_s <= r.start_s + r.latency_s <= end_s)
+    return done / max(end_s - warmup_s, 1e-9)
+
+
+async def measure_capacity(target: str, requests: Iterable[BenchRequest], concurrency: int,
+                           duration_s: float, warmup_s: float) -> tuple[float, dict[str, Any]]:
+    """Closed-loop saturation: ``concurrency`` requests always in flight for ``duration_s``;
+    capacity = completions/s between ``warmup_s`` and ``duration_s``. Returns (req/s, info)."""
+    cfg = LoadConfig(target=target, concurrency=concurrency, duration_s=duration_s,
+                     timeout_s=300, progress_s=0, label="capacity")
+    run = await run_load(cfg, requests)
+    cap = closed_loop_throughput(run.results, warmup_s, duration_s)
+    s = summarize(run.results)
+    return cap, {"concurrency": concurrency, "duration_s": duration_s, "warmup_s": warmup_s,
+                 "req_per_s": cap, "completed": s["ok"], "errors": s["errors"],
+                 "ttft_p50_ms": s["ttft_ms"]["p50"], "node_share": s["node_share"]}
+
+
+def median(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return percentile(xs, 50) if xs else math.nan
+
+
+def run_async(coro: Any) -> Any:
+    return asyncio.run(coro)
