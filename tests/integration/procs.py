@@ -120,10 +120,10 @@ class RecordingControlPlane(cpb_grpc.ControlPlaneServicer):
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         self.server = grpc.aio.server()
         cpb_grpc.add_ControlPlaneServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
         return f"127.0.0.1:{self.port}"
 
