@@ -438,7 +438,7 @@ async def _host(spec: dict[str, Any]) -> None:
                          routers=tuple(spec["routers"]), engine="sim", model=spec["model"],
                          weight=float(n["weight"] if n.get("weight") is not None else n["speed"]),
                          flush_interval_ms=int(spec["flush_interval_ms"]), drain_timeout_s=1.0,
-                         sim=sim)
+                         ticket_secret=os.environ.get("GPUMESH_TICKET_SECRET", ""), sim=sim)
         s = NodeServer(cfg, build_engine(cfg))
         await s.start()
         servers.append(s)

@@ -12,6 +12,7 @@ p50/p99 in microseconds over ``iters`` decisions (after a warm-up). No I/O, no e
 from __future__ import annotations
 
 import gc
+import logging
 import random
 import time
 from typing import Any
@@ -32,6 +33,7 @@ POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin
 
 
 def build_registry(n: int, seed: int = 0) -> Registry:
+    logging.getLogger("router.registry").setLevel(logging.WARNING)  # one line per node otherwise
     rng = random.Random(seed)
     clock = [1000.0]
     reg = Registry("bench-router", lease_ttl_s=3.0, freshness_s=1.5, max_concurrency_default=0,

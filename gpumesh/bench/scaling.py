@@ -7,8 +7,9 @@ For N in ``--sizes`` (default 1,2,4,8,16,64) identical sim nodes (speed 1, ``max
   rate -- and so the CPU the router, the nodes and the load generator need on these 2 cores --
   stays about the same for every N. Throughputs are therefore compared in SIMULATED req/s
   (wall req/s x time_scale); latencies in simulated ms (wall / time_scale).
-- saturation: a closed loop with ``max_num_seqs x N`` requests in flight; capacity = completions
-  per (simulated) second after a warm-up. Efficiency_sat(N) = cap(N) / (N cap(1)).
+- saturation: a closed loop with ``--cap-factor x max_num_seqs x N`` requests in flight (every
+  node full and queueing whatever the balance); capacity = completions per (simulated) second
+  after a warm-up. Efficiency_sat(N) = cap(N) / (N cap(1)).
 - at a fixed p99 bound: open-loop Poisson at f x N x cap(1) for f = 0.95, 0.90, ... until the
   p99 latency is within ``--p99-bound`` x the unloaded latency; Efficiency_p99(N) =
   f(N) / f(1) (granularity 0.05).
@@ -47,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per run")
     p.add_argument("--p99-bound", type=float, default=3.0, help="x unloaded latency")
     p.add_argument("--fractions", default="0.95,0.9,0.85,0.8,0.75,0.7,0.6,0.5")
+    p.add_argument("--cap-factor", type=float, default=2.0,
+                   help="saturation run: requests in flight = factor x max_num_seqs x N")
     p.add_argument("--vllm", action="store_true", help="also 1 -> 2 real vLLM CPU nodes")
     p.add_argument("--vllm-model", default=os.environ.get("GPUMESH_TINY_MODEL", "models/tiny"))
     p.add_argument("--out", default="bench-results/scaling")
@@ -87,7 +90,8 @@ def sim_scaling(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
             tgt = fleet.address("r")
             unl = asyncio.run(_unloaded(tgt, spec)) / ts
             asyncio.run(fleet.wait_idle("r"))
-            cap = asyncio.run(_closed(tgt, spec, a.max_num_seqs * n, a.duration)) * ts
+            conc = max(1, round(a.cap_factor * a.max_num_seqs * n))
+            cap = asyncio.run(_closed(tgt, spec, conc, a.duration)) * ts
             if n == 1 or cap1 == 0:
                 cap1 = cap / n
             row: dict[str, Any] = {"nodes": n, "time_scale": ts, "unloaded_ms": unl,
@@ -95,8 +99,7 @@ def sim_scaling(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                                    "bound_ms": a.p99_bound * unl, "trials": []}
             print(f"[scaling] N={n} T={ts:g} unloaded={unl:.0f} ms cap={cap:.0f} req/s(sim) "
                   f"eff_sat={row['eff_sat']:.3f}", file=sys.stderr, flush=True)
-            start = 0 if n == 1 else max(0, fracs.index(f1) - 1) if f1 in fracs else 0
-            for f in fracs[start:]:
+            for f in fracs:
                 asyncio.run(fleet.wait_idle("r"))
                 rate = f * n * cap1 / ts
                 s = asyncio.run(_open(tgt, spec, rate, a.duration))
