@@ -200,6 +200,25 @@ def _import_entry_points() -> tuple[Any, Any]:
     return AsyncEngineArgs, AsyncLLM
 
 
+def _vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(engine errors to map, overload errors, client errors) of the installed vLLM.
+
+    vLLM >= 0.28 has a ``VLLMError`` hierarchy (``VLLMClientError``, ``QueueOverflowError``,
+    ``MaxQueuedTokensError``); 0.26 (the CUDA kit) has none of these, only
+    ``VLLMValidationError`` / ``VLLMUnprocessableEntityError`` (ValueError subclasses) and
+    ``VLLMNotFoundError`` for bad requests. Names missing from this vLLM are skipped.
+    """
+    import vllm.exceptions as vex
+
+    def types(*names: str) -> tuple[type, ...]:
+        return tuple(t for n in names if isinstance(t := getattr(vex, n, None), type))
+
+    client = types("VLLMClientError", "VLLMValidationError", "VLLMUnprocessableEntityError",
+                   "VLLMNotFoundError")
+    return (types("VLLMError") + client, types("QueueOverflowError", "MaxQueuedTokensError"),
+            client)
+
+
 def _shutdown_when_built(build: asyncio.Future[Any]) -> None:
     if not build.cancelled() and build.exception() is None:
         build.result().shutdown()
@@ -340,13 +359,9 @@ class VllmEngine:
         (vLLM validation, e.g. a token id out of vocabulary), ``EngineOverloaded`` (vLLM's
         queue limits), else plain ``EngineError``.
         """
-        from vllm.exceptions import (
-            MaxQueuedTokensError,
-            QueueOverflowError,
-            VLLMClientError,
-            VLLMError,
-        )
         from vllm.inputs import tokens_input
+
+        engine_errors, overloaded, client_errors = _vllm_error_types()
 
         llm = self._engine()
         n = len(request.prompt_token_ids)
@@ -372,12 +387,12 @@ class VllmEngine:
                     if not c.token_ids and not c.text and finish is None:
                         continue
                     yield EngineOutput(tuple(c.token_ids), c.text, finish)
-        except VLLMError as e:
+        except engine_errors as e:
             if "maximum model length" in str(e) or "max_model_len" in str(e):
                 raise PromptTooLong(str(e)) from e
-            if isinstance(e, (QueueOverflowError, MaxQueuedTokensError)):
+            if isinstance(e, overloaded):
                 raise EngineOverloaded(str(e)) from e
-            if isinstance(e, VLLMClientError):
+            if isinstance(e, client_errors):
                 raise InvalidRequest(str(e)) from e
             raise EngineError(f"{type(e).__name__}: {e}") from e
 
