@@ -27,25 +27,37 @@ Units: ``load()`` rates (``generation_tokens_per_s``, ``prompt_tokens_per_s``) a
 WALL-CLOCK second, i.e. simulated rates divided by ``time_scale``, so the router's formulas see
 the wall-clock behaviour they act on. :attr:`SimEngine.stats` reports simulated seconds.
 
-Calibration (defaults = the 0.5B shape), from ``/work/shared/gpu/README.md``, "Calibration
-data for a simulated engine" (raw vLLM 0.26.0, one H200, CUDA graphs, dummy weights,
-``calibrate.sh``, 2026-11-29):
+Calibration (defaults = the 0.5B shape). Two sources, both vLLM 0.26.0 on H200 with CUDA
+graphs and dummy weights:
 
-- decode: least-squares line through the step-time table (B = 1..512):
-  0.5B ``a = 2.776 ms, b_decode = 0.03177 ms/token`` (residuals <= 0.1 ms, <3 %);
-  7B ``a = 4.073 ms, b_decode = 0.02912 ms/token`` (residuals up to 17 %; the 7B curve is
-  convex).
-- prefill: slope of a least-squares line through the one-request TTFT table
-  (128..8192 tokens): 0.5B ``b_prefill = 0.00612 ms/token``, 7B ``0.0241 ms/token``. The
-  table's intercepts (17.5 ms / 7.9 ms) include the per-call overhead of offline
-  ``LLM.generate`` and are not charged to the simulated step; a prefill step pays ``a`` only.
-- KV capacity at gpu_memory_utilization 0.85: 0.5B 10.2 M tokens, 7B 1.91 M tokens, block 16;
-  scheduler defaults max_num_seqs 1024, max_num_batched_tokens 16384, max_model_len 8704.
+- 0.5B decode (``step_a_ms``, ``step_b_decode_ms``): measured through the mesh, 2026-11-29,
+  nvidia-h200-x2 (``deploy/gpu/run_mesh_gpu.sh``, docs/benchmarks-gpu.md): a vLLM CUDA node,
+  32-token prompts, 256 output tokens, closed loop at concurrency 1 / 32 / 128 / 256. Step time
+  = TPOT p50; batch = the running requests the node's heartbeats reported meanwhile (at
+  concurrency 256 only ~89 were running: the node's Python front end, not the GPU, limits it to
+  ~27k output tokens/s). Points (batch, ms): (1, 2.0), (23, 3.1), (89, 4.8), (114, 5.1),
+  (123, 4.9); least-squares line ``a = 2.29 ms, b_decode = 0.0242 ms/token`` (residuals
+  <= 0.36 ms). The earlier fit of the offline table below (``a = 2.776``, ``b = 0.03177``)
+  predicted 6.8 ms at batch 128 where the streaming engine takes ~5 ms.
+- everything else from ``/work/shared/gpu/README.md``, "Calibration data for a simulated
+  engine" (``calibrate.sh``, one H200, 2026-11-29):
+  7B decode: least-squares line through the step-time table (B = 1..512),
+  ``a = 4.073 ms, b_decode = 0.02912 ms/token`` (residuals up to 17 %; the 7B curve is
+  convex; not re-measured through the mesh).
+  Prefill: slope of a least-squares line through the one-request TTFT table (128..8192
+  tokens): 0.5B ``b_prefill = 0.00612 ms/token``, 7B ``0.0241 ms/token``. The table's
+  intercepts (17.5 ms / 7.9 ms) include the per-call overhead of offline ``LLM.generate`` and
+  are not charged to the simulated step; a prefill step pays ``a`` only. (Through the mesh,
+  one request's TTFT was 12 ms at 32 prompt tokens and 27 ms at 1024 and 1900: front-end
+  overhead dominates, so these did not move the slope.)
+  KV capacity at gpu_memory_utilization 0.85: 0.5B 10.2 M tokens (the mesh's nodes logged
+  10,260,096 at max_model_len 2048), 7B 1.91 M tokens, block 16; scheduler defaults
+  max_num_seqs 1024, max_num_batched_tokens 16384, max_model_len 8704.
 
 Not modelled: attention cost growing with context length, CUDA-graph vs eager steps, prefix
-caching (hit rate is always 0), GPU samples (``EngineLoad.gpus`` is empty). The same
-README's seed table (AsyncLLM, 128 in flight, 32 in / 256 out) ran ~1.7x faster than this
-fit predicts, so the defaults are conservative; ``speed`` can absorb that.
+caching (hit rate is always 0), GPU samples (``EngineLoad.gpus`` is empty), and the real
+node's front-end ceiling (~21-27k output tokens/s per 0.5B node on that host: above ~128
+streams per node the simulator is optimistic).
 
 Outputs are deterministic: a request's token ids come from its own RNG, seeded by
 ``sampling.seed`` when given, else by the prompt (temperature 0, like greedy decoding), else
@@ -95,8 +107,8 @@ class SimEngineConfig:
     time_scale: float = 1.0  # wall-clock seconds per simulated second; 0 = no sleeping
     kv_capacity_tokens: int = 10_200_000
     kv_block_size: int = 16
-    step_a_ms: float = 2.776
-    step_b_decode_ms: float = 0.03177
+    step_a_ms: float = 2.29  # 0.5B, measured through the mesh (module docstring)
+    step_b_decode_ms: float = 0.0242
     step_b_prefill_ms: float = 0.00612
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 16384
@@ -360,6 +372,7 @@ class SimEngine:
             prefix_cache_hit_rate=0.0,
             generation_tokens_per_s=gen_rate,
             prompt_tokens_per_s=prompt_rate,
+            kv_capacity_tokens=self._total_blocks * self._block,
         )
 
     async def shutdown(self) -> None:

@@ -89,7 +89,7 @@ async def test_step_time_model_and_speed() -> None:
     slow, fast = SimEngine(cfg), SimEngine(dataclasses.replace(cfg, speed=2.0))
     assert fast.step_time_s(10, 100) == pytest.approx(slow.step_time_s(10, 100) / 2)
     base = SimEngine()
-    assert base.step_time_s(128, 0) * 1000 == pytest.approx(2.776 + 0.03177 * 128)
+    assert base.step_time_s(128, 0) * 1000 == pytest.approx(2.29 + 0.0242 * 128)
     walls = []
     for eng in (slow, fast):
         await eng.start()
