@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Here (network): pack the wheels of deploy/gpu/gpu-extra.txt for the device machine into
+# .gpukit/extra/extra.tar.xz (git-ignored; ~5 MiB, grpcio's cygrpc is most of it).
+#
+# Why not prepare_kit.sh's EXTRA_REQ: the vLLM kit is 57.6 MiB and one `run` call carries
+# 64 MiB with the tree; with grpcio inside, the kit (62.7 MiB) fails that script's own 62 MiB
+# check although the call still fits. Packed apart, the kit stays the tested one and this pack
+# is rebuilt in seconds. deploy/gpu/run_mesh_gpu.sh unpacks it over /tmp/site after the kit.
+#   bash deploy/gpu/pack_extra.sh     then carry .gpukit/one .gpukit/tools .gpukit/extra
+set -euo pipefail
+ROOT=$(git rev-parse --show-toplevel)
+cd "$ROOT"
+REQ=deploy/gpu/gpu-extra.txt
+K=.gpukit
+PY=${PY:-python3}
+git check-ignore -q $K/extra/x || { echo "ERROR: $K is not git-ignored (run prepare_kit.sh first)"; exit 1; }
+PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform linux_x86_64 --platform manylinux2014_x86_64"
+for n in $(seq 5 39); do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
+mkdir -p $K/cache/extra $K/extra
+$PY -m pip download -q --no-deps $PLAT -d $K/cache/extra -r $REQ 2>&1 | grep -v "^WARNING: Location" || true
+S=$K/build-extra
+rm -rf $S && mkdir -p $S
+$PY -m pip install -q --no-deps --no-index --no-compile $PLAT --find-links $K/cache/extra \
+  --target $S -r $REQ 2>&1 | grep -v -E "^WARNING: (Location|Running pip)" || true
+test -f $S/grpc/__init__.py -a -f $S/smg_grpc_proto/__init__.py -a -f $S/pytest_asyncio/__init__.py
+find $S -name __pycache__ -type d -prune -exec rm -rf {} +
+rm -rf $S/bin
+tar -C $S --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -cf - . | xz -9e -T0 > $K/extra/extra.tar.xz
+(cd $K/extra && sha256sum extra.tar.xz > SHA256SUMS)
+ls -l $K/extra

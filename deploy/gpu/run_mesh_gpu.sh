@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Device side: the whole GPU measurement of the mesh in one `run` call (from the repo root).
+#
+#   bash deploy/gpu/run_mesh_gpu.sh [PHASES]        PHASES: comma list, default all
+#     raw,p05,share,unequal,tp05,p7,tp7             (see gpumesh/bench/gpu.py)
+#
+# 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe; skipped when this warm machine
+#    has it) and the extras (.gpukit/extra, deploy/gpu/pack_extra.sh) into /tmp/site;
+# 2. runs the GPU test module tests/gpu (pytest -m gpu) unless GPU_TEST=0;
+# 3. runs `python -m gpumesh.bench.gpu run --phases PHASES` (routers with --workers,
+#    load from gpumesh bench's multi-process generator), within BUDGET seconds in all;
+# 4. leaves at most 6 files in $OUT: log (copy of stdout), results.json, summary.md,
+#    plots.png, gpu_status_under_load.txt, logs.tgz (node/router/pytest/raw logs).
+#
+# One call carries the kit, the tools and the extras:
+#   run(command="set -o pipefail; bash deploy/gpu/run_mesh_gpu.sh raw,p05,share 2>&1 | tee $OUT/log",
+#       carry=[".gpukit/one", ".gpukit/tools", ".gpukit/extra"], kind="nvidia-h200-x2", timeout_s=600)
+# ENGINE=sim runs the same phases on CPU with simulated nodes (no kit, no GPU) as a dry run:
+#   ENGINE=sim GPU_TEST=0 OUT=/tmp/o bash deploy/gpu/run_mesh_gpu.sh p05,share
+# A later call on the same warm machine adds its phases to the same results (RESULTS_DIR).
+set -uo pipefail
+T0=$(date +%s)
+OUT=${OUT:-/tmp/gpumesh-out}
+ENGINE=${ENGINE:-vllm}
+GPU_TEST=${GPU_TEST:-1}
+BUDGET=${BUDGET:-570}                 # seconds for this whole script; run's limit is 600
+PHASES=${1:-raw,p05,share,unequal,tp05,p7,tp7}
+W=${RESULTS_DIR:-/tmp/gpumesh-gpu}    # survives between calls while the machine stays warm
+mkdir -p "$OUT" "$W/logs"
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ "$ENGINE" = vllm ]; then
+  echo "== install ($(elapsed)s)"
+  bash .gpukit/tools/kit_install.sh .gpukit/one > "$W/logs/install.log" 2>&1 \
+    || { echo "KIT INSTALL FAILED"; cat "$W/logs/install.log"; exit 1; }
+  sum=$(sha256sum .gpukit/extra/extra.tar.xz | cut -c1-16)
+  if ! grep -qx "extra $sum" /tmp/site/.kit-installed; then
+    tar -C /tmp/site -xJf .gpukit/extra/extra.tar.xz || { echo "EXTRA INSTALL FAILED"; exit 1; }
+    echo "extra $sum" >> /tmp/site/.kit-installed
+  fi
+  tail -3 "$W/logs/install.log"
+  # vLLM 0.26 imports flashinfer for its sampler unless told not to (the kit leaves it out);
+  # NVLink multicast stays off on multi-GPU machines (KINDS.md).
+  export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 NCCL_NVLS_ENABLE=0 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
+  for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    echo "leftover GPU process $p: killing it"; kill -9 "$p" 2>/dev/null; done
+else
+  export PYTHONPATH=$PWD
+fi
+python3 -c "import sys, grpc, google.protobuf as pb; print('python', sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', pb.__version__)" || exit 1
+[ "$ENGINE" = vllm ] && { python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())" || exit 1; }
+
+# One model folder per shape for the test and every node: vLLM keys its compile cache on the
+# model path, so later engine starts on this machine skip torch.compile.
+MODELS=/tmp/gpumesh-models
+python3 -m gpumesh.dummy_model $MODELS/qwen-0.5b-dummy 0.5b && python3 -m gpumesh.dummy_model $MODELS/qwen-7b-dummy 7b || exit 1
+export GPUMESH_GPU_MODEL=$MODELS/qwen-0.5b-dummy
+
+if [ "$GPU_TEST" = 1 ]; then
+  echo "== tests/gpu ($(elapsed)s)"
+  GPUMESH_GPU_ARTIFACTS=$W GPUMESH_TEST_LOGS=$W/logs/pytest-procs \
+    timeout -k 10 300 python3 -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider -o addopts="" \
+    > "$W/logs/pytest.log" 2>&1
+  rc=$?
+  tail -15 "$W/logs/pytest.log"
+  echo "== tests/gpu rc=$rc"
+  [ "$ENGINE" = vllm ] && for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+fi
+
+left=$(( BUDGET - $(elapsed) - 15 ))
+echo "== bench phases $PHASES ($(elapsed)s, ${left}s left)"
+timeout -k 10 $(( left > 30 ? left : 30 )) python3 -m gpumesh.bench.gpu run --phases "$PHASES" \
+  --engine "$ENGINE" --out "$W/res" --model-root $MODELS --raw-tool .gpukit/tools/seed_table.py --budget "$left" \
+  ${BENCH_ARGS:-}
+echo "== bench rc=$? ($(elapsed)s)"
+
+cp "$W/res/results.json" "$W/res/summary.md" "$OUT/" 2>/dev/null
+cp "$W/res/plots.png" "$OUT/" 2>/dev/null
+cp "$W/gpu_status_under_load.txt" "$OUT/" 2>/dev/null
+tar -czf "$OUT/logs.tgz" -C "$W" logs res/logs 2>/dev/null
+ls -la "$OUT"
+echo "== done ($(elapsed)s)"

@@ -1,0 +1,881 @@
+"""GPU measurement of the mesh: vLLM CUDA nodes direct vs through the router vs raw vLLM.
+
+Driven by ``deploy/gpu/run_mesh_gpu.sh`` on a device machine (one ``run`` call per group of
+phases, the vLLM kit installed); also runs on CPU with ``--engine sim`` (simulated nodes, same
+processes, same router, same load generator) to check the logic before device time is spent.
+
+  python -m gpumesh.bench.gpu run --phases p05,share,unequal --out DIR [--engine vllm|sim]
+  python -m gpumesh.bench.gpu report DIR/results.json... --md OUT.md --png OUT.png
+
+Phases (each starts its own nodes and routers and stops them, GPUs freed, before the next):
+
+- ``raw``: the raw-vLLM reference tool (``--raw-tool``, shared/gpu/seed_table.py) in this
+  session, 0.5B, one GPU, concurrency 128 (the README's method, for an in-session ratio).
+- ``p05``: 0.5B. Node A on GPU 0 and (two GPUs or more) node B on GPU 1, 0.85 of memory each;
+  router R1 fronts A alone, R2 fronts A and B. Benches: A direct and R1 at concurrency 128
+  (one GPU), R2 at 128 and 256 (data parallel; 256 = 128 per GPU, the equal-latency point),
+  then a sweep on A direct (concurrency 1..512; prompts up to 1900 tokens) for the simulator.
+- ``share``: 0.5B, two nodes on GPU 0 (0.42 of memory each) behind one router, 128.
+- ``unequal``: 0.5B, one GPU: a normal node and a node whose KV cache is cut to
+  ``--small-kv-blocks`` blocks, 512-token prompts; one router per policy, each benched.
+- ``tp05`` / ``tp7``: one node with tensor_parallel_size 2 (GPUs 0,1) behind a router.
+- ``p7``: as ``p05`` with the 7B shape at concurrency 256 (512 for the equal-latency DP point).
+
+Workload: the raw reference's (``shared/gpu/seed_table.py``): a closed loop of C streams,
+32 prompt tokens, 256 output tokens with ignore_eos, a 4 s warm-up then a 15 s window. QPS is
+computed as the reference computes it: requests that started in the window and finished
+inside it, divided by the window (this undercounts the completion rate by about latency /
+window; ``done_qps``, completions in the window per second, is reported beside it). Latency
+and TTFT percentiles are over the same requests. Load comes from ``gpumesh bench``'s own
+multi-process generator (``gpumesh.bench.cli.run_multi``, what ``gpumesh bench run --procs N``
+runs) and routers run with ``--workers N``.
+
+Nodes disable prefix caching: the synthetic tokenizer maps every benchmark word to one id, so
+all prompts would share their prefix, while the reference's random-id prompts never hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import grpc
+
+# Raw vLLM 0.26.0 on H200 (shared/gpu/README.md, seed_table.sh, 2026-11-29, nvidia-h200-x2):
+# (shape, setup) -> (QPS, p50 latency s, TTFT p50 s or None), input 32, output 256, ignore_eos.
+RAW_REFERENCE: dict[tuple[str, str], tuple[float, float, float | None]] = {
+    ("0.5b", "1gpu"): (128.0, 0.92, None), ("0.5b", "dp2"): (161.0, 0.72, None),
+    ("0.5b", "tp2"): (145.0, 0.84, None),
+    ("7b", "1gpu"): (60.0, 3.19, 1.65), ("7b", "dp2"): (137.0, 1.63, 0.09),
+    ("7b", "tp2"): (85.0, 2.41, None),
+}
+RAW_CONCURRENCY = {"0.5b": 128, "7b": 256}
+# The seed's table (older GPUs): setup -> (QPS, p50 latency s).
+SEED_TABLE = {"1gpu": (20.0, 1.2), "dp2": (38.0, 1.3), "tp2": (22.0, 1.8)}
+
+SERVED = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
+POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+class Child:
+    """A ``python -m gpumesh.cli ...`` child in its own process group, logging to a file."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = [sys.executable, "-m", "gpumesh.cli", *args]
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        self.env = env or {}
+        self.popen = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **self.env}, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def command(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        return (env + " " if env else "") + "gpumesh " + " ".join(self.argv[3:])
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # the engine core and its workers too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+        self._log.close()
+
+
+@dataclass
+class NodeSpec:
+    name: str
+    shape: str = "0.5b"
+    gpus: str = "0"
+    gpu_mem: float = 0.85
+    tp: int = 1
+    blocks: int = 0               # num_gpu_blocks_override (0 = what fits)
+    routers: tuple[str, ...] = ()  # router names
+    after: str = ""               # start once this node serves (same GPU: profiling is per process)
+
+
+@dataclass
+class RouterSpec:
+    name: str
+    policy: str = "weighted_least_load"
+    members: tuple[str, ...] = ()
+
+
+@dataclass
+class Env:
+    out: Path
+    engine: str
+    models: dict[str, Path]
+    workers: int
+    procs: int
+    warmup_s: float
+    window_s: float
+    max_model_len: int
+    sim_time_scale: float
+    small_kv_blocks: int
+    raw_tool: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def logs(self) -> Path:
+        p = self.out / "logs"
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def save(self) -> None:
+        doc = {"meta": self.meta, "records": self.records}
+        (self.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))
+
+
+def node_toml(env: Env, spec: NodeSpec) -> str:
+    top: dict[str, Any] = {"served_name": SERVED[spec.shape], "max_model_len": env.max_model_len,
+                           "heartbeat_busy_interval_s": 0.25, "drain_timeout_s": 5.0}
+    tables: dict[str, dict[str, Any]] = {}
+    if env.engine == "vllm":
+        model = env.models[spec.shape]
+        top.update(engine="vllm", model=str(model), tokenizer=str(model / "tokenizer"),
+                   load_format="dummy", dtype="bfloat16", gpu_memory_utilization=spec.gpu_mem,
+                   tensor_parallel_size=spec.tp, num_gpu_blocks_override=spec.blocks)
+        tables["engine_args"] = {"enable_prefix_caching": False, "seed": 0}
+    else:
+        from node.sim_engine import SimEngineConfig
+
+        base = SimEngineConfig.for_shape(spec.shape)
+        top.update(engine="sim", model=SERVED[spec.shape], tensor_parallel_size=spec.tp)
+        sim: dict[str, Any] = {"time_scale": env.sim_time_scale,
+                               "step_a_ms": base.step_a_ms / max(1, spec.tp) ** 0.5,
+                               "step_b_decode_ms": base.step_b_decode_ms,
+                               "step_b_prefill_ms": base.step_b_prefill_ms,
+                               "kv_capacity_tokens": base.kv_capacity_tokens}
+        if spec.blocks:
+            sim["kv_capacity_tokens"] = max(spec.blocks * 16, env.max_model_len)
+        tables["sim"] = sim
+    lines = [f"{k} = {_toml_value(v)}" for k, v in top.items()]
+    for t, kv in tables.items():
+        lines.append(f"[{t}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in kv.items()]
+    return "\n".join(lines) + "\n"
+
+
+class Group:
+    """Routers and nodes of one phase; ``with`` stops them all and waits for the GPUs."""
+
+    def __init__(self, env: Env, nodes: Sequence[NodeSpec], routers: Sequence[RouterSpec]) -> None:
+        self.env = env
+        self.node_specs = list(nodes)
+        self.router_specs = list(routers)
+        self.children: list[Child] = []
+        self.addr: dict[str, str] = {}
+        self.commands: list[str] = []
+        self.kv_tokens: dict[str, int] = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for c in reversed(self.children):
+            c.stop()
+        if self.env.engine == "vllm":
+            wait_gpus_free()
+
+    def start(self, timeout_s: float = 400.0) -> None:
+        env = self.env
+        for r in self.router_specs:
+            port = free_port()
+            self.addr[r.name] = f"127.0.0.1:{port}"
+            args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", r.policy,
+                    "--workers", str(env.workers), "--router-id", r.name.replace(".", "-")]
+            c = Child(r.name, args, env.logs, {"GPUMESH_LOG_LEVEL": "warning"})
+            self.children.append(c)
+            self.commands.append(c.command())
+        started: dict[str, Child] = {}
+
+        def launch(spec: NodeSpec) -> None:
+            port = free_port()
+            self.addr[spec.name] = f"127.0.0.1:{port}"
+            cfg = env.logs / f"{spec.name}.toml"
+            cfg.write_text(node_toml(env, spec))
+            args = ["node", "--config", str(cfg), "--port", str(port), "--node-id", spec.name]
+            for r in spec.routers:
+                args += ["--router", self.addr[r]]
+            child_env = {"CUDA_VISIBLE_DEVICES": spec.gpus} if env.engine == "vllm" else {}
+            c = Child(spec.name, args, env.logs, child_env)
+            self.children.append(c)
+            self.commands.append(c.command() + f"   # {cfg.name}: "
+                                 + node_toml(env, spec).replace("\n", "; "))
+            started[spec.name] = c
+
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.node_specs)
+        while pending:
+            ready = [s for s in pending if not s.after or s.after in started]
+            for s in ready:
+                if s.after:
+                    wait_serving(self.addr[s.after], started[s.after], deadline)
+                launch(s)
+                pending.remove(s)
+        for s in self.node_specs:
+            wait_serving(self.addr[s.name], started[s.name], deadline)
+            self.kv_tokens[s.name] = kv_capacity(started[s.name].log_path)
+        for r in self.router_specs:
+            wait_fleet(self.addr[r.name], set(r.members), deadline)
+
+
+def wait_serving(addr: str, child: Child, deadline: float) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(addr) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if not child.alive():
+                raise RuntimeError(f"{child.name} exited:\n{child.tail()}")
+            with contextlib.suppress(grpc.RpcError):
+                h = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if h.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{child.name} not serving:\n{child.tail()}")
+            time.sleep(0.5)
+
+
+def fleet_once(router: str, timeout: float = 3.0) -> Any:
+    from gpumesh.v1 import control_pb2 as cpb
+    from gpumesh.v1 import control_pb2_grpc as cpb_grpc
+
+    with grpc.insecure_channel(router) as ch:
+        return cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=timeout)
+
+
+def wait_fleet(router: str, members: set[str], deadline: float) -> None:
+    from gpumesh.v1 import control_pb2 as cpb
+
+    while True:
+        with contextlib.suppress(grpc.RpcError):
+            f = fleet_once(router)
+            healthy = {n.node_id for n in f.nodes if n.state == cpb.NODE_STATE_HEALTHY}
+            if members <= healthy:
+                time.sleep(1.5)  # every router worker has the whole fleet by now
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"router {router} never saw {sorted(members)}")
+        time.sleep(0.3)
+
+
+_KV_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def kv_capacity(log: Path) -> int:
+    """vLLM's logged KV capacity in tokens (summed over log lines of one node: one per engine)."""
+    m = _KV_RE.findall(log.read_text(errors="replace"))
+    return int(m[-1].replace(",", "")) if m else 0
+
+
+def gpu_pids() -> list[int]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [int(x) for x in out.split() if x.strip().isdigit()]
+
+
+def wait_gpus_free(timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while gpu_pids() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in gpu_pids():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)
+
+
+# --- load and measurement ---------------------------------------------------------------------
+
+class FleetSampler:
+    """Polls a router's GetFleet once a second in a thread (the bench runs in processes)."""
+
+    def __init__(self, router: str, status_at_s: float | None, out: Path | None) -> None:
+        self.router = router
+        self.samples: list[dict[str, Any]] = []
+        self.status_text = ""
+        self._status_at = status_at_s
+        self._status_out = out
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            t = time.monotonic() - self._t0
+            with contextlib.suppress(grpc.RpcError):
+                f = fleet_once(self.router)
+                for n in f.nodes:
+                    ld = n.load
+                    self.samples.append({
+                        "t": round(t, 1), "node": n.node_id, "running": ld.num_running,
+                        "waiting": ld.num_waiting, "kv": round(ld.kv_cache_usage, 4),
+                        "tok_s": round(ld.generation_tokens_per_s), "in_flight": ld.in_flight,
+                        "gpus": [(g.index, round(g.utilization, 2), g.memory_used_bytes,
+                               g.memory_total_bytes) for g in ld.gpus], "gpu_model": n.gpu_model})
+            if self._status_at is not None and not self.status_text and t >= self._status_at:
+                r = subprocess.run([sys.executable, "-m", "gpumesh.cli", "status", "--router",
+                                    self.router], capture_output=True, text=True, timeout=20, check=False)
+                self.status_text = r.stdout + r.stderr
+
+    def summary(self, t_lo: float, t_hi: float) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for node in sorted({s["node"] for s in self.samples}):
+            ss = [s for s in self.samples if s["node"] == node and t_lo <= s["t"] <= t_hi]
+            if not ss:
+                continue
+            util = [g[1] for s in ss for g in s["gpus"]]
+            mem = [g[2] for s in ss for g in s["gpus"]]
+            out[node] = {
+                "kv_mean": _mean([s["kv"] for s in ss]), "kv_max": max(s["kv"] for s in ss),
+                "running_mean": _mean([s["running"] for s in ss]),
+                "waiting_max": max(s["waiting"] for s in ss),
+                "tok_s_mean": _mean([s["tok_s"] for s in ss]),
+                "gpu_util_mean": _mean(util) if util else math.nan,
+                "gpu_mem_gib": max(mem) / 2**30 if mem else math.nan,
+                "gpu_model": ss[-1]["gpu_model"]}
+        return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _pct(xs: Sequence[float], p: float) -> float:
+    from gpumesh.bench.stats import percentile
+
+    return percentile(list(xs), p)
+
+
+def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurrency: int,
+          prompt: str = "fixed:32", output: str = "fixed:256", poll: str = "",
+          status: bool = False, warmup_s: float | None = None, window_s: float | None = None,
+          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One closed-loop run; a record with the reference-style window metrics."""
+    from gpumesh.bench.cli import StreamSpec, run_multi
+    from gpumesh.bench.loadgen import LoadConfig
+    from gpumesh.bench.workload import LengthDist, WorkloadSpec
+
+    warm = env.warmup_s if warmup_s is None else warmup_s
+    win = env.window_s if window_s is None else window_s
+    procs = max(1, min(env.procs * (2 if concurrency > 256 else 1), concurrency))
+    cfg = LoadConfig(target=target, concurrency=concurrency, duration_s=warm + win,
+                     timeout_s=180.0, seed=0, progress_s=0.0, label=setup)
+    spec = StreamSpec(WorkloadSpec(LengthDist.parse(prompt), LengthDist.parse(output), 0, "", 0.0))
+    cmd = (f"gpumesh bench run --target {target} --concurrency {concurrency} --duration "
+           f"{warm + win:g} --prompt {prompt} --output {output} --procs {procs} --timeout 180")
+    sampler = FleetSampler(poll, warm + win / 2 if status else None, None) if poll else None
+    t_start = time.time()
+    with sampler if sampler is not None else contextlib.nullcontext():
+        run = run_multi(cfg, spec, procs)
+    res = run.results
+    ok = [r for r in res if r.status == "OK"]
+    inwin = [r for r in ok if r.start_s >= warm and r.start_s + r.latency_s <= warm + win]
+    done = [r for r in ok if warm <= r.start_s + r.latency_s <= warm + win]
+    nodes: dict[str, int] = {}
+    for r in inwin:
+        nodes[r.node_id or "?"] = nodes.get(r.node_id or "?", 0) + 1
+    rec: dict[str, Any] = {
+        "phase": phase, "setup": setup, "shape": shape, "target": target, "concurrency": concurrency,
+        "prompt": prompt, "output": output, "procs": procs, "warmup_s": warm, "window_s": win,
+        "requests": len(res), "errors": len(res) - len(ok),
+        "error_kinds": sorted({f"{r.status}: {r.error[:80]}" for r in res if r.status != "OK"})[:5],
+        "completed": len(inwin), "qps": round(len(inwin) / win, 2), "done_qps": round(len(done) / win, 2),
+        "out_tok_s": round(sum(r.output_tokens for r in done) / win, 1),
+        "lat_p50": _pct([r.latency_s for r in inwin], 50), "lat_p99": _pct([r.latency_s for r in inwin], 99),
+        "ttft_p50": _pct([r.ttft_s for r in inwin if r.ttft_s is not None], 50),
+        "ttft_p99": _pct([r.ttft_s for r in inwin if r.ttft_s is not None], 99),
+        "tpot_p50": _pct([t for r in inwin if (t := r.tpot_s) is not None], 50),
+        "out_tokens_p50": _pct([r.output_tokens for r in inwin], 50),
+        "node_share": nodes, "command": cmd, "started": t_start, "engine": env.engine}
+    if sampler is not None:
+        rec["fleet"] = sampler.summary(warm, warm + win)
+        if sampler.status_text:
+            rec["status_table"] = sampler.status_text
+    rec.update(extra or {})
+    if res and len(ok) < len(res) / 2:  # a broken setup: stop the phase, keep the device time
+        env.records.append(rec)
+        env.save()
+        raise RuntimeError(f"{setup}: {len(res) - len(ok)} of {len(res)} requests failed: "
+                           f"{rec['error_kinds']}")
+    for k in ("lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50"):
+        if isinstance(rec[k], float) and not math.isnan(rec[k]):
+            rec[k] = round(rec[k], 4)
+    env.records.append(rec)
+    env.save()
+    print(f"[gpu-bench] {phase:8} {setup:28} c={concurrency:<4} qps={rec['qps']:7.1f} "
+          f"done_qps={rec['done_qps']:7.1f} p50={rec['lat_p50']:.3f}s p99={rec['lat_p99']:.3f}s "
+          f"ttft50={rec['ttft_p50']:.3f}s tpot50={rec['tpot_p50'] * 1000:.2f}ms "
+          f"errors={rec['errors']} nodes={nodes}", flush=True)
+    return rec
+
+
+# --- phases -------------------------------------------------------------------------------------
+
+def phase_raw(env: Env) -> None:
+    if env.engine != "vllm" or not env.raw_tool:
+        print("[gpu-bench] raw: skipped (needs --engine vllm and --raw-tool)", flush=True)
+        return
+    base = env.models["0.5b"]
+    out = env.logs / "raw.jsonl"
+    cmd = [sys.executable, env.raw_tool, "--shape", "0.5b", "--tp", "1", "--concurrency",
+           str(RAW_CONCURRENCY["0.5b"]), "--seconds", str(env.window_s), "--warmup",
+           str(env.warmup_s), "--base", str(base), "--json", str(out), "--tag", "single"]
+    with open(env.logs / "raw.log", "wb") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, timeout=240, check=False).returncode
+    wait_gpus_free()
+    rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    for r in rows:
+        rec = {"phase": "raw", "setup": "raw vLLM (in session)", "shape": r["shape"],
+                   "concurrency": r["concurrency"], "qps": r["qps"], "lat_p50": r["lat_p50"],
+                   "lat_p99": r["lat_p99"], "ttft_p50": r["ttft_p50"], "out_tok_s": r["out_tok_s"],
+                   "command": "CUDA_VISIBLE_DEVICES=0 python3 seed_table.py " + " ".join(cmd[2:]),
+                   "engine": "vllm-raw"}
+        env.records.append(rec)
+        print(f"[gpu-bench] raw      {rec['setup']:28} c={rec['concurrency']:<4} "
+              f"qps={rec['qps']:7.1f} p50={rec['lat_p50']:.3f}s", flush=True)
+    if not rows:
+        print(f"[gpu-bench] raw: no result (rc={rc})\n" + (env.logs / "raw.log").read_text()[-2000:])
+    env.save()
+
+
+def _pair_phase(env: Env, shape: str, gpus: int, phase: str, sweep: bool) -> None:
+    c1 = RAW_CONCURRENCY[shape]
+    a, b = f"a{shape.replace('.', '')}", f"b{shape.replace('.', '')}"
+    nodes = [NodeSpec(a, shape, "0", 0.85, routers=("r1", "r2"))]
+    routers = [RouterSpec("r1", members=(a,))]
+    if gpus >= 2:
+        # After A serves: B then finds vLLM's compile cache warm instead of racing A to fill it.
+        nodes.append(NodeSpec(b, shape, "1", 0.85, routers=("r2",), after=a))
+        routers.append(RouterSpec("r2", members=(a, b)))
+    else:
+        nodes[0].routers = ("r1",)
+    with Group(env, nodes, routers) as g:
+        g.start()
+        env.meta.setdefault("commands", {})[phase] = g.commands
+        env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)
+        kv = {"kv_tokens": g.kv_tokens[a]}
+        bench(env, phase=phase, setup="1 GPU, direct to node", shape=shape, target=g.addr[a],
+              concurrency=c1, poll=g.addr["r1"], extra=kv)
+        bench(env, phase=phase, setup="1 GPU, through router", shape=shape, target=g.addr["r1"],
+              concurrency=c1, poll=g.addr["r1"], status=True, extra=kv)
+        if gpus >= 2:
+            for c in (c1, 2 * c1):
+                bench(env, phase=phase, setup="2 GPUs data parallel, router", shape=shape,
+                      target=g.addr["r2"], concurrency=c, poll=g.addr["r2"], status=c == c1)
+        if sweep:
+            _sweep(env, shape, g.addr[a], g.addr["r1"])
+
+
+def _sweep(env: Env, shape: str, target: str, poll: str) -> None:
+    """Step time vs batch (TPOT at concurrency C) and prefill time vs prompt length."""
+    for c in (1, 32, 256, 512):
+        bench(env, phase="sweep", setup="decode sweep, direct", shape=shape, target=target,
+              concurrency=c, poll=poll, warmup_s=2.0, window_s=6.0)
+    for n in (1024, 1900):
+        bench(env, phase="sweep", setup="prefill probe, direct", shape=shape, target=target,
+              concurrency=1, prompt=f"fixed:{n}", output="fixed:1", warmup_s=1.0, window_s=3.0)
+
+
+def phase_p05(env: Env, gpus: int) -> None:
+    _pair_phase(env, "0.5b", gpus, "p05", sweep=True)
+
+
+def phase_p7(env: Env, gpus: int) -> None:
+    _pair_phase(env, "7b", gpus, "p7", sweep=False)
+
+
+def phase_share(env: Env) -> None:
+    nodes = [NodeSpec("s1", "0.5b", "0", 0.42, routers=("rs",)),
+             NodeSpec("s2", "0.5b", "0", 0.42, routers=("rs",), after="s1")]
+    with Group(env, nodes, [RouterSpec("rs", members=("s1", "s2"))]) as g:
+        g.start()
+        env.meta.setdefault("commands", {})["share"] = g.commands
+        env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)
+        bench(env, phase="share", setup="2 nodes share 1 GPU, router", shape="0.5b",
+              target=g.addr["rs"], concurrency=128, poll=g.addr["rs"], status=True)
+
+
+def phase_unequal(env: Env) -> None:
+    routers = [RouterSpec(f"q-{p.replace('_', '-')}", p, ("big", "small")) for p in POLICIES]
+    names = tuple(r.name for r in routers)
+    nodes = [NodeSpec("big", "0.5b", "0", 0.42, routers=names),
+             NodeSpec("small", "0.5b", "0", 0.42, blocks=env.small_kv_blocks, routers=names,
+                      after="big")]
+    with Group(env, nodes, routers) as g:
+        g.start()
+        env.meta.setdefault("commands", {})["unequal"] = g.commands
+        env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)
+        for r in routers:
+            bench(env, phase="unequal", setup=f"policy {r.policy}", shape="0.5b",
+                  target=g.addr[r.name], concurrency=128, prompt="fixed:512",
+                  output="uniform:128:256", poll=g.addr[r.name], extra={"policy": r.policy},
+                  warmup_s=3.0, window_s=12.0)
+
+
+def _tp_phase(env: Env, shape: str, phase: str) -> None:
+    nodes = [NodeSpec(f"t{shape.replace('.', '')}", shape, "0,1", 0.85, tp=2, routers=("rt",))]
+    with Group(env, nodes, [RouterSpec("rt", members=(nodes[0].name,))]) as g:
+        g.start()
+        env.meta.setdefault("commands", {})[phase] = g.commands
+        env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)
+        bench(env, phase=phase, setup="2 GPUs tensor parallel, router", shape=shape,
+              target=g.addr["rt"], concurrency=RAW_CONCURRENCY[shape], poll=g.addr["rt"],
+              status=True)
+
+
+def gpu_count(engine: str) -> int:
+    """GPUs on this machine (nvidia-smi); the simulator pretends to have two."""
+    return len(gpu_indices()) if engine == "vllm" else 2
+
+
+def gpu_indices() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [x for x in out.split() if x.strip()]
+
+
+def device_meta(engine: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"engine": engine, "host_cpus": os.cpu_count(),
+                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if engine == "vllm":
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            meta["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False).stdout
+        with contextlib.suppress(Exception):
+            import importlib.metadata as im
+
+            meta["vllm"] = im.version("vllm")
+            meta["torch"] = im.version("torch")
+            meta["grpcio"] = im.version("grpcio")
+    return meta
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from gpumesh.dummy_model import build_dummy_model
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = {s: build_dummy_model(Path(a.model_root) / f"qwen-{s}-dummy", s) for s in ("0.5b", "7b")}
+    env = Env(out=out, engine=a.engine, models=models, workers=a.workers, procs=a.procs,
+              warmup_s=a.warmup, window_s=a.seconds, max_model_len=a.max_model_len,
+              sim_time_scale=a.sim_time_scale, small_kv_blocks=a.small_kv_blocks,
+              raw_tool=a.raw_tool)
+    prev = out / "results.json"
+    if prev.exists():  # a later call on the same out dir adds to it
+        doc = json.loads(prev.read_text())
+        env.records, env.meta = doc.get("records", []), doc.get("meta", {})
+    gpus = gpu_count(a.engine)
+    env.meta.setdefault("calls", []).append({**device_meta(a.engine), "gpus": gpus,
+                                             "phases": a.phases, "workers": a.workers,
+                                             "procs": a.procs})
+    env.save()
+    budget_end = time.monotonic() + a.budget
+    # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
+    need = {"raw": 90, "p05": 230, "share": 100, "unequal": 150, "tp05": 120, "p7": 240, "tp7": 150}
+    failed = []
+    for ph in [p for p in a.phases.split(",") if p]:
+        left = budget_end - time.monotonic()
+        if left < need.get(ph, 60):
+            print(f"[gpu-bench] {ph}: NOT RUN ({left:.0f}s left of the budget, needs ~{need[ph]}s)")
+            env.meta.setdefault("not_run", []).append(ph)
+            continue
+        if ph in ("tp05", "tp7") and gpus < 2:
+            print(f"[gpu-bench] {ph}: NOT RUN (needs 2 GPUs, {gpus} here)")
+            env.meta.setdefault("not_run", []).append(ph)
+            continue
+        t = time.monotonic()
+        print(f"[gpu-bench] === phase {ph} ({left:.0f}s of budget left)", flush=True)
+        try:
+            {"raw": lambda: phase_raw(env), "p05": lambda: phase_p05(env, gpus),
+             "share": lambda: phase_share(env), "unequal": lambda: phase_unequal(env),
+             "tp05": lambda: _tp_phase(env, "0.5b", "tp05"), "p7": lambda: phase_p7(env, gpus),
+             "tp7": lambda: _tp_phase(env, "7b", "tp7")}[ph]()
+        except Exception as e:  # noqa: BLE001 - one phase failing must not cost the others
+            print(f"[gpu-bench] {ph}: FAILED: {type(e).__name__}: {e}"[:4000], flush=True)
+            failed.append(ph)
+            env.meta.setdefault("failed", []).append(f"{ph}: {type(e).__name__}: {str(e)[:500]}")
+            if a.engine == "vllm":
+                wait_gpus_free()
+        env.meta.setdefault("phase_s", {})[ph] = round(time.monotonic() - t, 1)
+        env.save()
+    md = report_markdown(env.records, env.meta)
+    (out / "summary.md").write_text(md)
+    with contextlib.suppress(Exception):
+        plot(env.records, out / "plots.png")
+    print(md)
+    return 1 if failed else 0
+
+
+# --- report -------------------------------------------------------------------------------------
+
+def _setup_key(rec: dict[str, Any]) -> str:
+    s = rec["setup"]
+    if "data parallel" in s:
+        return "dp2"
+    if "tensor parallel" in s:
+        return "tp2"
+    return "1gpu"
+
+
+def _f(x: Any, nd: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{nd}f}"
+
+
+def dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last record of each (phase, setup, shape, C, prompt, output): a rerun replaces."""
+    last: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in records:
+        last[(r["phase"], r["setup"], r["shape"], r["concurrency"], r.get("prompt"),
+              r.get("output"))] = r
+    return list(last.values())
+
+
+def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    records = dedupe(records)
+    lines: list[str] = []
+    main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw")]
+    raw_in = {r["shape"]: r for r in records if r["phase"] == "raw"}
+    if main:
+        lines += [("| shape | setup | C | QPS | done QPS | p50 s | p99 s | TTFT p50 s | TPOT p50 ms |"
+                  " raw vLLM ref QPS / p50 | x raw ref | x raw (session) | x seed QPS | errors |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in main:
+            key = _setup_key(r)
+            ref = RAW_REFERENCE.get((r["shape"], key))
+            same_c = r["concurrency"] == RAW_CONCURRENCY.get(r["shape"])
+            xref = _f(r["qps"] / ref[0]) if ref and same_c and r["phase"] != "share" else "-"
+            ses = raw_in.get(r["shape"])
+            xses = (_f(r["qps"] / ses["qps"]) if ses and key == "1gpu" and same_c
+                    and r["phase"] not in ("raw",) else "-")
+            seed = SEED_TABLE.get(key)
+            xseed = _f(r["qps"] / seed[0], 1) if seed and same_c else "-"
+            tpot = r.get("tpot_p50")
+            lines.append(
+                f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {_f(r['qps'], 1)} | "
+                f"{_f(r.get('done_qps'), 1)} | {_f(r['lat_p50'])} | {_f(r.get('lat_p99'))} | "
+                f"{_f(r.get('ttft_p50'), 3)} | {_f(tpot * 1000 if tpot else None)} | "
+                f"{f'{ref[0]:g} / {ref[1]:g}' if ref and same_c else '-'} | {xref} | {xses} | "
+                f"{xseed} | {r.get('errors', 0)} |")
+        lines.append("")
+        # data parallel at equal p50: DP at 2C vs one GPU at C
+        for shape in ("0.5b", "7b"):
+            one = [r for r in records if r["shape"] == shape and r["setup"] == "1 GPU, through router"]
+            dp = [r for r in records if r["shape"] == shape and _setup_key(r) == "dp2"
+                  and r["concurrency"] == 2 * RAW_CONCURRENCY[shape]]
+            if one and dp:
+                o, d = one[-1], dp[-1]
+                lines.append(f"- {shape}: data parallel through the router at C={d['concurrency']} "
+                             f"gives {d['qps']:.1f} QPS at p50 {d['lat_p50']:.2f} s vs one GPU "
+                             f"through the router at C={o['concurrency']}: {o['qps']:.1f} QPS at "
+                             f"p50 {o['lat_p50']:.2f} s -> **{d['qps'] / max(o['qps'], 1e-9):.2f}x** "
+                             f"(target >= 1.9x at equal p50).")
+        lines.append("")
+    une = [r for r in records if r["phase"] == "unequal"]
+    if une:
+        lines += ["Policies on an unequal pair (one GPU; `small` has a cut KV cache):", "",
+                  "| policy | C | QPS | done QPS | p50 s | p99 s | TTFT p50 s | TTFT p99 s | share big/small | KV max big/small |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in une:
+            sh = r.get("node_share", {})
+            fl = r.get("fleet", {})
+            kvs = "/".join(_f(fl.get(n, {}).get("kv_max"), 2) for n in ("big", "small"))
+            lines.append(f"| {r.get('policy')} | {r['concurrency']} | {_f(r['qps'], 1)} | "
+                         f"{_f(r.get('done_qps'), 1)} | {_f(r['lat_p50'])} | {_f(r['lat_p99'])} | "
+                         f"{_f(r['ttft_p50'], 3)} | {_f(r['ttft_p99'], 3)} | "
+                         f"{sh.get('big', 0)}/{sh.get('small', 0)} | {kvs} |")
+        lines.append("")
+    sw = [r for r in records if r["phase"] == "sweep"]
+    if sw:
+        lines += [("Sweep on one node, direct (decode: TPOT p50 = step time at batch ~C; "
+                  "prefill: TTFT p50 of one request):"), "",
+                  "| shape | probe | C | prompt | output | QPS | TTFT p50 ms | TPOT p50 ms | gen tok/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in sw:
+            tp = r.get("tpot_p50")
+            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {r['prompt']} | "
+                         f"{r['output']} | {_f(r['qps'], 1)} | {_f(r['ttft_p50'] * 1000, 1)} | "
+                         f"{_f(tp * 1000 if tp else None)} | {_f(r.get('out_tok_s'), 0)} |")
+        lines.append("")
+    fleet_rows = [(r, n, v) for r in records for n, v in (r.get("fleet") or {}).items()
+                  if r["phase"] in ("p05", "p7", "share", "tp05", "tp7")]
+    if fleet_rows:
+        lines += ["Heartbeats during the window (as the router saw them):", "",
+                  "| shape | setup | C | node | KV mean / max | running mean | gen tok/s mean | GPU util mean | GPU mem GiB | GPU |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r, n, v in fleet_rows:
+            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {n} | "
+                         f"{_f(v['kv_mean'], 3)} / {_f(v['kv_max'], 3)} | {_f(v['running_mean'], 0)} | "
+                         f"{_f(v['tok_s_mean'], 0)} | {_f(v['gpu_util_mean'] * 100, 0)}% | "
+                         f"{_f(v['gpu_mem_gib'], 1)} | {v.get('gpu_model', '')} |")
+        lines.append("")
+    if meta.get("kv_tokens"):
+        lines.append("KV capacity logged by vLLM (tokens): " + ", ".join(
+            f"{k} {v:,}" for k, v in sorted(meta["kv_tokens"].items())))
+        lines.append("")
+    # A phase skipped by one call and run by a later call on the same results is not "not run".
+    ran = {r["phase"] for r in records} | ({"p05"} if any(r["phase"] == "sweep" for r in records)
+                                          else set())
+    not_run = sorted({p for p in meta.get("not_run", []) if p not in ran})
+    failed = [f for f in meta.get("failed", []) if f.split(":")[0] not in ran]
+    for k, v in (("not run", not_run), ("failed", failed)):
+        if v:
+            lines.append(f"**{k}**: " + "; ".join(v))
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = dedupe(records)
+    main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw")]
+    sw = [r for r in records if r["phase"] == "sweep" and r["output"] != "fixed:1"]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    ax = axes[0]
+    labels = [f"{r['shape']} {r['setup']} C={r['concurrency']}" for r in main]
+    ys = [r["qps"] for r in main]
+    ax.barh(range(len(ys)), ys, color=["#888" if r["phase"] == "raw" else "#37a" for r in main])
+    for i, r in enumerate(main):
+        ref = RAW_REFERENCE.get((r["shape"], _setup_key(r)))
+        if ref and r["concurrency"] == RAW_CONCURRENCY[r["shape"]] and r["phase"] != "share":
+            ax.plot([ref[0]], [i], "k|", markersize=14)
+        ax.text(r["qps"], i, f" {r['qps']:.0f} QPS, p50 {r['lat_p50']:.2f}s", va="center", fontsize=7)
+    ax.set_yticks(range(len(ys)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("QPS (window method); | = raw vLLM reference")
+    ax.set_title("gpumesh on H200: QPS by setup")
+    ax = axes[1]
+    for shape in sorted({r["shape"] for r in sw}):
+        rs = sorted((r for r in sw if r["shape"] == shape), key=lambda r: r["concurrency"])
+        ax.plot([r["concurrency"] for r in rs], [r["tpot_p50"] * 1000 for r in rs], "o-",
+                label=f"{shape} measured (TPOT p50)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (batch)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("decode step time vs batch (direct to node)")
+    if sw:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    records: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    for f in a.files:
+        doc = json.loads(Path(f).read_text())
+        records += doc["records"]
+        for k, v in doc.get("meta", {}).items():
+            if isinstance(v, dict):
+                meta.setdefault(k, {}).update(v)
+            elif isinstance(v, list):
+                meta.setdefault(k, []).extend(v)
+            else:
+                meta[k] = v
+    md = report_markdown(records, meta)
+    if a.md:
+        Path(a.md).write_text(md)
+    if a.png:
+        plot(records, Path(a.png))
+    print(md)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpumesh.bench.gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--phases", default="raw,p05,share,unequal,tp05,p7,tp7")
+    r.add_argument("--out", required=True)
+    r.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
+    r.add_argument("--model-root", default="/tmp/gpumesh-models")
+    r.add_argument("--workers", type=int, default=4, help="router --workers")
+    r.add_argument("--procs", type=int, default=8,
+                   help="load-generator processes (one connection each: SO_REUSEPORT spreads "
+                        "connections, not requests, over router workers)")
+    r.add_argument("--warmup", type=float, default=4.0)
+    r.add_argument("--seconds", type=float, default=15.0)
+    r.add_argument("--max-model-len", type=int, default=2048)
+    r.add_argument("--sim-time-scale", type=float, default=1.0)
+    r.add_argument("--small-kv-blocks", type=int, default=1536)
+    r.add_argument("--raw-tool", default="")
+    r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
+    r.set_defaults(func=cmd_run)
+    rep = sub.add_parser("report")
+    rep.add_argument("files", nargs="+")
+    rep.add_argument("--md", default="")
+    rep.add_argument("--png", default="")
+    rep.set_defaults(func=cmd_report)
+    a = p.parse_args(argv)
+    return int(a.func(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
