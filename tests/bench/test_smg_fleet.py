@@ -1,0 +1,104 @@
+"""gpumesh vs SMG on one simulated fleet (gpumesh.bench.smg_fleet): exact-size BPE prompts,
+the report, and a real run where a gpumesh router and a real SMG 1.13.0 gateway front the same
+sim nodes (skipped with the installer's reason when SMG cannot be installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from gpumesh.bench import smg_fleet
+from gpumesh.bench.fleet import Fleet, RouterSpec, SimNodeSpec
+from gpumesh.bench.loadgen import LoadConfig
+from gpumesh.bench.smg_fleet import BpePrompts, SmgGateway, SmgSpec, Target, run_target
+from gpumesh.bench.stats import summarize
+from gpumesh.bench.workload import BenchRequest
+from tests.interop.conftest import smg_exe  # noqa: F401 (the session fixture: installs SMG)
+
+pytest.importorskip("tokenizers")
+
+
+def test_bpe_prompts_are_exactly_n_tokens(tiny_model_dir: Path) -> None:
+    p = BpePrompts(tiny_model_dir)
+    for n in (1, 7, 128, 3072):
+        text, ids = p.prompt(n, seed=1, index=n)
+        assert len(ids) == n
+        assert p.tokenizer.encode(text).ids == ids
+    assert p.prompt(50, 1, 3) == p.prompt(50, 1, 3)        # deterministic per (seed, index)
+    assert p.prompt(50, 1, 3) != p.prompt(50, 1, 4)        # unique per request
+
+
+def test_smg_specs_and_scaled_flags() -> None:
+    specs = smg_fleet.parse_smg(["a=least_load@scaled", "b=cache_aware@1:--foo 2", "c=power_of_two"],
+                                time_scale=3)
+    assert [(s.name, s.policy, s.interval_s, s.flags) for s in specs] == [
+        ("a", "least_load", 30, ()), ("b", "cache_aware", 1, ("--foo", "2")),
+        ("c", "power_of_two", 1, ())]
+    assert smg_fleet.smg_scaled_flags(3) == ["--least-load-kv-pressure-weight", "0.45",
+                                             "--least-load-default-throughput", "666.667"]
+    assert smg_fleet.smg_scaled_flags(1) == []
+
+
+def _run(label: str, gateway: str, load: float, p99: float, good: float) -> dict:
+    return {"config": {"workload": "w", "load": load, "label": label, "gateway": gateway},
+            "summary": {"ttft_ms": {"p50": p99 / 2, "p99": p99}, "latency_ms": {"p99": 2 * p99},
+                        "goodput_fraction": good, "requests": 10, "ok": 10,
+                        "node_share": {"n00-x1": 0.4, "n01-x2": 0.6}},
+            "cpu_summary": {"gateway_pct": 10, "loadgen_pct": 5, "nodes_pct": 20,
+                            "machine_busy_cores": 0.5}}
+
+
+def test_report_and_verdict() -> None:
+    runs = [_run("gpumesh-weighted_least_load", "gpumesh", 0.8, 100, 0.9),
+            _run("gpumesh-weighted_least_load", "gpumesh", 0.8, 140, 0.8),
+            _run("smg-least_load", "smg", 0.8, 120, 0.85),
+            _run("smg-cache_aware", "smg", 0.8, 300, 0.95)]
+    agg = smg_fleet.aggregate(runs)
+    assert agg[("w", 0.8, "gpumesh-weighted_least_load")]["ttft_p99"] == 120
+    v = smg_fleet.verdict(agg, "w", 0.8)
+    assert "smg-least_load" in v and "1.00x met" in v and "goodput 85% vs 85% met" in v
+    assert "highest goodput: missed" in v
+    md = smg_fleet.markdown({"args": {"fleet": "f", "time_scale": 3}, "capacity": {},
+                             "runs": runs})
+    assert "| 80% | gpumesh-weighted_least_load | 60 | 120 | 100, 140 |" in md
+    assert "x1 40 · x2 60" in md
+
+
+@pytest.mark.slow
+def test_both_gateways_front_the_same_sim_fleet(tmp_path: Path, tiny_model_dir: Path,
+                                                smg_exe: Path) -> None:  # noqa: F811
+    model = str(tiny_model_dir.resolve())
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    sim = {"model_name": model, "vocab_size": cfg["vocab_size"],
+           "eos_token_id": cfg["eos_token_id"], "max_num_seqs": 8, "max_context_length": 1024}
+    nodes = [SimNodeSpec("n00-x1", 1.0, 65536, sim=sim), SimNodeSpec("n01-x2", 2.0, 65536, sim=sim)]
+    prompts = BpePrompts(model)
+    reqs = [BenchRequest(i, 0.02 * i, 16 + 8 * i, 12) for i in range(24)]
+    with Fleet(nodes, routers=[RouterSpec("weighted_least_load", "weighted_least_load")],
+               time_scale=1.0, model=model, log_dir=tmp_path) as fleet:
+        workers = [fleet.node_address(n.node_id) for n in nodes]
+        gw = SmgGateway(smg_exe, SmgSpec("smg-ll", "least_load", 1), workers, model, tmp_path,
+                        time_scale=1.0)
+        try:
+            smg_fleet._wait_until(gw.ready, 60, "smg")
+            url_node = {f"grpc://{fleet.node_address(n.node_id)}": n.node_id for n in nodes}
+            targets = [Target("gpumesh", "grpc", fleet.address("weighted_least_load")),
+                       Target("smg", "http", gw.base, model, url_node)]
+            for t in targets:
+                lc = LoadConfig(target=t.address, rate=50.0, num_requests=len(reqs),
+                                timeout_s=30, progress_s=0, label=t.name, seed=3)
+                run = asyncio.run(run_target(lc, reqs, t, prompts))
+                s = summarize(run.results)
+                assert s["ok"] == len(reqs), (t.name, [r.error for r in run.results], gw.child.tail())
+                for r, q in zip(run.results, reqs):
+                    assert r.prompt_tokens == q.prompt_tokens, (t.name, r)   # equal prompt sizes
+                    assert r.output_tokens == 12 and r.ttft_s is not None and not r.error
+                    assert r.node_id in {"n00-x1", "n01-x2"}, (t.name, r.node_id)
+                assert math.isclose(sum(s["node_share"].values()), 1.0)
+                asyncio.run(fleet.wait_idle("weighted_least_load", timeout_s=20))
+        finally:
+            smg_fleet.stop_all([gw.child])
