@@ -91,6 +91,7 @@ class NodeServer:
             kv_cache_usage=eng.kv_cache_usage, prefix_cache_hit_rate=eng.prefix_cache_hit_rate,
             generation_tokens_per_s=eng.generation_tokens_per_s,
             prompt_tokens_per_s=eng.prompt_tokens_per_s,
+            kv_capacity_tokens=max(0, eng.kv_capacity_tokens),
             in_flight=ledger.in_flight, draining=self.state.draining,
             gpus=[cpb.GpuStats(index=g.index, utilization=g.utilization,
                                memory_used_bytes=g.memory_used_bytes,

@@ -86,6 +86,7 @@ class EngineLoad:
     generation_tokens_per_s: float = 0.0
     prompt_tokens_per_s: float = 0.0
     gpus: tuple[GpuSample, ...] = field(default_factory=tuple)
+    kv_capacity_tokens: int = 0  # KV-cache capacity in tokens; 0 = unknown
 
 
 class EngineError(Exception):
