@@ -56,11 +56,19 @@ class RouterConfig:
     # Expected-wait model (router.scheduling.scorers): throughput floor per unit of capacity
     # weight when a node reports none (or a tiny one), prompt tokens per second.
     reference_prompt_tokens_per_s: float = 8000.0
-    kv_penalty_s: float = 0.25      # c in c * k / (1 - k)
+    # c in c * k / (1 - k). 0.05 s: the policy benchmark (docs/benchmarks.md section 1) found
+    # 0.25 s burst onto the lowest-k node on lognormal lengths and 0.05 s no worse on bimodal.
+    kv_penalty_s: float = 0.05
     kv_usage_cap: float = 0.98      # k is capped here so the penalty stays finite
+    # KV tokens each of this router's unreported requests is expected to add beyond its prompt
+    # (its output), when the node reports its KV capacity: k moves by (C + U * this) / K.
+    kv_output_allowance_tokens: float = 128.0
     decode_s_per_request: float = 0.002  # the small in-flight decode term, per running request
     wait_scale_s: float = 0.5       # expected wait that scores 0.5
     kv_hard_threshold: float = 0.92  # filter: avoid nodes at or above while some are below
+    # Score a random sample of this many candidates per decision (power-of-d choices) when a
+    # model has more nodes; exact (every node scored) up to it. 0 = always score every node.
+    decision_sample_size: int = 32
     chars_per_token: float = 4.0    # prompt-size estimate for text/chat prompts
 
     # --- membership
@@ -112,6 +120,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.kv_hard_threshold <= 1 or not 0 < self.kv_usage_cap < 1:
             raise ValueError("kv_hard_threshold must be in (0, 1] and kv_usage_cap in (0, 1)")
+        if self.decision_sample_size < 0 or self.kv_output_allowance_tokens < 0:
+            raise ValueError("decision_sample_size and kv_output_allowance_tokens must be >= 0")
         if self.max_attempts < 1 or self.queue_bound < 0 or self.max_concurrency_default < 0:
             raise ValueError("max_attempts >= 1, queue_bound >= 0, max_concurrency_default >= 0")
 

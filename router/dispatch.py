@@ -31,7 +31,7 @@ import grpc
 from router import errors
 from router.config import RouterConfig
 from router.registry import Credit, Registry
-from router.scheduling import Decision, NoCandidate, Profile, RequestInfo, select
+from router.scheduling import Decision, NoCandidate, Profile, RequestInfo, select_from
 from router.scheduling.filters import Filter
 from router.transport import NodeChannels, dispatch_metadata
 
@@ -98,9 +98,10 @@ class Dispatcher:
     # ------------------------------------------------------------------ picking
 
     def decide(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Decision:
-        """One routing decision now, without charging (Router.Pick preview, tests)."""
-        cands = [c for c in self.registry.candidates(info.model) if c.node_id not in exclude]
-        return select(self.profile, cands, info, self.rng, self.filters)
+        """One routing decision now, without charging (Router.Pick preview, tests). Reads the
+        registry's cached candidates lazily: O(decision_sample_size) on a large fleet."""
+        return select_from(self.profile, self.registry.candidate_source(info.model, exclude),
+                           info, self.rng, self.filters, self.config.decision_sample_size)
 
     def queue_length(self, model: str) -> int:
         return len(self._queues.get(model, ()))

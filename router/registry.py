@@ -17,8 +17,15 @@ Membership rules
   accounting for it; the same incarnation reconnecting keeps it (the node's per-router
   counters are cumulative per incarnation).
 
-Reads on the request path are immutable per-model ``ModelSnapshot`` values and a
-name/alias -> model index, both replaced on change (never rebuilt per request).
+Reads on the request path are a per-model list of node slots and a name/alias -> model index,
+both replaced on membership change (never rebuilt per request); ``snapshot(model)`` gives
+operators an immutable ``ModelSnapshot`` value. The request path's list holds one ``_Slot`` per
+node: the node's current entry and its cached
+``Candidate``, which is rebuilt only when something it reads changed -- a heartbeat or drain
+(the entry is replaced), a dispatch / first token / finish / report on the node's ledger (its
+``version`` moves), or a time boundary (the report going stale, the lease ending, a blind
+credit's time bound: ``valid_until``). So a decision costs O(1) per node it looks at, and a
+heartbeat O(1) (membership changes still rebuild the snapshots: O(nodes)).
 
 Accounting (``NodeLedger``): each dispatch gets a per-node ordinal and a ``Credit`` holding its
 prompt-token estimate. A credit is outstanding until the request's first token:
@@ -114,13 +121,79 @@ class NodeEntry:
         return self.registration.node_id
 
 
+class _Slot:
+    """One node serving one model, as the request path sees it: the node's current entry
+    (replaced in place on heartbeat / drain) and its cached Candidate (see the module doc)."""
+
+    __slots__ = ("cand", "entry", "ledger", "spec", "valid_until", "version")
+
+    def __init__(self, entry: NodeEntry, spec: ModelSpec, ledger: NodeLedger) -> None:
+        self.entry = entry
+        self.spec = spec
+        self.ledger = ledger
+        self.cand: Candidate | None = None
+        self.valid_until = -math.inf     # -inf: not built; cand None when built = lease over
+        self.version = -1
+
+
 @dataclass(frozen=True)
 class ModelSnapshot:
-    """Nodes serving one model (canonical name), replaced wholesale on change."""
+    """Nodes serving one model (canonical name), in node-id order: an immutable value."""
 
     model: str
     spec: ModelSpec
     nodes: tuple[NodeEntry, ...]
+
+
+@dataclass(frozen=True)
+class _ModelSlots:
+    """The request path's view of one model: replaced wholesale when membership changes; its
+    slots' entries and cached candidates move in place (heartbeats, dispatches)."""
+
+    model: str
+    spec: ModelSpec
+    slots: tuple[_Slot, ...]
+
+
+class LazyCandidates:
+    """A model's candidates for one decision, read lazily (``at``) so that a sampled decision
+    builds only the candidates it looks at. Index order = node-id order. Valid for the
+    decision it was made for (it holds that decision's clock reading)."""
+
+    __slots__ = ("_exclude", "_now", "_reg", "_slots")
+
+    def __init__(self, reg: Registry, slots: tuple[_Slot, ...], now: float,
+                 exclude: frozenset[str]) -> None:
+        self._reg = reg
+        self._slots = slots
+        self._now = now
+        self._exclude = exclude
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def at(self, i: int) -> Candidate | None:
+        """The i-th node's candidate; None when its lease is over or it is excluded."""
+        s = self._slots[i]
+        if self._exclude and s.entry.registration.node_id in self._exclude:
+            return None
+        if s.version == s.ledger.version and self._now < s.valid_until:
+            return s.cand
+        return self._reg._build(s, self._now)
+
+    def all(self) -> list[Candidate]:
+        out = []
+        now, build, exclude = self._now, self._reg._build, self._exclude
+        for s in self._slots:
+            if exclude and s.entry.registration.node_id in exclude:
+                continue
+            if s.version == s.ledger.version and now < s.valid_until:
+                c = s.cand
+            else:
+                c = build(s, now)
+            if c is not None:
+                out.append(c)
+        return out
 
 
 @dataclass(frozen=True)
@@ -201,6 +274,10 @@ class NodeLedger:
         self._proxy_first_seen = 0
         self._blind_done = 0
         self._on_release = on_release
+        # Bumped by every change a Candidate reads (the registry's per-node cache checks it).
+        self.version = 0
+        # No blind credit expires before this (a lower bound: may be early, never late).
+        self.next_expiry = math.inf
 
     # --- dispatch side
 
@@ -212,6 +289,9 @@ class NodeLedger:
         self._pending[c.ordinal] = c
         self._pending_tokens += c.tokens
         self.in_flight += 1
+        self.version += 1
+        if blind and c.expires_at < self.next_expiry:
+            self.next_expiry = c.expires_at
         return c
 
     def first_token(self, c: Credit) -> None:
@@ -230,6 +310,7 @@ class NodeLedger:
     def _release_tokens(self, c: Credit) -> None:
         if c.pending:
             c.pending = False
+            self.version += 1
             self._pending.pop(c.ordinal, None)
             self._pending_tokens -= c.tokens
             if not c.slot_until_finish:
@@ -238,6 +319,7 @@ class NodeLedger:
     def _release_slot(self, c: Credit) -> None:
         if c.slot:
             c.slot = False
+            self.version += 1
             self.in_flight -= 1
             if self._on_release is not None:
                 self._on_release()
@@ -245,6 +327,7 @@ class NodeLedger:
     # --- report side
 
     def on_report(self, account: AccountSample | None) -> None:
+        self.version += 1   # the cutoff (what counts as unreported) may move
         a = account or AccountSample()
         if not self._synced:
             # A node's counters are cumulative per incarnation and may predate this ledger
@@ -273,8 +356,13 @@ class NodeLedger:
                 self._release_tokens(c)
 
     def housekeep(self, now: float) -> None:
-        """Releases blind credits past their time bound."""
+        """Releases blind credits past their time bound. Cheap when none is due (``now`` before
+        ``next_expiry``); the registry calls it when it reads the node and from its sweeper."""
+        if now < self.next_expiry:
+            return
         expired = [c for c in self._pending.values() if c.blind and c.expires_at <= now]
+        self.next_expiry = min((c.expires_at for c in self._pending.values()
+                                if c.blind and c.expires_at > now), default=math.inf)
         for c in expired:
             self._blind_done += 1
             self._release_tokens(c)
@@ -306,7 +394,8 @@ class NodeLedger:
 @dataclass
 class _Index:
     by_name: dict[str, str] = field(default_factory=dict)         # name or alias -> model
-    snapshots: dict[str, ModelSnapshot] = field(default_factory=dict)
+    snapshots: dict[str, _ModelSlots] = field(default_factory=dict)
+    slots: dict[str, tuple[_Slot, ...]] = field(default_factory=dict)   # node id -> its slots
 
 
 class Registry:
@@ -381,6 +470,7 @@ class Registry:
             self._rebuild()   # capacity sums change
         else:
             self._replace_in_snapshots(self._nodes[node_id])
+        self._ledgers[node_id].housekeep(now)
         self._notify(m.name for m in entry.registration.models)
         return True
 
@@ -411,6 +501,8 @@ class Registry:
             ledger = self._ledgers[node_id]
             if ledger.in_flight == 0:
                 del self._ledgers[node_id]   # a node coming back starts a fresh ledger
+        for ledger in list(self._ledgers.values()):
+            ledger.housekeep(now)   # blind credits past their time bound (the timer path)
         return [e.node_id for e in gone]
 
     def _remove(self, node_id: str, stream_id: int, why: str) -> None:
@@ -458,17 +550,23 @@ class Registry:
                 self._gone_models[old] = now
         for name in specs:
             self._gone_models.pop(name, None)
-        self._index = _Index(by_name, {n: ModelSnapshot(n, specs[n], tuple(by_model[n]))
-                                       for n in specs})
+        snapshots: dict[str, _ModelSlots] = {}
+        node_slots: dict[str, list[_Slot]] = {}
+        for n, model_spec in specs.items():
+            slots = []
+            for e in by_model[n]:
+                spec = next(m for m in e.registration.models if m.name == n)
+                slot = _Slot(e, spec, self._ledgers[e.node_id])
+                slots.append(slot)
+                node_slots.setdefault(e.node_id, []).append(slot)
+            snapshots[n] = _ModelSlots(n, model_spec, tuple(slots))
+        self._index = _Index(by_name, snapshots, {k: tuple(v) for k, v in node_slots.items()})
 
     def _replace_in_snapshots(self, entry: NodeEntry) -> None:
-        snaps = dict(self._index.snapshots)
-        for m in entry.registration.models:
-            s = snaps.get(m.name)
-            if s is not None:
-                snaps[m.name] = replace(s, nodes=tuple(
-                    entry if e.node_id == entry.node_id else e for e in s.nodes))
-        self._index = _Index(self._index.by_name, snaps)
+        """A node's entry changed (heartbeat): O(1), its slots take it in place."""
+        for slot in self._index.slots.get(entry.node_id, ()):
+            slot.entry = entry
+            slot.valid_until = -math.inf
 
     # --- request path
 
@@ -492,7 +590,10 @@ class Registry:
         raise errors.model_not_found(model, index.snapshots)
 
     def snapshot(self, model: str) -> ModelSnapshot | None:
-        return self._index.snapshots.get(model)
+        """The model's nodes now, as an immutable value (operators, tests)."""
+        m = self._index.snapshots.get(model)
+        return None if m is None else ModelSnapshot(m.model, m.spec,
+                                                    tuple(s.entry for s in m.slots))
 
     def ledger(self, node_id: str) -> NodeLedger:
         return self._ledgers[node_id]
@@ -511,32 +612,46 @@ class Registry:
     def candidates(self, model: str) -> list[Candidate]:
         """The model's live nodes as frozen candidates, read now (leases checked here too,
         so a decision never uses an expired node even between sweeps)."""
+        return self.candidate_source(model).all()
+
+    def candidate_source(self, model: str, exclude: frozenset[str] = frozenset()
+                         ) -> LazyCandidates:
+        """The model's candidates for one decision, built lazily from the per-node cache
+        (``at(i)`` for a sample, ``all()`` for every live node); ``exclude``: node ids left
+        out (a retry's failed nodes)."""
         snap = self._index.snapshots.get(model)
-        if snap is None:
-            return []
-        now = self.clock()
-        out = []
-        for e in snap.nodes:
-            if now - e.last_seen > self.lease_ttl_s:
-                continue
-            ledger = self._ledgers[e.node_id]
-            ledger.housekeep(now)
-            state, age = self.state_of(e, now)
-            spec = next(m for m in e.registration.models if m.name == model)
-            tokens, requests = ledger.unreported()
-            fresh = e.report is not None and state is not NodeState.STALE
-            out.append(Candidate(
-                node_id=e.node_id, address=e.registration.address, state=state,
-                capacity_weight=spec.capacity_weight,
-                max_concurrency=e.registration.max_concurrency or self.max_concurrency_default,
-                report=e.report.load if fresh and e.report is not None else None,
-                report_age_s=age,
-                kv_cache_usage=e.report.load.kv_cache_usage if e.report is not None else 0.0,
-                router_in_flight=ledger.in_flight,
-                outstanding_prompt_tokens=ledger.pending_tokens,
-                outstanding_requests=ledger.pending_requests,
-                unreported_prompt_tokens=tokens, unreported_requests=requests))
-        return out
+        return LazyCandidates(self, snap.slots if snap is not None else (), self.clock(),
+                               exclude)
+
+    def _build(self, s: _Slot, now: float) -> Candidate | None:
+        """Rebuilds a slot's cached candidate as of ``now`` (None: lease over)."""
+        e = s.entry
+        ledger = s.ledger
+        ledger.housekeep(now)   # before reading: a release may call back into the router
+        lease_end = e.last_seen + self.lease_ttl_s
+        if now > lease_end:
+            s.cand, s.valid_until, s.version = None, math.inf, ledger.version
+            return None   # until the next heartbeat replaces the entry
+        state, age = self.state_of(e, now)
+        tokens, requests = ledger.unreported()
+        report = e.report
+        fresh = report is not None and state is not NodeState.STALE
+        valid_until = min(lease_end, ledger.next_expiry)
+        if fresh and state is NodeState.HEALTHY and report is not None:
+            valid_until = min(valid_until, report.received_at + self.freshness_s)
+        c = Candidate(
+            node_id=e.node_id, address=e.registration.address, state=state,
+            capacity_weight=s.spec.capacity_weight,
+            max_concurrency=e.registration.max_concurrency or self.max_concurrency_default,
+            report=report.load if fresh and report is not None else None,
+            report_age_s=age,
+            kv_cache_usage=report.load.kv_cache_usage if report is not None else 0.0,
+            router_in_flight=ledger.in_flight,
+            outstanding_prompt_tokens=ledger.pending_tokens,
+            outstanding_requests=ledger.pending_requests,
+            unreported_prompt_tokens=tokens, unreported_requests=requests)
+        s.cand, s.valid_until, s.version = c, valid_until, ledger.version
+        return c
 
     def charge(self, node_id: str, tokens: int, *, blind: bool = False, hold_s: float = 0.0,
                slot_until_finish: bool = True) -> Credit:
@@ -548,7 +663,8 @@ class Registry:
     def models(self) -> list[ModelSummary]:
         now = self.clock()
         out = []
-        for name, snap in sorted(self._index.snapshots.items()):
+        for name, m in sorted(self._index.snapshots.items()):
+            snap = ModelSnapshot(m.model, m.spec, tuple(s.entry for s in m.slots))
             live = [e for e in snap.nodes if now - e.last_seen <= self.lease_ttl_s]
             healthy = [e for e in live if not self._draining(e)]
             weight = sum(m.capacity_weight for e in healthy for m in e.registration.models

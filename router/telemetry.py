@@ -14,7 +14,9 @@ client's W3C context. Attributes:
   ``gpumesh.routing.chosen_node``, ``gpumesh.routing.tie_size``,
   ``gpumesh.routing.report_age_s`` (age of the chosen node's load report; -1 if it never
   reported), ``gpumesh.routing.queue_wait_s``, ``gpumesh.routing.filtered``
-  (``["node: reason", ...]``), and for the top ``TOP_N`` candidates by total score
+  (``["node: reason", ...]``), ``gpumesh.routing.sampled_from`` (the fleet size when the
+  decision scored a random sample of it; absent otherwise), and for the top ``TOP_N``
+  candidates by total score
   ``gpumesh.routing.candidate.<i>.node_id`` / ``.total`` / ``.score.<scorer>`` /
   ``.expected_wait_s`` (i = 0 is the best).
 - ``gpumesh.routing.attempts`` (dispatch attempts), ``gpumesh.node.id`` (the serving node),
@@ -81,6 +83,8 @@ def decision_attributes(decision: Decision, report_age_s: float, queue_wait_s: f
         "gpumesh.routing.report_age_s": report_age_s if math.isfinite(report_age_s) else -1.0,
         "gpumesh.routing.queue_wait_s": queue_wait_s,
     }
+    if decision.sampled_from:
+        attrs["gpumesh.routing.sampled_from"] = decision.sampled_from
     if decision.filtered:
         attrs["gpumesh.routing.filtered"] = [
             f"{n}: {r}" for n, r in sorted(decision.filtered.items())[:MAX_FILTERED]]

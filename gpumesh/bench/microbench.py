@@ -2,11 +2,18 @@
 
 For each fleet size N, a ``router.registry.Registry`` is filled with N registered nodes, each
 with a fresh heartbeat (random load: running, waiting, pending prefill tokens, KV usage,
-throughputs), and this router's own in-flight counts. One decision is what the dispatcher does
-per request: ``registry.candidates(model)`` (the frozen per-request view) and
-``scheduling.select`` (filters -> capacity -> the profile's pick). Both are timed together
-("decision") and ``select`` alone ("select"), per policy, with ``time.perf_counter_ns``;
-p50/p99 in microseconds over ``iters`` decisions (after a warm-up). No I/O, no event loop.
+throughputs, KV capacity), and this router's own in-flight counts. One decision is what the
+dispatcher does per request: ``registry.candidate_source(model)`` (the per-node cached
+candidates, read lazily) and ``scheduling.select_from`` (filters -> capacity -> the profile's
+pick, over a random sample of ``decision_sample_size`` nodes on fleets larger than that).
+Both are timed together ("decision") and ``select_from`` alone ("select"), per policy, with
+``time.perf_counter_ns``; p50/p99 in microseconds over ``iters`` decisions (after a warm-up).
+No I/O, no event loop.
+
+So that the per-node caches are not unrealistically warm, each decision is followed (untimed)
+by what a live router sees between two decisions: the chosen node is charged (a dispatch, as
+the dispatcher does), the oldest of this router's bench credits finishes, and one random node
+sends a heartbeat; the next decision rebuilds whatever of those it looks at.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import gc
 import logging
 import random
 import time
+from collections import deque
 from typing import Any
 
 from router.config import RouterConfig
@@ -25,11 +33,20 @@ from router.scheduling import (
     WaitModel,
     build_profile,
     default_filters,
-    select,
+    select_from,
 )
 from router.scheduling.profiles import Profile
 
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
+
+
+def _load(rng: random.Random) -> LoadSample:
+    return LoadSample(num_running=rng.randint(0, 256), num_waiting=rng.randint(0, 16),
+                      pending_prefill_tokens=rng.randint(0, 20_000),
+                      kv_cache_usage=rng.random() * 0.95,
+                      generation_tokens_per_s=rng.uniform(1000, 30_000),
+                      prompt_tokens_per_s=rng.uniform(1000, 100_000), in_flight=10,
+                      kv_capacity_tokens=10_200_000)
 
 
 def build_registry(n: int, seed: int = 0) -> Registry:
@@ -45,12 +62,8 @@ def build_registry(n: int, seed: int = 0) -> Registry:
                                       f"inc{i}"), stream_id=i + 1)
         for _ in range(rng.randint(0, 6)):  # some of this router's requests in flight
             reg.charge(nid, rng.randint(64, 4096))
-        load = LoadSample(num_running=rng.randint(0, 256), num_waiting=rng.randint(0, 16),
-                          pending_prefill_tokens=rng.randint(0, 20_000),
-                          kv_cache_usage=rng.random() * 0.95,
-                          generation_tokens_per_s=rng.uniform(1000, 30_000),
-                          prompt_tokens_per_s=rng.uniform(1000, 100_000), in_flight=10)
-        reg.heartbeat(nid, i + 1, 1, 0, load, [("bench-router", AccountSample(1, 100, 1, 100))])
+        reg.heartbeat(nid, i + 1, 1, 0, _load(rng),
+                      [("bench-router", AccountSample(1, 100, 1, 100))])
     return reg
 
 
@@ -62,30 +75,50 @@ def _pcts(ns: list[int]) -> dict[str, float]:
 
 
 def bench_one(reg: Registry, profile: Profile, iters: int, rng: random.Random) -> dict[str, Any]:
-    filters = default_filters(RouterConfig(router_id="x").kv_hard_threshold)
+    cfg = RouterConfig(router_id="x")
+    filters = default_filters(cfg.kv_hard_threshold)
+    d = cfg.decision_sample_size
     req = RequestInfo("m", 512)
+    ids = [v.entry.node_id for v in reg.fleet()]
+    seqs = dict.fromkeys(ids, 1)
+    churn = random.Random(7)
+    credits: deque[Any] = deque()
+
+    def between() -> None:   # untimed: one dispatch, one finish, one heartbeat
+        credits.append(reg.charge(chosen, 512))
+        if len(credits) > 64:
+            credits.popleft().finish()
+        nid = churn.choice(ids)
+        seqs[nid] += 1
+        reg.heartbeat(nid, int(nid[len("node-"):]) + 1, seqs[nid], 0, _load(churn),
+                      [("bench-router", AccountSample(1, 100, 1, 100))])
+
     for _ in range(min(50, iters)):
-        select(profile, reg.candidates("m"), req, rng, filters)
+        chosen = select_from(profile, reg.candidate_source("m"), req, rng, filters, d).node_id
+        between()
     full, sel = [], []
     gc.disable()
     try:
         for _ in range(iters):
             t0 = time.perf_counter_ns()
-            cands = reg.candidates("m")
+            source = reg.candidate_source("m")
             t1 = time.perf_counter_ns()
-            select(profile, cands, req, rng, filters)
+            chosen = select_from(profile, source, req, rng, filters, d).node_id
             t2 = time.perf_counter_ns()
             full.append(t2 - t0)
             sel.append(t2 - t1)
+            between()
     finally:
         gc.enable()
+    for c in credits:
+        c.finish()
     return {"decision": _pcts(full), "select": _pcts(sel)}
 
 
 def run(sizes: list[int], iters: int, policies: tuple[str, ...] = POLICIES) -> list[dict[str, Any]]:
     cfg = RouterConfig(router_id="x")
     wm = WaitModel(cfg.reference_prompt_tokens_per_s, cfg.kv_penalty_s, cfg.kv_usage_cap,
-                   cfg.decode_s_per_request, cfg.wait_scale_s)
+                   cfg.decode_s_per_request, cfg.wait_scale_s, cfg.kv_output_allowance_tokens)
     rows = []
     for n in sizes:
         reg = build_registry(n)

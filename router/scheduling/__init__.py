@@ -1,6 +1,7 @@
 """Routing as a pipeline of pure plugins over snapshots: filters -> scorers -> picker.
 
-``select(profile, candidates, request, rng, filters)`` is the entry point; ``build_profile``
+``select(profile, candidates, request, rng, filters)`` is the entry point (``select_from`` for
+a lazily read ``CandidateSource`` with power-of-d sampling on large fleets); ``build_profile``
 turns the configured policy into a profile. See ``scorers`` for the expected-wait formula.
 """
 
@@ -10,12 +11,15 @@ from router.scheduling.profiles import (
                                      build_profile,
                                      default_filters,
                                      select,
+                                     select_from,
 )
 from router.scheduling.scorers import WaitModel, expected_wait_s
 from router.scheduling.types import (
                                      Candidate,
                                      CandidateScore,
+                                     CandidateSource,
                                      Decision,
+                                     ListCandidates,
                                      LoadSample,
                                      NodeState,
                                      RequestInfo,
@@ -24,7 +28,9 @@ from router.scheduling.types import (
 __all__ = [
                                      "Candidate",
                                      "CandidateScore",
+                                     "CandidateSource",
                                      "Decision",
+                                     "ListCandidates",
                                      "LoadSample",
                                      "NoCandidate",
                                      "NodeState",
@@ -35,4 +41,5 @@ __all__ = [
                                      "default_filters",
                                      "expected_wait_s",
                                      "select",
+                                     "select_from",
 ]

@@ -2,6 +2,12 @@
 
 Each takes the candidates and returns (kept, dropped) where dropped maps node id -> reason.
 They run in order (``run_filters``); the reasons end up in ``Decision.filtered``.
+
+A filter whose verdict depends on the whole candidate set (``kv_below``: "while some candidate
+is under it") has a ``sample_conclusive(kept)`` method: given what survived filtering a random
+sample, it says whether its verdict on the sample is the one it would give on the whole fleet;
+when it is not, a sampled decision falls back to filtering every candidate. Filters without the
+method judge each candidate alone, so a sample's verdict always holds.
 """
 
 from __future__ import annotations
@@ -19,22 +25,29 @@ def healthy(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str,
     return kept, {c.node_id: "draining" for c in candidates if c.state is NodeState.DRAINING}
 
 
-def kv_below(threshold: float) -> Filter:
+class kv_below:  # a filter factory, called like the function it replaced
     """Drops nodes whose fresh report shows KV usage >= threshold, but only while at least one
     candidate is under it (a full fleet still serves). Nodes without a fresh report pass:
     their KV is unknown."""
 
-    def kv_filter(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
-        def over(c: Candidate) -> bool:
-            return c.report is not None and c.report.kv_cache_usage >= threshold
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
 
+    def over(self, c: Candidate) -> bool:
+        return c.report is not None and c.report.kv_cache_usage >= self.threshold
+
+    def __call__(self, candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
+        over = self.over
         kept = [c for c in candidates if not over(c)]
         if not kept:
             return list(candidates), {}
-        return kept, {c.node_id: f"kv {c.report.kv_cache_usage:.2f} >= {threshold:.2f}"
+        return kept, {c.node_id: f"kv {c.report.kv_cache_usage:.2f} >= {self.threshold:.2f}"
                       for c in candidates if over(c) and c.report is not None}
 
-    return kv_filter
+    def sample_conclusive(self, kept: Sequence[Candidate]) -> bool:
+        """False when an over-threshold node survived: the sample had none under the threshold,
+        which the fleet may well have (then only a full scan can tell)."""
+        return not any(self.over(c) for c in kept)
 
 
 def has_capacity(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:

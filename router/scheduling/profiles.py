@@ -12,73 +12,143 @@
 
 A profile is called with candidates that already passed the filters (``select`` below runs
 them). Profiles do no I/O; the clock is implicit in the candidates, the RNG is injected.
+
+Large fleets (``select_from`` with ``sample_size`` d): a profile with ``samplable = True``
+(all but round_robin) is given a uniform random sample of d of the model's nodes (the injected
+RNG; power-of-d choices) instead of all of them, so a decision costs O(d), not O(nodes). Up to
+d nodes it is exact (every node scored, the same picks as ``select``). Filters keep their
+semantics: when the sample's verdict may differ from the fleet's (nothing eligible or free in
+the sample, or ``kv_below`` found no node under its threshold in the sample) the decision
+falls back to filtering every node, then samples d of the eligible ones. The price of sampling
+is balance: the pick is the best of d random nodes, not the best of all, i.e. a node in the
+best ~1/(d+1) of the fleet on average (tested in tests/router/test_sampling.py).
+
+``Decision.considered`` keeps full per-scorer scores for the best ``KEEP_SCORES`` candidates
+(the chosen one included), for the trace span; totals of the others are not kept.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
 
 from router.scheduling import scorers
 from router.scheduling.filters import Filter, healthy, kv_below, run_filters
-from router.scheduling.picker import pick_max
+from router.scheduling.picker import TIE_EPSILON, pick_max
 from router.scheduling.scorers import WaitModel
-from router.scheduling.types import Candidate, CandidateScore, Decision, RequestInfo
+from router.scheduling.types import (
+    Candidate,
+    CandidateScore,
+    CandidateSource,
+    Decision,
+    ListCandidates,
+    RequestInfo,
+)
+
+KEEP_SCORES = 3   # candidates whose raw scores a Decision keeps (telemetry.TOP_N shows 3)
 
 
 class Profile(Protocol):
     name: str
+    samplable: bool   # may be given a random sample of the candidates (see select_from)
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision: ...
 
 
+def _choose(name: str, candidates: Sequence[Candidate], totals: Sequence[float],
+            rng: random.Random, detail: Callable[[Candidate], CandidateScore],
+            sampled_from: int = 0) -> Decision:
+    """The max total wins, ties broken uniformly by ``rng`` over the tied in node-id order
+    (exactly ``picker.pick_max``'s rule); ``detail`` builds full scores for the kept few."""
+    if not candidates:
+        raise ValueError("a pick needs at least one candidate")
+    best = max(totals)
+    tied = sorted((c for c, t in zip(candidates, totals) if t >= best - TIE_EPSILON),
+                  key=lambda c: c.node_id)
+    chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
+    if len(candidates) <= KEEP_SCORES:
+        kept = list(candidates)
+    else:
+        order = sorted(range(len(candidates)), key=lambda i: -totals[i])[:KEEP_SCORES]
+        kept = [candidates[i] for i in order]
+        if not any(k is chosen for k in kept):
+            kept[-1] = chosen
+    return Decision(name, chosen.node_id, len(candidates), tuple(detail(c) for c in kept),
+                    tie_size=len(tied), sampled_from=sampled_from)
+
+
 class WeightedLeastLoad:
+    """Totals are memoised per node on the Candidate object: the registry hands back the same
+    object until one of its inputs changes, so an unchanged node is not re-scored."""
+
     name = "weighted_least_load"
+    samplable = True
 
     def __init__(self, weights: Mapping[str, float], wait_model: WaitModel) -> None:
         self.weights = MappingProxyType(dict(weights))
         self.wait_model = wait_model
+        self._w = (self.weights.get("expected_wait", 0.0), self.weights.get("kv_headroom", 0.0),
+                   self.weights.get("least_request", 0.0))
+        self._memo: dict[str, tuple[Candidate, float]] = {}
 
     def score(self, c: Candidate) -> CandidateScore:
-        wait = scorers.expected_wait_s(c, self.wait_model)
-        parts = {
-            "expected_wait": scorers.wait_score(wait, self.wait_model),
-            "kv_headroom": scorers.kv_headroom(c),
-            "least_request": scorers.least_request(c),
-        }
-        total = sum(self.weights.get(k, 0.0) * v for k, v in parts.items())
-        return CandidateScore(c.node_id, total, MappingProxyType(parts), wait)
+        m = self.wait_model
+        wait = scorers.expected_wait_s(c, m)
+        ew, kv, lr = scorers.wait_score(wait, m), scorers.kv_headroom(c, m), scorers.least_request(c)
+        we, wk, wl = self._w
+        total = 0 + we * ew + wk * kv + wl * lr   # the weighted sum, in this order (see total)
+        return CandidateScore(c.node_id, total, MappingProxyType(
+            {"expected_wait": ew, "kv_headroom": kv, "least_request": lr}), wait)
+
+    def total(self, c: Candidate) -> float:
+        """``score(c).total`` (the same float), without building the score record."""
+        hit = self._memo.get(c.node_id)
+        if hit is not None and hit[0] is c:
+            return hit[1]
+        m = self.wait_model
+        we, wk, wl = self._w
+        t = 0 + we * scorers.wait_score(scorers.expected_wait_s(c, m), m)
+        if wk:
+            t += wk * scorers.kv_headroom(c, m)
+        if wl:
+            t += wl * scorers.least_request(c)
+        if len(self._memo) > 65_536:
+            self._memo.clear()   # departed nodes' entries; the cache refills as it is read
+        self._memo[c.node_id] = (c, t)
+        return t
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision:
-        scored = [self.score(c) for c in candidates]
-        best, ties = pick_max(scored, rng)
-        return Decision(self.name, best.node_id, len(scored), tuple(scored), tie_size=ties)
+        total = self.total
+        return _choose(self.name, candidates, [total(c) for c in candidates], rng, self.score)
 
 
 def _least_request_scores(candidates: Sequence[Candidate]) -> list[CandidateScore]:
-    out = []
-    for c in candidates:
-        s = scorers.least_request(c)
-        out.append(CandidateScore(c.node_id, s, MappingProxyType({"least_request": s})))
-    return out
+    return [_least_request_score(c) for c in candidates]
+
+
+def _least_request_score(c: Candidate) -> CandidateScore:
+    s = scorers.least_request(c)
+    return CandidateScore(c.node_id, s, MappingProxyType({"least_request": s}))
 
 
 class LeastRequest:
     name = "least_request"
+    samplable = True
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision:
-        scored = _least_request_scores(candidates)
-        best, ties = pick_max(scored, rng)
-        return Decision(self.name, best.node_id, len(scored), tuple(scored), tie_size=ties)
+        lr = scorers.least_request
+        return _choose(self.name, candidates, [lr(c) for c in candidates], rng,
+                       _least_request_score)
 
 
 class PowerOfTwo:
     name = "power_of_two"
+    samplable = True   # two drawn from a uniform sample are two drawn uniformly
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision:
@@ -91,6 +161,7 @@ class PowerOfTwo:
 
 class RoundRobin:
     name = "round_robin"
+    samplable = False   # its cursor walks the whole ordered fleet
 
     def __init__(self) -> None:
         self._cursor: dict[str, int] = {}
@@ -131,11 +202,13 @@ class NoCandidate(Exception):
 
 
 def select(profile: Profile, candidates: Sequence[Candidate], request: RequestInfo,
-           rng: random.Random, filters: Sequence[Filter]) -> Decision:
+           rng: random.Random, filters: Sequence[Filter], sample_size: int = 0) -> Decision:
     """The whole pipeline: filters, then the capacity check, then the profile's pick.
 
     Raises NoCandidate. Capacity is checked after the other filters so that "every eligible
-    node is at its max concurrency" (queue) is told apart from "no eligible node" (fail)."""
+    node is at its max concurrency" (queue) is told apart from "no eligible node" (fail).
+    ``sample_size`` d > 0 with a samplable profile: the profile scores d of the free
+    candidates drawn at random (all of them when there are no more than d)."""
     eligible, dropped = run_filters(candidates, filters)
     if not eligible:
         raise NoCandidate(False, dropped)
@@ -146,6 +219,46 @@ def select(profile: Profile, candidates: Sequence[Candidate], request: RequestIn
     for c in eligible:
         if c.at_capacity:
             dropped[c.node_id] = f"at max concurrency {c.max_concurrency}"
+    sampled_from = 0
+    if 0 < sample_size < len(free) and getattr(profile, "samplable", False):
+        sampled_from = len(free)
+        idx = sorted(rng.sample(range(len(free)), sample_size))
+        free = [free[i] for i in idx]
     d = profile.pick(free, request, rng)
     return Decision(d.policy, d.node_id, d.candidates, d.considered,
-                    MappingProxyType(dropped), d.tie_size)
+                    MappingProxyType(dropped), d.tie_size, sampled_from or d.sampled_from)
+
+
+def select_from(profile: Profile, source: CandidateSource | Sequence[Candidate],
+                request: RequestInfo, rng: random.Random, filters: Sequence[Filter],
+                sample_size: int = 0) -> Decision:
+    """``select`` over a candidate source, scoring a random sample of ``sample_size`` nodes
+    when the model has more (module doc). Exact -- the same as ``select`` over every
+    candidate -- when it has no more than ``sample_size``, when ``sample_size`` is 0, and
+    for profiles that are not samplable. Raises NoCandidate exactly when ``select`` over every
+    candidate would (a sample that cannot decide falls back to every candidate)."""
+    if not hasattr(source, "at"):
+        source = ListCandidates(source)  # type: ignore[arg-type]
+    n = len(source)
+    if sample_size <= 0 or n <= sample_size or not getattr(profile, "samplable", False):
+        return select(profile, source.all(), request, rng, filters)
+    at = source.at
+    sample = [c for i in sorted(rng.sample(range(n), sample_size)) if (c := at(i)) is not None]
+    kept, dropped = sample, {}
+    conclusive = True
+    for f in filters:
+        kept, more = f(kept)
+        dropped.update(more)
+        check = getattr(f, "sample_conclusive", None)
+        if check is not None and not check(kept):
+            conclusive = False
+            break
+    free = [c for c in kept if not c.at_capacity]
+    if not conclusive or not free:
+        return select(profile, source.all(), request, rng, filters, sample_size)
+    for c in kept:
+        if c.at_capacity:
+            dropped[c.node_id] = f"at max concurrency {c.max_concurrency}"
+    d = profile.pick(free, request, rng)
+    return Decision(d.policy, d.node_id, d.candidates, d.considered,
+                    MappingProxyType(dropped), d.tie_size, n)

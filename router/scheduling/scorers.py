@@ -8,13 +8,20 @@ For node n with a fresh report (age <= freshness window)::
            or in prefill, as the node counted them)
     C    = prompt tokens of THIS router's requests to n that have not produced their first
            token and were not yet in that report (dispatch ordinal > the report's
-           RouterAccount.admitted_requests for this router)
+           RouterAccount.admitted_requests for this router); U = how many requests that is
     T    = max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback)
-    k    = min(kv_cache_usage, kv_usage_cap)
-    R    = num_running from the report + C's request count
+    K    = n's reported kv_capacity_tokens (0 = unknown)
+    k    = min(kv_cache_usage + (C + U * kv_output_allowance_tokens) / K, kv_usage_cap)
+           (the KV the router's own unreported requests will take; without K, k is the
+           reported kv_cache_usage alone)
+    R    = num_running from the report + U
     wait = ((P + C) / T  +  kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
 
-where w is n's declared capacity weight (a TP=2 node or faster GPU declares more). For a STALE
+where w is n's declared capacity weight (a TP=2 node or faster GPU declares more). Every term
+moves with this router's own dispatches between heartbeats (C and U grow at each one), so when
+KV is the binding resource successive picks spread instead of all going to the node that
+reported the lowest k; the next report folds those requests into P / kv_cache_usage as it
+drops them from C / U, so a heartbeat does not make a node look suddenly idle. For a STALE
 node (report older than the window, or none yet) only the router's own counts are used::
 
     wait = (C_all / reference_prompt_tokens_per_s + decode_s_per_request * in_flight) / w
@@ -40,10 +47,11 @@ class WaitModel:
     """Parameters of the expected-wait estimate (from ``RouterConfig``)."""
 
     reference_prompt_tokens_per_s: float = 8000.0
-    kv_penalty_s: float = 0.25
+    kv_penalty_s: float = 0.05
     kv_usage_cap: float = 0.98
     decode_s_per_request: float = 0.002
     wait_scale_s: float = 0.5
+    kv_output_allowance_tokens: float = 128.0  # KV tokens per unreported request's output
 
 
 def expected_wait_s(c: Candidate, m: WaitModel) -> float:
@@ -55,11 +63,25 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
                 + m.decode_s_per_request * c.router_in_flight)
         return wait / weight
     tps = max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
-    k = min(max(r.kv_cache_usage, 0.0), m.kv_usage_cap)
+    k = min(max(effective_kv_usage(c, m), 0.0), m.kv_usage_cap)
     wait = ((r.pending_prefill_tokens + c.unreported_prompt_tokens) / tps
             + m.kv_penalty_s * k / (1.0 - k)
             + m.decode_s_per_request * (r.num_running + c.unreported_requests))
     return wait / weight
+
+
+def effective_kv_usage(c: Candidate, m: WaitModel) -> float:
+    """The reported KV usage moved by this router's unreported requests (``k`` above, before
+    the cap): kv_cache_usage + (C + U * kv_output_allowance_tokens) / K when the node reports
+    its capacity K; the reported usage alone otherwise, or when the report is not fresh."""
+    r = c.report
+    if r is None:
+        return c.kv_cache_usage
+    if r.kv_capacity_tokens <= 0:
+        return r.kv_cache_usage
+    return r.kv_cache_usage + ((c.unreported_prompt_tokens
+                                + m.kv_output_allowance_tokens * c.unreported_requests)
+                               / r.kv_capacity_tokens)
 
 
 def wait_score(wait_s: float, m: WaitModel) -> float:
@@ -67,9 +89,11 @@ def wait_score(wait_s: float, m: WaitModel) -> float:
     return 1.0 / (1.0 + max(wait_s, 0.0) / m.wait_scale_s)
 
 
-def kv_headroom(c: Candidate) -> float:
-    """1 - KV usage (linear) from the last known report; 1 when the node never reported."""
-    return min(max(1.0 - c.kv_cache_usage, 0.0), 1.0)
+def kv_headroom(c: Candidate, m: WaitModel | None = None) -> float:
+    """1 - KV usage (linear): the last known report's, moved by this router's unreported
+    requests (``effective_kv_usage``) when ``m`` is given; 1 when the node never reported."""
+    k = c.kv_cache_usage if m is None else effective_kv_usage(c, m)
+    return min(max(1.0 - k, 0.0), 1.0)
 
 
 def least_request(c: Candidate) -> float:

@@ -1,16 +1,18 @@
 """Frozen inputs and outputs of a routing decision (no proto types, no I/O).
 
-The registry turns its snapshot plus its own per-node counts into ``Candidate`` values at the
-moment of a decision; policies read only these. ``Decision`` keeps every candidate's raw
-per-scorer scores so a trace span (issue 4) can carry them.
+The registry turns its snapshot plus its own per-node counts into ``Candidate`` values (cached
+per node, rebuilt when their inputs change); policies read only these. ``Decision`` keeps the
+raw per-scorer scores of the best few candidates (the chosen one included) so a trace span
+(issue 4) can carry them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from typing import Protocol
 
 
 class NodeState(str, Enum):
@@ -32,6 +34,7 @@ class LoadSample:
     prompt_tokens_per_s: float = 0.0
     in_flight: int = 0
     draining: bool = False
+    kv_capacity_tokens: int = 0          # 0 = unknown (KV usage then moves only with reports)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Candidate:
     capacity_weight: float
     max_concurrency: int                 # 0 = unlimited
     report: LoadSample | None
-    report_age_s: float                  # inf when never reported
+    report_age_s: float                  # as of when this view was built; inf: never reported
     kv_cache_usage: float                # last known (0 when never reported)
     router_in_flight: int                # this router's requests on the node, any phase
     outstanding_prompt_tokens: int       # this router's requests before their first token
@@ -60,6 +63,40 @@ class Candidate:
     @property
     def at_capacity(self) -> bool:
         return self.max_concurrency > 0 and self.router_in_flight >= self.max_concurrency
+
+
+class CandidateSource(Protocol):
+    """A decision's candidates, readable one by one so a sampled decision builds only those
+    it looks at (``router.registry.LazyCandidates``; ``ListCandidates`` for a plain list).
+    Index order is node-id order."""
+
+    def __len__(self) -> int: ...
+
+    def at(self, i: int) -> Candidate | None:
+        """The i-th candidate, or None when it is not routable now (lease over, excluded)."""
+        ...
+
+    def all(self) -> list[Candidate]:
+        """Every routable candidate, in index order."""
+        ...
+
+
+class ListCandidates:
+    """A ``CandidateSource`` over a list (tests, callers that already hold candidates)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Sequence[Candidate]) -> None:
+        self._items = list(items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def at(self, i: int) -> Candidate | None:
+        return self._items[i]
+
+    def all(self) -> list[Candidate]:
+        return list(self._items)
 
 
 @dataclass(frozen=True)
@@ -86,6 +123,9 @@ class Decision:
     policy: str
     node_id: str
     candidates: int                       # after filters
+    # The best few candidates by total with their raw per-scorer scores, the chosen one
+    # included (every candidate when there are few; see ``profiles.KEEP_SCORES``).
     considered: tuple[CandidateScore, ...] = ()
     filtered: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     tie_size: int = 1                     # how many candidates tied for the best total
+    sampled_from: int = 0                 # fleet size a sample was drawn from; 0 = no sampling

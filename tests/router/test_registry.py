@@ -329,6 +329,71 @@ def _pick_and_charge(r: Registry, rng: random.Random) -> str:
     return n
 
 
+# KV is the binding term: prefill is nearly free (huge reference throughput), every node
+# reports a different KV usage, and this router's requests are the only thing that changes.
+KV_WM = WaitModel(reference_prompt_tokens_per_s=1e9, kv_penalty_s=0.25, kv_usage_cap=0.98,
+                  decode_s_per_request=0.0, wait_scale_s=0.5, kv_output_allowance_tokens=100)
+KV_START = {"a": 0.50, "b": 0.55, "c": 0.60, "d": 0.65}
+
+
+def _kv_burst(capacity: int) -> tuple[Registry, Clock, dict[str, list], random.Random]:
+    c = Clock()
+    r = make(c)
+    for i, n in enumerate(KV_START, 1):
+        r.register(reg(n), i)
+        r.heartbeat(n, i, 1, 0, LoadSample(kv_cache_usage=KV_START[n],
+                                           kv_capacity_tokens=capacity),
+                    accounts=[(RID, AccountSample(0, 0, 0, 0))])
+    profile = build_profile("weighted_least_load", WEIGHTS, KV_WM)
+    rng = random.Random(3)
+    credits: dict[str, list] = {n: [] for n in KV_START}
+    for _ in range(100):                          # no heartbeat arrives during the burst
+        n = select(profile, r.candidates("m"), RequestInfo("m", 100), rng,
+                   default_filters(0.92)).node_id
+        credits[n].append(r.charge(n, 100))
+    return r, c, credits, rng
+
+
+def test_kv_bound_burst_herds_when_capacity_is_unknown() -> None:
+    """Control: without the node's KV capacity, k does not move between heartbeats, so the
+    whole burst goes to the node that reported the lowest k."""
+    _, _, credits, _ = _kv_burst(capacity=0)
+    assert {n: len(v) for n, v in credits.items()} == {"a": 100, "b": 0, "c": 0, "d": 0}
+
+
+def test_kv_bound_burst_spreads_and_next_heartbeat_does_not_herd() -> None:
+    r, c, credits, rng = _kv_burst(capacity=20_000)
+    counts = {n: len(v) for n, v in credits.items()}
+    # Water-filling: the emptiest node takes the most, every node takes some, none all.
+    assert counts["a"] > counts["b"] > counts["c"] > counts["d"] > 0, counts
+    assert max(counts.values()) <= 50, counts
+    k_eff = {x.node_id: expected_wait_s(x, KV_WM) for x in r.candidates("m")}
+    # Levelled to within one request's step (0.01 of k is ~0.08 s of penalty near k = 0.8).
+    assert max(k_eff.values()) - min(k_eff.values()) < 0.1, k_eff
+
+    # Each node reports: its admitted requests now hold KV (prompt + the allowance each, as
+    # the router assumed), the last 2 not yet admitted. No node's estimate jumps.
+    before = k_eff
+    c.t += 0.25
+    for i, n in enumerate(KV_START, 1):
+        admitted = max(counts[n] - 2, 0)
+        kv = KV_START[n] + admitted * 200 / 20_000
+        r.heartbeat(n, i, 2, 0, LoadSample(kv_cache_usage=kv, kv_capacity_tokens=20_000,
+                                           pending_prefill_tokens=admitted * 100),
+                    accounts=[(RID, AccountSample(admitted, 0, 0, 0))])
+    after = {x.node_id: expected_wait_s(x, KV_WM) for x in r.candidates("m")}
+    for n in KV_START:
+        assert after[n] == pytest.approx(before[n]), (before, after)
+    profile = build_profile("weighted_least_load", WEIGHTS, KV_WM)
+    nxt: Counter[str] = Counter()
+    for _ in range(40):
+        n = select(profile, r.candidates("m"), RequestInfo("m", 100), rng,
+                   default_filters(0.92)).node_id
+        r.charge(n, 100)
+        nxt[n] += 1
+    assert max(nxt.values()) <= 15 and len(nxt) == 4, nxt          # spreads, no burst
+
+
 def test_without_router_credits_a_stale_report_would_herd() -> None:
     """Control for the test above: least_request over the same fleet spreads only by count;
     the expected-wait profile also spreads (credits move before any heartbeat)."""

@@ -186,3 +186,44 @@ def test_expected_wait_is_finite_and_monotone_in_pending() -> None:
     waits = [expected_wait_s(cand(pending=p, kv=0.3), WM) for p in range(0, 10_000, 500)]
     assert all(math.isfinite(w) for w in waits)
     assert waits == sorted(waits)
+
+
+# ---------------------------------------------------------------- KV usage moved by credits
+
+
+def kv_cand(kv: float, capacity: int, unreported: int, unreported_n: int,
+            stale: bool = False) -> Candidate:
+    c = cand(kv=kv, unreported=unreported, unreported_n=unreported_n, stale=stale)
+    if c.report is not None:
+        c = replace(c, report=replace(c.report, kv_capacity_tokens=capacity))
+    return c
+
+
+KV_WM = replace(WM, kv_output_allowance_tokens=100)
+
+
+@pytest.mark.parametrize("c, k_eff", [
+    (kv_cand(0.5, 0, 4000, 4), 0.5),                 # capacity unknown: the report alone
+    (kv_cand(0.5, 10_000, 0, 0), 0.5),               # nothing unreported
+    (kv_cand(0.5, 10_000, 1000, 1), 0.61),           # + (1000 + 100) / 10000
+    (kv_cand(0.5, 10_000, 4000, 10), 1.0),           # + (4000 + 1000) / 10000
+    (kv_cand(0.7, 10_000, 9000, 3, stale=True), 0.7),  # stale: last known, no credits
+])
+def test_effective_kv_usage(c: Candidate, k_eff: float) -> None:
+    assert scorers.effective_kv_usage(c, KV_WM) == pytest.approx(k_eff)
+
+
+@pytest.mark.parametrize("c, kv_term", [
+    (kv_cand(0.5, 0, 4000, 4), 0.25 * 0.5 / 0.5),
+    (kv_cand(0.5, 10_000, 1000, 1), 0.25 * 0.61 / 0.39),
+    (kv_cand(0.5, 10_000, 4000, 10), 0.25 * 0.98 / 0.02),   # capped at kv_usage_cap
+])
+def test_expected_wait_uses_effective_kv(c: Candidate, kv_term: float) -> None:
+    prefill = (c.report.pending_prefill_tokens + c.unreported_prompt_tokens) / 1000.0
+    assert expected_wait_s(c, KV_WM) == pytest.approx(prefill + kv_term)
+
+
+def test_kv_headroom_moves_with_credits_when_given_the_model() -> None:
+    c = kv_cand(0.5, 10_000, 1000, 1)
+    assert scorers.kv_headroom(c) == pytest.approx(0.5)
+    assert scorers.kv_headroom(c, KV_WM) == pytest.approx(0.39)

@@ -115,3 +115,10 @@ def test_decision_attributes_fields():
     assert attrs["gpumesh.routing.queue_wait_s"] == 1.5
     assert attrs["gpumesh.routing.filtered"] == ["y: draining", "z: kv_high"]
     assert attrs["gpumesh.routing.candidate.0.expected_wait_s"] == 0.125
+
+
+def test_decision_attributes_name_the_sampled_fleet_size():
+    sampled = Decision("weighted_least_load", "a", 32, (), sampled_from=4096)
+    assert decision_attributes(sampled, 0.1, 0.0)["gpumesh.routing.sampled_from"] == 4096
+    assert "gpumesh.routing.sampled_from" not in decision_attributes(
+        Decision("weighted_least_load", "a", 3, ()), 0.1, 0.0)
