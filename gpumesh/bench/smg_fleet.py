@@ -550,8 +550,7 @@ async def _workload(a: argparse.Namespace, wl: str, fleet: Fleet,
     loads = [float(x) for x in a.loads.split(",") if x]
     n_max = math.ceil(max(loads) * cap * a.duration) + 1
     trace = out / f"trace-{a.fleet}-{wl}.jsonl"
-    save_trace((r for r, _ in zip(iter_requests(WorkloadSpec(prompt, output, a.seed)),
-                                  range(n_max))), trace)
+    record_trace(prompt, output, a.seed, n_max, trace)
     names = list(targets)
     rep_loads = {float(x) for x in a.repeat_loads.split(",") if x}
     for rep in range(a.repeats):
@@ -594,6 +593,12 @@ async def _workload(a: argparse.Namespace, wl: str, fleet: Fleet,
                       file=sys.stderr, flush=True)
                 doc["runs"].append(d)
                 write_json(out / "smg-fleet.json", doc)
+
+
+def record_trace(prompt: LengthDist, output: LengthDist, seed: int, n: int, path: Path) -> int:
+    """The run's trace: Poisson arrivals at 1 req/s (rescaled per load by ``load_trace``)."""
+    reqs = iter_requests(WorkloadSpec(prompt, output, seed, "", 1.0))
+    return save_trace((r for r, _ in zip(reqs, range(n))), path)
 
 
 # --- report -------------------------------------------------------------------------------

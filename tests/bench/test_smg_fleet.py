@@ -5,6 +5,7 @@ sim nodes (skipped with the installer's reason when SMG cannot be installed)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 from pathlib import Path
@@ -30,6 +31,18 @@ def test_bpe_prompts_are_exactly_n_tokens(tiny_model_dir: Path) -> None:
         assert p.tokenizer.encode(text).ids == ids
     assert p.prompt(50, 1, 3) == p.prompt(50, 1, 3)        # deterministic per (seed, index)
     assert p.prompt(50, 1, 3) != p.prompt(50, 1, 4)        # unique per request
+
+
+def test_trace_is_poisson_and_rescales(tmp_path: Path) -> None:
+    from gpumesh.bench.workload import LengthDist, load_trace
+
+    path = tmp_path / "t.jsonl"
+    assert smg_fleet.record_trace(LengthDist.parse("fixed:8"), LengthDist.parse("fixed:4"), 1,
+                                  2000, path) == 2000
+    reqs = load_trace(path, "", 1.0 / 50)                 # replayed at 50 req/s
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(reqs)]
+    assert min(gaps) >= 0 and sum(g == 0 for g in gaps) == 0  # not one burst at t = 0
+    assert 40 < len(reqs) / reqs[-1].arrival_s < 60
 
 
 def test_smg_specs_and_scaled_flags() -> None:
