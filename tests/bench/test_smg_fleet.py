@@ -73,7 +73,7 @@ def test_report_and_verdict() -> None:
     agg = smg_fleet.aggregate(runs)
     assert agg[("w", 0.8, "gpumesh-weighted_least_load")]["ttft_p99"] == 120
     v = smg_fleet.verdict(agg, "w", 0.8)
-    assert "smg-least_load" in v and "1.00x met" in v and "goodput 85% vs 85% met" in v
+    assert "smg-least_load" in v and "1.00x met" in v and "goodput 85.0% vs 85.0% met" in v
     assert "highest goodput: missed" in v
     md = smg_fleet.markdown({"args": {"fleet": "f", "time_scale": 3}, "capacity": {},
                              "runs": runs})
