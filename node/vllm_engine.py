@@ -110,6 +110,7 @@ class _LoadStatLogger:
         self._prefix_q = 0
         self._prefix_h = 0
         self.records = 0
+        self.kv_capacity_tokens = 0  # blocks x block size, once vLLM has sized its KV cache
 
     # -- vLLM StatLoggerBase interface (duck-typed; see _stat_logger_factory) ---------------
 
@@ -190,6 +191,7 @@ class _LoadStatLogger:
             prefix_cache_hit_rate=(self._prefix_h / self._prefix_q) if self._prefix_q else 0.0,
             generation_tokens_per_s=self._gen_sum / self._window,
             prompt_tokens_per_s=self._prompt_sum / self._window,
+            kv_capacity_tokens=self.kv_capacity_tokens,
         )
 
 
@@ -235,13 +237,17 @@ def _stat_logger_factory(sink: _LoadStatLogger) -> Callable[[Any, int], Any]:
     class _Forwarder(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self.engine_index = engine_index
+            self.vllm_config = vllm_config
 
         def record(self, scheduler_stats: Any, iteration_stats: Any,
                    mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
             sink.record(scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
 
         def log_engine_initialized(self) -> None:
-            pass
+            # The KV cache is sized by now (vLLM's own logger reads num_gpu_blocks here too).
+            cache = getattr(self.vllm_config, "cache_config", None)
+            blocks = getattr(cache, "num_gpu_blocks", None) or 0
+            sink.kv_capacity_tokens = int(blocks) * int(getattr(cache, "block_size", 0) or 0)
 
     return _Forwarder
 
@@ -414,6 +420,7 @@ class VllmEngine:
                 generation_tokens_per_s=snap.generation_tokens_per_s,
                 prompt_tokens_per_s=snap.prompt_tokens_per_s,
                 gpus=self._gpu_sampler.latest,
+                kv_capacity_tokens=snap.kv_capacity_tokens,
             )
         return snap
 

@@ -268,6 +268,7 @@ async def test_load_reports_running_requests_and_kv_usage(vllm_engine: VllmEngin
     assert all(0.0 <= s.kv_cache_usage <= 1.0 for s in seen)
     after = vllm_engine.load()
     assert after.generation_tokens_per_s > 0 and after.prompt_tokens_per_s > 0
+    assert after.kv_capacity_tokens > 0 and after.kv_capacity_tokens % 16 == 0   # blocks x 16
     assert await wait_for(lambda: vllm_engine.load().num_running == 0)
     assert vllm_engine.load().kv_cache_usage == 0.0
 
