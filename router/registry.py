@@ -552,11 +552,17 @@ class Registry:
             self._gone_models.pop(name, None)
         snapshots: dict[str, _ModelSlots] = {}
         node_slots: dict[str, list[_Slot]] = {}
+        # Unchanged nodes keep their slots (and cached candidates) across a membership change.
+        old_slots = {(slot.entry.node_id, m): slot for m, ms in self._index.snapshots.items()
+                     for slot in ms.slots}
         for n, model_spec in specs.items():
             slots = []
             for e in by_model[n]:
                 spec = next(m for m in e.registration.models if m.name == n)
-                slot = _Slot(e, spec, self._ledgers[e.node_id])
+                slot = old_slots.get((e.node_id, n))
+                if (slot is None or slot.entry is not e or slot.spec != spec
+                        or slot.ledger is not self._ledgers[e.node_id]):
+                    slot = _Slot(e, spec, self._ledgers[e.node_id])
                 slots.append(slot)
                 node_slots.setdefault(e.node_id, []).append(slot)
             snapshots[n] = _ModelSlots(n, model_spec, tuple(slots))

@@ -307,3 +307,16 @@ def test_heartbeat_is_constant_time_in_fleet_size() -> None:
     assert r.candidate_source("m")._slots is slots_before
     (n7,) = [c for c in r.candidates("m") if c.node_id == "n7"]
     assert n7.report is not None and n7.report.pending_prefill_tokens == 5
+
+
+def test_a_join_keeps_the_other_nodes_cached_candidates() -> None:
+    r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, clock=lambda: 1000.0)
+    for i in range(3):
+        r.register(NodeRegistration(f"n{i}", "x:1", (ModelSpec("m"),), "i1"), i + 1)
+    before = {c.node_id: c for c in r.candidates("m")}
+    r.register(NodeRegistration("n9", "x:1", (ModelSpec("m"),), "i1"), 10)
+    after = {c.node_id: c for c in r.candidates("m")}
+    assert set(after) == {"n0", "n1", "n2", "n9"}
+    assert all(after[n] is before[n] for n in before)
+    r.drain("n1")                                    # its entry changed: rebuilt
+    assert {c.node_id: c for c in r.candidates("m")}["n1"].state is NodeState.DRAINING
