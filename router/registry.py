@@ -268,6 +268,8 @@ class NodeLedger:
         self._rejected: list[int] = []          # ordinals the node never admitted, sorted
         self._rejected_below = 0                # pruned rejected ordinals <= cutoff
         self._cutoff = 0                        # ordinals <= cutoff are in the last report
+        self._unreported_tokens = 0             # pending credits with ordinal > cutoff
+        self._unreported_n = 0
         self._synced = False
         self._base_admitted = 0
         self._base_first = 0
@@ -288,6 +290,8 @@ class NodeLedger:
                    slot_until_finish)
         self._pending[c.ordinal] = c
         self._pending_tokens += c.tokens
+        self._unreported_tokens += c.tokens     # a new ordinal is above any report's cutoff
+        self._unreported_n += 1
         self.in_flight += 1
         self.version += 1
         if blind and c.expires_at < self.next_expiry:
@@ -313,6 +317,9 @@ class NodeLedger:
             self.version += 1
             self._pending.pop(c.ordinal, None)
             self._pending_tokens -= c.tokens
+            if c.ordinal > self._cutoff:
+                self._unreported_tokens -= c.tokens
+                self._unreported_n -= 1
             if not c.slot_until_finish:
                 self._release_slot(c)
 
@@ -345,7 +352,13 @@ class NodeLedger:
             i += 1
         self._rejected_below += i
         del self._rejected[:i]
-        self._cutoff = max(self._cutoff, min(cutoff, self.dispatched))
+        new_cutoff = max(self._cutoff, min(cutoff, self.dispatched))
+        for ordinal in range(self._cutoff + 1, new_cutoff + 1):   # now in a report
+            c = self._pending.get(ordinal)
+            if c is not None:
+                self._unreported_tokens -= c.tokens
+                self._unreported_n -= 1
+        self._cutoff = new_cutoff
         # Blind credits: release oldest-first as the node's first-token count grows.
         blind_first = max(0, a.first_token_requests - self._base_first - self._proxy_first_seen)
         if self._blind_done < blind_first:
@@ -378,14 +391,9 @@ class NodeLedger:
         return len(self._pending)
 
     def unreported(self) -> tuple[int, int]:
-        """(prompt tokens, requests) outstanding and dispatched after the last report."""
-        tokens = n = 0
-        for ordinal in reversed(self._pending):
-            if ordinal <= self._cutoff:
-                break
-            tokens += self._pending[ordinal].tokens
-            n += 1
-        return tokens, n
+        """(prompt tokens, requests) outstanding and dispatched after the last report. O(1):
+        kept as running sums (charge adds, a release or a report's cutoff subtracts)."""
+        return self._unreported_tokens, self._unreported_n
 
 
 # ---------------------------------------------------------------------------- registry
