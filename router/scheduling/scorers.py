@@ -24,9 +24,9 @@ reported the lowest k; the next report folds those requests into P (and into
 kv_cache_usage once the node has scheduled them) as it drops them from C / U, so a heartbeat
 does not make a node look suddenly idle. (Not modelled: a request admitted but still waiting
 for KV holds none yet, so k dips by its share until it is scheduled; P still counts it.)
-kv_output_allowance_tokens is a guess of the output's KV per request (default 128 tokens). For
-a STALE
-node (report older than the window, or none yet) only the router's own counts are used::
+kv_output_allowance_tokens is a guess of the output's KV per request (default 128 tokens).
+For a STALE node (report older than the window, or none yet) only the router's own counts
+are used::
 
     wait = (C_all / reference_prompt_tokens_per_s + decode_s_per_request * in_flight) / w
 
