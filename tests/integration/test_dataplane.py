@@ -121,12 +121,22 @@ async def test_lookaside_retries_once_before_the_first_token(lookaside_mesh):
     async with grpc.aio.insecure_channel(router.address) as ch:
         call = cpb_grpc.ControlPlaneStub(ch).Connect(ghost_messages())
         try:
-            async with MeshClient(router.address, lookaside=True) as client:
+            async with MeshClient(router.address, lookaside=True) as client, \
+                    MeshClient(router.address) as proxy:
                 await wait_for(lambda: _has(client, {"ghost", "la", "lb"}), what="ghost")
+                # Keep the real nodes busy so the idle-looking ghost is the unique best pick
+                # (idle nodes all score the same and would tie).
+                busy = [proxy.stream(build_request(f"busy {i}", model="sim", max_tokens=4000,
+                                                   ignore_eos=True), timeout=60)
+                        for i in range(4)]
+                for b in busy:
+                    await anext(b)
                 r = StreamResult()
                 chunks = [c async for c in client.stream(
                     build_request("retry me", model="sim", max_tokens=8, ignore_eos=True),
                     timeout=30, result=r)]
+                for b in busy:
+                    await b.aclose()
             assert chunks[-1].usage.completion_tokens == 8
             assert r.attempts == 2 and r.node_id in ("la", "lb")
         finally:
