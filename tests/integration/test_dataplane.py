@@ -125,12 +125,21 @@ async def test_lookaside_retries_once_before_the_first_token(lookaside_mesh):
                     MeshClient(router.address) as proxy:
                 await wait_for(lambda: _has(client, {"ghost", "la", "lb"}), what="ghost")
                 # Keep the real nodes busy so the idle-looking ghost is the unique best pick
-                # (idle nodes all score the same and would tie).
-                busy = [proxy.stream(build_request(f"busy {i}", model="sim", max_tokens=4000,
-                                                   ignore_eos=True), timeout=60)
-                        for i in range(4)]
-                for b in busy:
+                # (idle nodes all score the same and would tie): add streams until both real
+                # nodes have REPORTED running requests (a proxy credit is gone at the first
+                # token, so until that report a node that just took a stream still looks idle).
+                async def both_busy() -> bool:
+                    running = {n.node_id: n.load.num_running for n in (await client.fleet()).nodes}
+                    return running.get("la", 0) > 0 and running.get("lb", 0) > 0
+
+                busy = []
+                while len(busy) < 12 and not await both_busy():
+                    b = proxy.stream(build_request(f"busy {len(busy)}", model="sim",
+                                                   max_tokens=4000, ignore_eos=True), timeout=60)
                     await anext(b)
+                    busy.append(b)
+                    await asyncio.sleep(0.15)   # a busy node's heartbeat interval
+                await wait_for(both_busy, what="both real nodes reporting running requests")
                 r = StreamResult()
                 chunks = [c async for c in client.stream(
                     build_request("retry me", model="sim", max_tokens=8, ignore_eos=True),
