@@ -627,6 +627,14 @@ def _get(d: dict[str, Any], path: str) -> float:
     return math.nan if d is None else float(d)  # type: ignore[arg-type]
 
 
+def _others(r: dict[str, Any]) -> float:
+    """Cores busy with processes outside this benchmark during the run (the shared machine)."""
+    c = r.get("cpu_summary", {})
+    mine = sum(c.get(k, 0.0) for k in ("gateway_pct", "loadgen_pct", "nodes_pct",
+                                           "idle_gateways_pct")) / 100
+    return max(0.0, c.get("machine_busy_cores", math.nan) - mine)
+
+
 def aggregate(runs: list[dict[str, Any]]) -> dict[tuple[str, float, str], dict[str, Any]]:
     groups: dict[tuple[str, float, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
@@ -635,6 +643,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[tuple[str, float, str], dict[s
     out = {}
     for key, rs in groups.items():
         row: dict[str, Any] = {m: median([_get(r, p) for r in rs]) for m, p in METRICS}
+        row["others"] = median([_others(r) for r in rs])
         row["p99s"] = [_get(r, "summary.ttft_ms.p99") for r in rs]
         row["errors"] = sum(r["summary"]["requests"] - r["summary"]["ok"] for r in rs)
         row["mismatch"] = sum(r["summary"].get("prompt_mismatch", 0) for r in rs)
@@ -685,7 +694,7 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{cap.get('req_per_s', 0):.1f} req/s wall at time_scale {ts:g})\n")
         lines.append("| load | gateway / policy | TTFT p50 ms | TTFT p99 ms (median) | p99 each "
                      "repeat | lat p99 ms | goodput % | p99 / best SMG | gateway CPU % | "
-                     "loadgen CPU % | nodes CPU % | machine cores busy | errors | node share % |")
+                     "loadgen CPU % | nodes CPU % | machine cores busy (others) | errors | node share % |")
         lines.append("|" + "---|" * 14)
         for load in sorted({k[1] for k in agg if k[0] == wl}):
             rows = {k[2]: v for k, v in agg.items() if k[:2] == (wl, load)}
@@ -699,7 +708,7 @@ def markdown(doc: dict[str, Any]) -> str:
                     f"{', '.join(f'{x:.0f}' for x in r['p99s'])} | {r['lat_p99']:.0f} | "
                     f"{100 * r['goodput']:.1f} | {r['ttft_p99'] / smg_best:.2f} | "
                     f"{r['gw_cpu']:.0f} | {r['lg_cpu']:.0f} | {r['nodes_cpu']:.0f} | "
-                    f"{r['machine']:.2f} | {r['errors']}{mism} | {_share_str(r['share'])} |")
+                    f"{r['machine']:.2f} ({r['others']:.2f}) | {r['errors']}{mism} | {_share_str(r['share'])} |")
         lines.append("")
         for load in sorted({k[1] for k in agg if k[0] == wl}):
             lines.append(f"- {wl} {load:.0%}: {verdict(agg, wl, load)}")
@@ -743,8 +752,15 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpumesh.bench.smg_fleet report")
     p.add_argument("files", nargs="+")
     a = p.parse_args(argv)
-    docs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in a.files]
-    merged = {**docs[0], "runs": [r for d in docs for r in d.get("runs", [])]}
+    docs, runs = [], []
+    for item in a.files:  # FILE or FILE:WORKLOAD[,WORKLOAD] (only those workloads' runs)
+        f, _, only = item.partition(":")
+        d = json.loads(Path(f).read_text(encoding="utf-8"))
+        keep = set(only.split(",")) if only else None
+        runs += [r for r in d.get("runs", []) if keep is None or r["config"]["workload"] in keep]
+        docs.append(d)
+    caps = {k: v for d in reversed(docs) for k, v in d.get("capacity", {}).items()}
+    merged = {**docs[0], "capacity": caps, "runs": runs}
     print(markdown(merged))
     return 0
 
