@@ -109,7 +109,12 @@ def _node_of(md_pairs: Any) -> str:
 async def send_one(stub: pb_grpc.InferenceStub, r: BenchRequest, cfg: LoadConfig,
                    t0: float) -> RequestResult:
     """One streamed request, measured. Never raises for RPC errors (they become a status)."""
-    msg = build_request(r, cfg)
+    return await send_message(stub, build_request(r, cfg), r, cfg, t0)
+
+
+async def send_message(stub: pb_grpc.InferenceStub, msg: pb.GenerateRequest, r: BenchRequest,
+                       cfg: LoadConfig, t0: float) -> RequestResult:
+    """``send_one`` for a prebuilt request message (e.g. a token-id prompt)."""
     start = time.perf_counter()
     ttft: float | None = None
     tokens = chunks = prompt = 0

@@ -74,9 +74,9 @@ from gpumesh.bench.loadgen import (
     RunResult,
     _bounded,
     _closed_loop,
-    _node_of,
     _open_loop,
     _Progress,
+    send_message,
 )
 from gpumesh.bench.report import result_document, write_json
 from gpumesh.bench.stats import SLO, summarize
@@ -143,31 +143,7 @@ async def grpc_send(stub: Any, prompts: BpePrompts, r: BenchRequest, cfg: LoadCo
     msg.sampling.ignore_eos = True
     if cfg.temperature is not None:
         msg.sampling.temperature = cfg.temperature
-    start = time.perf_counter()
-    ttft: float | None = None
-    tokens = chunks = prompt = 0
-    status, err, node = "OK", "", ""
-    call = stub.GenerateStream(msg, timeout=cfg.timeout_s)
-    try:
-        async for chunk in call:
-            chunks += 1
-            n = len(chunk.token_ids)
-            if n and ttft is None:
-                ttft = time.perf_counter() - start
-            tokens += n
-            if chunk.HasField("usage"):
-                prompt = chunk.usage.prompt_tokens
-                tokens = max(tokens, chunk.usage.completion_tokens)
-        node = _node_of(await call.trailing_metadata())
-    except grpc.aio.AioRpcError as e:
-        status, err = e.code().name, (e.details() or "")[:200]
-        node = _node_of(e.trailing_metadata())
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
-    end = time.perf_counter()
-    return RequestResult(r.index, start - t0, end - start, ttft, tokens, prompt, status, node,
-                         chunks, err)
+    return await send_message(stub, msg, r, cfg, t0)
 
 
 async def http_send(session: Any, base: str, model: str, prompts: BpePrompts,
