@@ -20,7 +20,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -173,38 +173,48 @@ async def run_load(cfg: LoadConfig, requests: Iterable[BenchRequest], *,
     ``start_at`` (a ``time.time()`` epoch) aligns several processes on one start instant.
     """
     opts = [("grpc.max_receive_message_length", 64 << 20), *(channel_options or [])]
-    reqs = _bounded(iter(requests), cfg.num_requests)
-    results: list[RequestResult] = []
-    prog = _Progress(cfg.progress_s, sys.stderr, progress_prefix)
     async with grpc.aio.insecure_channel(cfg.target, options=opts) as channel:
         stub = pb_grpc.InferenceStub(channel)
         await asyncio.wait_for(channel.channel_ready(), timeout=30)
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
-        t0 = time.perf_counter()
-        deadline = t0 + cfg.duration_s if cfg.duration_s > 0 else float("inf")
+        return await drive(cfg, requests, lambda r, t0: send_one(stub, r, cfg, t0),
+                           progress_prefix=progress_prefix, on_result=on_result)
 
-        async def one(r: BenchRequest) -> None:
-            prog.inflight += 1
-            try:
-                res = await send_one(stub, r, cfg, t0)
-            finally:
-                prog.inflight -= 1
-            results.append(res)
-            prog.add(res)
-            if on_result is not None:
-                on_result(res)
 
-        ptask = asyncio.create_task(prog.run(t0)) if cfg.progress_s > 0 else None
+async def drive(cfg: LoadConfig, requests: Iterable[BenchRequest],
+                send: Callable[[BenchRequest, float], Awaitable[RequestResult]], *,
+                progress_prefix: str = "",
+                on_result: Callable[[RequestResult], None] | None = None) -> RunResult:
+    """The open/closed loops and bookkeeping around any client path: ``send(request, t0)``
+    performs and measures one request (gRPC here, HTTP/SSE in smg_fleet)."""
+    reqs = _bounded(iter(requests), cfg.num_requests)
+    results: list[RequestResult] = []
+    prog = _Progress(cfg.progress_s, sys.stderr, progress_prefix)
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.duration_s if cfg.duration_s > 0 else float("inf")
+
+    async def one(r: BenchRequest) -> None:
+        prog.inflight += 1
         try:
-            if cfg.concurrency > 0:
-                await _closed_loop(cfg.concurrency, reqs, one, deadline)
-            else:
-                await _open_loop(reqs, one, t0, deadline)
+            res = await send(r, t0)
         finally:
-            if ptask is not None:
-                ptask.cancel()
-        wall = time.perf_counter() - t0
+            prog.inflight -= 1
+        results.append(res)
+        prog.add(res)
+        if on_result is not None:
+            on_result(res)
+
+    ptask = asyncio.create_task(prog.run(t0)) if cfg.progress_s > 0 else None
+    try:
+        if cfg.concurrency > 0:
+            await _closed_loop(cfg.concurrency, reqs, one, deadline)
+        else:
+            await _open_loop(reqs, one, t0, deadline)
+    finally:
+        if ptask is not None:
+            ptask.cancel()
+    wall = time.perf_counter() - t0
     results.sort(key=lambda x: x.index)
     return RunResult(config=asdict(cfg), results=results, wall_s=wall)
 

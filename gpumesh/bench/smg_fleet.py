@@ -52,7 +52,7 @@ import time
 import urllib.request
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +72,7 @@ from gpumesh.bench.loadgen import (
     LoadConfig,
     RequestResult,
     RunResult,
-    _bounded,
-    _closed_loop,
-    _open_loop,
-    _Progress,
+    drive,
     send_message,
 )
 from gpumesh.bench.report import result_document, write_json
@@ -215,9 +212,6 @@ class Target:
 async def run_target(cfg: LoadConfig, requests: Iterable[BenchRequest], target: Target,
                      prompts: BpePrompts) -> RunResult:
     """``loadgen.run_load`` for either path (the same open/closed loops and bookkeeping)."""
-    reqs = _bounded(iter(requests), cfg.num_requests)
-    results: list[RequestResult] = []
-    prog = _Progress(cfg.progress_s, sys.stderr, f"[{target.name}] ")
     async with contextlib.AsyncExitStack() as stack:
         if target.kind == "grpc":
             from gpumesh.v1 import inference_pb2_grpc as pb_grpc
@@ -239,30 +233,7 @@ async def run_target(cfg: LoadConfig, requests: Iterable[BenchRequest], target: 
                 return http_send(session, target.address, target.model, prompts,
                                  target.worker_nodes, r, cfg, t0)
 
-        t0 = time.perf_counter()
-        deadline = t0 + cfg.duration_s if cfg.duration_s > 0 else float("inf")
-
-        async def one(r: BenchRequest) -> None:
-            prog.inflight += 1
-            try:
-                res = await send(r, t0)
-            finally:
-                prog.inflight -= 1
-            results.append(res)
-            prog.add(res)
-
-        ptask = asyncio.create_task(prog.run(t0)) if cfg.progress_s > 0 else None
-        try:
-            if cfg.concurrency > 0:
-                await _closed_loop(cfg.concurrency, reqs, one, deadline)
-            else:
-                await _open_loop(reqs, one, t0, deadline)
-        finally:
-            if ptask is not None:
-                ptask.cancel()
-        wall = time.perf_counter() - t0
-    results.sort(key=lambda x: x.index)
-    return RunResult(config=asdict(cfg), results=results, wall_s=wall)
+        return await drive(cfg, requests, send, progress_prefix=f"[{target.name}] ")
 
 
 def machine_cpu() -> tuple[float, float]:
