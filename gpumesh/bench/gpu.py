@@ -14,10 +14,13 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
 - ``p05``: 0.5B. Node A on GPU 0 and (two GPUs or more) node B on GPU 1, 0.85 of memory each;
   router R1 fronts A alone, R2 fronts A and B. Benches: A direct and R1 at concurrency 128
   (one GPU), R2 at 128 and 256 (data parallel; 256 = 128 per GPU, the equal-latency point),
-  then a sweep on A direct (concurrency 1..512; prompts up to 1900 tokens) for the simulator.
+  A and B direct at 256 with the client splitting its streams (data parallel without a
+  router), then a sweep on A direct (concurrency 1..512; prompts up to 1900 tokens) for the
+  simulator. ``p05q``: the same without the sweep.
 - ``share``: 0.5B, two nodes on GPU 0 (0.42 of memory each) behind one router, 128.
 - ``unequal``: 0.5B, one GPU: a normal node and a node whose KV cache is cut to
   ``--small-kv-blocks`` blocks, 512-token prompts; one router per policy, each benched.
+  ``unequal2``: the same pair with a GPU each (two GPUs or more).
 - ``tp05`` / ``tp7``: one node with tensor_parallel_size 2 (GPUs 0,1) behind a router.
 - ``p7``: as ``p05`` with the 7B shape at concurrency 256 (512 for the equal-latency DP point).
 
@@ -30,6 +33,10 @@ and TTFT percentiles are over the same requests. Load comes from ``gpumesh bench
 multi-process generator (``gpumesh.bench.cli.run_multi``, what ``gpumesh bench run --procs N``
 runs) and routers run with ``--workers N``.
 
+Every bench also records the cores each process group used in its window (``CpuSampler``:
+node front end, vLLM engine processes, router, load generator, whole machine), which says
+whether a setup was GPU- or CPU-bound.
+
 Nodes disable prefix caching: the synthetic tokenizer maps every benchmark word to one id, so
 all prompts would share their prefix, while the reference's random-id prompts never hit.
 """
@@ -37,7 +44,9 @@ all prompts would share their prefix, while the reference's random-id prompts ne
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -392,6 +401,79 @@ class FleetSampler:
         return out
 
 
+class CpuSampler:
+    """Where the host's cores go during a window: CPU seconds per process group between two
+    instants (``time.time()``), as cores. Groups: each node's own process (vLLM's front end:
+    output processing, detokenising, our gRPC servicer), the node's children (vLLM's engine
+    core and, with TP, its workers), each router (its workers included), the load generator's
+    processes; plus the whole machine's busy cores. Reads /proc through psutil (a vLLM
+    dependency), so it costs nothing while the window runs."""
+
+    def __init__(self, t_lo: float, t_hi: float) -> None:
+        self.t_lo, self.t_hi = t_lo, t_hi
+        self.cores: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(max(5.0, self.t_hi - time.time() + 5.0))
+
+    @staticmethod
+    def _snapshot() -> tuple[dict[int, tuple[int, list[str], float]], float]:
+        import psutil
+
+        procs: dict[int, tuple[int, list[str], float]] = {}
+        for p in psutil.process_iter(["pid", "ppid", "cmdline", "cpu_times"]):
+            with contextlib.suppress(psutil.Error, TypeError, AttributeError):
+                ct = p.info["cpu_times"]
+                procs[p.info["pid"]] = (p.info["ppid"], p.info["cmdline"] or [],
+                                        ct.user + ct.system)
+        t = psutil.cpu_times()
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        return procs, busy
+
+    @staticmethod
+    def label(pid: int, procs: dict[int, tuple[int, list[str], float]], me: int) -> str | None:
+        """The group a process belongs to, by its nearest gpumesh ancestor (None: not ours)."""
+        cur, hops = pid, 0
+        while cur in procs and hops < 50:
+            if cur == me:
+                return "load generator" if pid != me else "bench driver"
+            cmd = procs[cur][1]
+            if "gpumesh.cli" in cmd and len(cmd) > cmd.index("gpumesh.cli") + 1:
+                kind = cmd[cmd.index("gpumesh.cli") + 1]
+                if kind not in ("node", "router"):
+                    return None
+                flag = "--node-id" if kind == "node" else "--router-id"
+                name = cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else "?"
+                if kind == "router":
+                    return f"router {name}"
+                return f"node {name}" + (" front end" if cur == pid else " engine")
+            cur, hops = procs[cur][0], hops + 1
+        return None
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):  # a diagnostic: never fails a bench
+            time.sleep(max(0.0, self.t_lo - time.time()))
+            a, busy_a = self._snapshot()
+            t_a = time.time()
+            time.sleep(max(0.0, self.t_hi - time.time()))
+            b, busy_b = self._snapshot()
+            dt = max(1e-6, time.time() - t_a)
+            me = os.getpid()
+            out: dict[str, float] = {}
+            for pid, (_, _, cpu) in b.items():
+                lab = self.label(pid, b, me)
+                if lab is None:
+                    continue
+                out[lab] = out.get(lab, 0.0) + (cpu - a[pid][2] if pid in a else cpu) / dt
+            out["machine (all processes)"] = (busy_b - busy_a) / dt
+            self.cores = {k: round(v, 2) for k, v in sorted(out.items())}
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
@@ -405,8 +487,12 @@ def _pct(xs: Sequence[float], p: float) -> float:
 def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurrency: int,
           prompt: str = "fixed:32", output: str = "fixed:256", poll: str = "",
           status: bool = False, warmup_s: float | None = None, window_s: float | None = None,
-          extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One closed-loop run; a record with the reference-style window metrics."""
+          extra: dict[str, Any] | None = None, split: Sequence[str] = ()) -> dict[str, Any]:
+    """One closed-loop run; a record with the reference-style window metrics.
+
+    ``split``: instead of ``target``, these nodes directly, the concurrency and the load
+    processes divided evenly between them (a client that spreads its own streams: data
+    parallel without a router, the measure of what the router costs at that load)."""
     from gpumesh.bench.cli import StreamSpec, run_multi
     from gpumesh.bench.loadgen import LoadConfig
     from gpumesh.bench.workload import LengthDist, WorkloadSpec
@@ -417,13 +503,22 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     cfg = LoadConfig(target=target, concurrency=concurrency, duration_s=warm + win,
                      timeout_s=180.0, seed=0, progress_s=0.0, label=setup)
     spec = StreamSpec(WorkloadSpec(LengthDist.parse(prompt), LengthDist.parse(output), 0, "", 0.0))
-    cmd = (f"gpumesh bench run --target {target} --concurrency {concurrency} --duration "
-           f"{warm + win:g} --prompt {prompt} --output {output} --procs {procs} --timeout 180")
+    parts = [(t, concurrency // len(split), max(1, procs // len(split))) for t in split] \
+        or [(target, concurrency, procs)]
+    cmd = " & ".join(f"gpumesh bench run --target {t} --concurrency {c} --duration {warm + win:g} "
+                     f"--prompt {prompt} --output {output} --procs {n} --timeout 180"
+                     for t, c, n in parts)
     sampler = FleetSampler(poll, warm + win / 2 if status else None, None) if poll else None
     t_start = time.time()
-    with sampler if sampler is not None else contextlib.nullcontext():
-        run = run_multi(cfg, spec, procs)
-    res = run.results
+    # run_multi starts its processes' clocks 2 + 0.2 * procs s after it is called.
+    t0 = t_start + 2.0 + 0.2 * parts[0][2]
+    cpu = CpuSampler(t0 + warm, t0 + warm + win)
+    with (sampler if sampler is not None else contextlib.nullcontext(), cpu,
+          concurrent.futures.ThreadPoolExecutor(len(parts)) as ex):
+        runs = list(ex.map(lambda p: run_multi(dataclasses.replace(cfg, target=p[0],
+                                                                    concurrency=p[1]),
+                                               spec, p[2]), parts))
+    res = [r for run in runs for r in run.results]
     ok = [r for r in res if r.status == "OK"]
     inwin = [r for r in ok if r.start_s >= warm and r.start_s + r.latency_s <= warm + win]
     done = [r for r in ok if warm <= r.start_s + r.latency_s <= warm + win]
@@ -442,7 +537,8 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         "ttft_p99": _pct([r.ttft_s for r in inwin if r.ttft_s is not None], 99),
         "tpot_p50": _pct([t for r in inwin if (t := r.tpot_s) is not None], 50),
         "out_tokens_p50": _pct([r.output_tokens for r in inwin], 50),
-        "node_share": nodes, "command": cmd, "started": t_start, "engine": env.engine}
+        "node_share": nodes, "command": cmd, "started": t_start, "engine": env.engine,
+        "cpu_cores": cpu.cores}
     if sampler is not None:
         rec["fleet"] = sampler.summary(warm, warm + win)
         if sampler.status_text:
@@ -462,6 +558,9 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
           f"done_qps={rec['done_qps']:7.1f} p50={rec['lat_p50']:.3f}s p99={rec['lat_p99']:.3f}s "
           f"ttft50={rec['ttft_p50']:.3f}s tpot50={rec['tpot_p50'] * 1000:.2f}ms "
           f"errors={rec['errors']} nodes={nodes}", flush=True)
+    if cpu.cores:
+        print("[gpu-bench]          cores used: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.cores.items()),
+              flush=True)
     return rec
 
 
@@ -519,6 +618,11 @@ def _pair_phase(env: Env, shape: str, gpus: int, phase: str, sweep: bool) -> Non
             for c in (c1, 2 * c1):
                 bench(env, phase=phase, setup="2 GPUs data parallel, router", shape=shape,
                       target=g.addr["r2"], concurrency=c, poll=g.addr["r2"], status=c == c1)
+            # The same two nodes with the client splitting its streams itself: what data
+            # parallel gives on this machine without a router, so the router's share shows.
+            bench(env, phase=phase, setup="2 GPUs data parallel, direct (client splits)",
+                  shape=shape, target=g.addr[a], concurrency=2 * c1, poll=g.addr["r2"],
+                  split=(g.addr[a], g.addr[b]))
         if sweep:
             _sweep(env, shape, g.addr[a], g.addr["r1"])
 
@@ -537,6 +641,11 @@ def phase_p05(env: Env, gpus: int) -> None:
     _pair_phase(env, "0.5b", gpus, "p05", sweep=True)
 
 
+def phase_p05q(env: Env, gpus: int) -> None:
+    """``p05`` without the sweep (its records are ``p05``'s): a rerun of the main table."""
+    _pair_phase(env, "0.5b", gpus, "p05", sweep=False)
+
+
 def phase_p7(env: Env, gpus: int) -> None:
     _pair_phase(env, "7b", gpus, "p7", sweep=False)
 
@@ -552,18 +661,22 @@ def phase_share(env: Env) -> None:
               target=g.addr["rs"], concurrency=128, poll=g.addr["rs"], status=True)
 
 
-def phase_unequal(env: Env) -> None:
+def phase_unequal(env: Env, gpus: int = 1, phase: str = "unequal") -> None:
+    """Two 0.5B nodes, ``small`` with its KV cache cut; one router per policy, each benched.
+    On one GPU both share GPU 0 (0.42 of memory each); with ``gpus`` >= 2 each has its own."""
     routers = [RouterSpec(f"q-{p.replace('_', '-')}", p, ("big", "small")) for p in POLICIES]
     names = tuple(r.name for r in routers)
-    nodes = [NodeSpec("big", "0.5b", "0", 0.42, routers=names),
-             NodeSpec("small", "0.5b", "0", 0.42, blocks=env.small_kv_blocks, routers=names,
-                      after="big")]
+    two = gpus >= 2
+    mem = 0.85 if two else 0.42
+    nodes = [NodeSpec("big", "0.5b", "0", mem, routers=names),
+             NodeSpec("small", "0.5b", "1" if two else "0", mem, blocks=env.small_kv_blocks,
+                      routers=names, after="big")]
     with Group(env, nodes, routers) as g:
         g.start()
-        env.meta.setdefault("commands", {})["unequal"] = g.commands
+        env.meta.setdefault("commands", {})[phase] = g.commands
         env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)
         for r in routers:
-            bench(env, phase="unequal", setup=f"policy {r.policy}", shape="0.5b",
+            bench(env, phase=phase, setup=f"policy {r.policy}", shape="0.5b",
                   target=g.addr[r.name], concurrency=128, prompt="fixed:512",
                   output="uniform:128:256", poll=g.addr[r.name], extra={"policy": r.policy},
                   warmup_s=3.0, window_s=12.0)
@@ -632,7 +745,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     env.save()
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
-    need = {"raw": 90, "p05": 230, "share": 100, "unequal": 150, "tp05": 120, "p7": 240, "tp7": 150}
+    need = {"raw": 90, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
+            "tp05": 120, "p7": 260, "tp7": 150}
     failed = []
     for ph in [p for p in a.phases.split(",") if p]:
         left = budget_end - time.monotonic()
@@ -640,7 +754,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             print(f"[gpu-bench] {ph}: NOT RUN ({left:.0f}s left of the budget, needs ~{need[ph]}s)")
             env.meta.setdefault("not_run", []).append(ph)
             continue
-        if ph in ("tp05", "tp7") and gpus < 2:
+        if ph in ("tp05", "tp7", "unequal2") and gpus < 2:
             print(f"[gpu-bench] {ph}: NOT RUN (needs 2 GPUs, {gpus} here)")
             env.meta.setdefault("not_run", []).append(ph)
             continue
@@ -648,7 +762,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"[gpu-bench] === phase {ph} ({left:.0f}s of budget left)", flush=True)
         try:
             {"raw": lambda: phase_raw(env), "p05": lambda: phase_p05(env, gpus),
-             "share": lambda: phase_share(env), "unequal": lambda: phase_unequal(env),
+             "p05q": lambda: phase_p05q(env, gpus), "share": lambda: phase_share(env),
+             "unequal": lambda: phase_unequal(env),
+             "unequal2": lambda: phase_unequal(env, gpus, "unequal2"),
              "tp05": lambda: _tp_phase(env, "0.5b", "tp05"), "p7": lambda: phase_p7(env, gpus),
              "tp7": lambda: _tp_phase(env, "7b", "tp7")}[ph]()
         except Exception as e:  # noqa: BLE001 - one phase failing must not cost the others
@@ -723,8 +839,11 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         # data parallel at equal p50: DP at 2C vs one GPU at C
         for shape in ("0.5b", "7b"):
             one = [r for r in records if r["shape"] == shape and r["setup"] == "1 GPU, through router"]
-            dp = [r for r in records if r["shape"] == shape and _setup_key(r) == "dp2"
-                  and r["concurrency"] == 2 * RAW_CONCURRENCY[shape]]
+            c2 = 2 * RAW_CONCURRENCY[shape]
+            dp = [r for r in records if r["shape"] == shape and r["concurrency"] == c2
+                  and r["setup"] == "2 GPUs data parallel, router"]
+            dd = [r for r in records if r["shape"] == shape and r["concurrency"] == c2
+                  and r["setup"] == "2 GPUs data parallel, direct (client splits)"]
             if one and dp:
                 o, d = one[-1], dp[-1]
                 lines.append(f"- {shape}: data parallel through the router at C={d['concurrency']} "
@@ -732,10 +851,18 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                              f"through the router at C={o['concurrency']}: {o['qps']:.1f} QPS at "
                              f"p50 {o['lat_p50']:.2f} s -> **{d['qps'] / max(o['qps'], 1e-9):.2f}x** "
                              f"(target >= 1.9x at equal p50).")
+                if dd:
+                    x = dd[-1]
+                    lines.append(f"  Without the router (the client splits {c2} streams over the "
+                                 f"two nodes): {x['qps']:.1f} QPS at p50 {x['lat_p50']:.2f} s "
+                                 f"({x['qps'] / max(o['qps'], 1e-9):.2f}x one GPU); the router "
+                                 f"gives {d['qps'] / max(x['qps'], 1e-9):.2f}x of that.")
         lines.append("")
-    une = [r for r in records if r["phase"] == "unequal"]
-    if une:
-        lines += ["Policies on an unequal pair (one GPU; `small` has a cut KV cache):", "",
+    for uph, where in (("unequal", "both nodes on GPU 0"), ("unequal2", "one GPU each")):
+        une = [r for r in records if r["phase"] == uph]
+        if not une:
+            continue
+        lines += [f"Policies on an unequal pair ({where}; `small` has a cut KV cache):", "",
                   "| policy | C | QPS | done QPS | p50 s | p99 s | TTFT p50 s | TTFT p99 s | share big/small | KV max big/small |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in une:
@@ -746,6 +873,18 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          f"{_f(r.get('done_qps'), 1)} | {_f(r['lat_p50'])} | {_f(r['lat_p99'])} | "
                          f"{_f(r['ttft_p50'], 3)} | {_f(r['ttft_p99'], 3)} | "
                          f"{sh.get('big', 0)}/{sh.get('small', 0)} | {kvs} |")
+        lines.append("")
+    cpu_rows = [r for r in records if r.get("cpu_cores")]
+    if cpu_rows:
+        lines += [("Cores used during the window (CPU seconds / window s; `engine` = vLLM's "
+                   "engine core and workers, `front end` = the node process):"), "",
+                  "| shape | setup | C | cores by process group | machine |", "|---|---|---|---|---|"]
+        for r in cpu_rows:
+            cc = dict(r["cpu_cores"])
+            total = cc.pop("machine (all processes)", None)
+            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in cc.items() if v >= 0.05)
+                         + f" | {_f(total)} |")
         lines.append("")
     sw = [r for r in records if r["phase"] == "sweep"]
     if sw:
