@@ -25,6 +25,7 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
 - ``p7``: as ``p05`` with the 7B shape at concurrency 256 (512 for the equal-latency DP point).
 - ``ab7`` / ``ab05``: repeats on the same nodes, interleaved: one GPU direct vs through the
   router twice (ABAB), then data parallel through the router vs the client splitting.
+  ``dp05``: 0.5B data parallel through the router vs the client splitting, twice (ABAB).
 
 Workload: the raw reference's (``shared/gpu/seed_table.py``): a closed loop of C streams,
 32 prompt tokens, 256 output tokens with ignore_eos, a 4 s warm-up then a 15 s window. QPS is
@@ -643,9 +644,11 @@ def phase_p05(env: Env, gpus: int) -> None:
     _pair_phase(env, "0.5b", gpus, "p05", sweep=True)
 
 
-def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2) -> None:
+def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2,
+             dp_only: bool = False) -> None:
     """Repeats, interleaved on the same nodes: one GPU direct vs through the router (ABAB),
-    then (two GPUs) data parallel through the router vs the client splitting its streams."""
+    then (two GPUs) data parallel through the router vs the client splitting its streams;
+    ``dp_only``: data parallel router vs client split, ``rounds`` times (ABAB)."""
     c1 = RAW_CONCURRENCY[shape]
     a, b = f"a{shape.replace('.', '')}", f"b{shape.replace('.', '')}"
     nodes = [NodeSpec(a, shape, "0", 0.85, routers=("r1", "r2") if gpus >= 2 else ("r1",))]
@@ -656,6 +659,14 @@ def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2) -> No
     with Group(env, nodes, routers) as g:
         g.start()
         env.meta.setdefault("commands", {})[phase] = g.commands
+        if dp_only and gpus >= 2:
+            for k in range(rounds):
+                bench(env, phase=phase, setup=f"2 GPUs data parallel, router #{k}", shape=shape,
+                      target=g.addr["r2"], concurrency=2 * c1, poll=g.addr["r2"])
+                bench(env, phase=phase, setup=f"2 GPUs data parallel, direct (client splits) #{k}",
+                      shape=shape, target=g.addr[a], concurrency=2 * c1, poll=g.addr["r2"],
+                      split=(g.addr[a], g.addr[b]))
+            return
         for k in range(rounds):
             x = {"round": k}
             bench(env, phase=phase, setup=f"1 GPU, direct to node #{k}", shape=shape,
@@ -775,7 +786,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
     need = {"raw": 90, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
-            "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200}
+            "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120}
     failed = []
     for ph in [p for p in a.phases.split(",") if p]:
         left = budget_end - time.monotonic()
@@ -797,7 +808,8 @@ def cmd_run(a: argparse.Namespace) -> int:
              "tp05": lambda: _tp_phase(env, "0.5b", "tp05"), "p7": lambda: phase_p7(env, gpus),
              "tp7": lambda: _tp_phase(env, "7b", "tp7"),
              "ab7": lambda: phase_ab(env, "7b", gpus, "ab7"),
-             "ab05": lambda: phase_ab(env, "0.5b", gpus, "ab05")}[ph]()
+             "ab05": lambda: phase_ab(env, "0.5b", gpus, "ab05"),
+             "dp05": lambda: phase_ab(env, "0.5b", gpus, "dp05", dp_only=True)}[ph]()
         except Exception as e:  # noqa: BLE001 - one phase failing must not cost the others
             print(f"[gpu-bench] {ph}: FAILED: {type(e).__name__}: {e}"[:4000], flush=True)
             failed.append(ph)
