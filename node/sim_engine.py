@@ -18,6 +18,11 @@ Model of the GPU (one asyncio task per engine runs continuous-batching steps):
   when a running request cannot grow, the newest running request is preempted (its KV is
   freed and it recomputes prompt + generated tokens when readmitted, vLLM's RECOMPUTE
   mode), and no new request is admitted in that step.
+- ``front_end_tokens_per_s`` (0 = none): the node's front-end ceiling. A real node's vLLM
+  front end (output processing, detokenising, the gRPC servicer) is one Python process and
+  tops out at a host-dependent output-token rate whatever the GPU does; a step that samples
+  ``decode_tokens`` then lasts at least ``decode_tokens / front_end_tokens_per_s``. It is a
+  CPU limit, so ``speed`` does not scale it.
 - ``speed`` scales a heterogeneous GPU (2 = twice as fast). ``time_scale`` slows the whole
   simulation uniformly in wall-clock time (10 = every step takes 10x longer in real time)
   so that large fleets fit on a few cores; ``time_scale = 0`` runs steps back to back
@@ -40,10 +45,20 @@ graphs and dummy weights:
   <= 0.36 ms). The earlier fit of the offline table below (``a = 2.776``, ``b = 0.03177``)
   predicted 6.8 ms at batch 128 where the streaming engine takes ~5 ms.
 - everything else from ``/work/shared/gpu/README.md``, "Calibration data for a simulated
-  engine" (``calibrate.sh``, one H200, 2026-11-29):
-  7B decode: least-squares line through the step-time table (B = 1..512),
-  ``a = 4.073 ms, b_decode = 0.02912 ms/token`` (residuals up to 17 %; the 7B curve is
-  convex; not re-measured through the mesh).
+  engine" (``calibrate.sh``, one H200, 2026-11-29), except:
+- 7B decode (``step_a_ms = 4.74``, ``step_b_decode_ms = 0.0109``): the line through the
+  offline table's batch-1 step (4.75 ms) and the step measured through the mesh at the batch
+  a node actually runs: TPOT p50 6.0-6.5 ms (median 6.1, six runs) at 117-123 running
+  requests (heartbeats), 1 GPU, concurrency 256, docs/benchmarks-gpu.md (second session,
+  2026-11-29, phases p7 and ab7). The old least-squares line through the offline table
+  (``a = 4.073``, ``b = 0.02912``) predicted 7.6 ms there, 24 % slow; the new line
+  under-predicts the offline table above batch 128 (7.5 vs 10.2 ms at 256), a batch no
+  7B node reached through the mesh (its front end admits ~120 at once; the rest wait).
+- The front-end ceiling (``front_end_tokens_per_s``, off by default so the recorded policy
+  benchmarks keep their meaning): the node process sat at 1.00-1.04 cores in every
+  saturated GPU run (``CpuSampler``, docs/benchmarks-gpu.md) while producing ~17-18k output
+  tokens/s per node on the second session's host (0.5B at 20-26 % GPU utilisation, 7B at
+  85-88 %), and 21-27k on the first session's host. Set it to 17500 to model that host.
   Prefill: slope of a least-squares line through the one-request TTFT table (128..8192
   tokens): 0.5B ``b_prefill = 0.00612 ms/token``, 7B ``0.0241 ms/token``. The table's
   intercepts (17.5 ms / 7.9 ms) include the per-call overhead of offline ``LLM.generate`` and
@@ -51,13 +66,14 @@ graphs and dummy weights:
   one request's TTFT was 12 ms at 32 prompt tokens and 27 ms at 1024 and 1900: front-end
   overhead dominates, so these did not move the slope.)
   KV capacity at gpu_memory_utilization 0.85: 0.5B 10.2 M tokens (the mesh's nodes logged
-  10,260,096 at max_model_len 2048), 7B 1.91 M tokens, block 16; scheduler defaults
+  10,260,096 at max_model_len 2048), 7B 1.91 M tokens (the mesh's 7B nodes logged 1,933,760
+  and 1,947,840), block 16; scheduler defaults
   max_num_seqs 1024, max_num_batched_tokens 16384, max_model_len 8704.
 
 Not modelled: attention cost growing with context length, CUDA-graph vs eager steps, prefix
-caching (hit rate is always 0), GPU samples (``EngineLoad.gpus`` is empty), and the real
-node's front-end ceiling (~21-27k output tokens/s per 0.5B node on that host: above ~128
-streams per node the simulator is optimistic).
+caching (hit rate is always 0), GPU samples (``EngineLoad.gpus`` is empty), and, unless
+``front_end_tokens_per_s`` is set, the real node's front-end ceiling (above ~120 streams per
+node the simulator is then optimistic).
 
 Outputs are deterministic: a request's token ids come from its own RNG, seeded by
 ``sampling.seed`` when given, else by the prompt (temperature 0, like greedy decoding), else
@@ -110,6 +126,7 @@ class SimEngineConfig:
     step_a_ms: float = 2.29  # 0.5B, measured through the mesh (module docstring)
     step_b_decode_ms: float = 0.0242
     step_b_prefill_ms: float = 0.00612
+    front_end_tokens_per_s: float = 0.0  # node front-end ceiling (module docstring); 0 = none
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 16384
     seed: int = 0
@@ -127,6 +144,8 @@ class SimEngineConfig:
             raise ValueError("speed must be > 0")
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
+        if self.front_end_tokens_per_s < 0:
+            raise ValueError("front_end_tokens_per_s must be >= 0 (0 = no ceiling)")
         if self.kv_block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("kv_block_size, max_num_seqs, max_num_batched_tokens must be >= 1")
         if self.kv_capacity_tokens // self.kv_block_size * self.kv_block_size < self.max_context_length:
@@ -150,8 +169,8 @@ class SimEngineConfig:
             "7b": {
                 "model_name": "sim-qwen2.5-7b",
                 "kv_capacity_tokens": 1_910_000,
-                "step_a_ms": 4.073,
-                "step_b_decode_ms": 0.02912,
+                "step_a_ms": 4.74,
+                "step_b_decode_ms": 0.0109,
                 "step_b_prefill_ms": 0.0241,
             },
         }
@@ -398,7 +417,10 @@ class SimEngine:
         """Simulated duration of one step (seconds), before ``time_scale``."""
         c = self.config
         ms = c.step_a_ms + c.step_b_decode_ms * decode_tokens + c.step_b_prefill_ms * prefill_tokens
-        return ms / c.speed / 1000.0
+        gpu_s = ms / c.speed / 1000.0
+        if c.front_end_tokens_per_s > 0:
+            return max(gpu_s, decode_tokens / c.front_end_tokens_per_s)
+        return gpu_s
 
     @property
     def free_kv_blocks(self) -> int:

@@ -90,6 +90,17 @@ async def test_step_time_model_and_speed() -> None:
     assert fast.step_time_s(10, 100) == pytest.approx(slow.step_time_s(10, 100) / 2)
     base = SimEngine()
     assert base.step_time_s(128, 0) * 1000 == pytest.approx(2.29 + 0.0242 * 128)
+    seven = SimEngine(SimEngineConfig.for_shape("7b"))
+    assert seven.step_time_s(120, 0) * 1000 == pytest.approx(4.74 + 0.0109 * 120)  # ~6.05 ms
+    # The front-end ceiling: 120 tokens at 17,500 tok/s take 6.86 ms whatever the GPU does;
+    # small batches stay GPU-bound, and speed (a GPU factor) does not lift the ceiling.
+    capped = SimEngineConfig(front_end_tokens_per_s=17_500.0)
+    assert SimEngine(capped).step_time_s(120, 0) == pytest.approx(120 / 17_500)
+    assert SimEngine(dataclasses.replace(capped, speed=4.0)).step_time_s(120, 0) == \
+        pytest.approx(120 / 17_500)
+    assert SimEngine(capped).step_time_s(1, 0) == pytest.approx(base.step_time_s(1, 0))
+    with pytest.raises(ValueError, match="front_end_tokens_per_s"):
+        SimEngineConfig(front_end_tokens_per_s=-1.0)
     walls = []
     for eng in (slow, fast):
         await eng.start()
