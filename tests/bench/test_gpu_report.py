@@ -36,7 +36,7 @@ def test_cpu_sampler_measures_this_process() -> None:
         while time.time() < end:  # keep one core busy through the window
             pass
     assert s.cores.get("bench driver", 0.0) > 0.5, s.cores
-    assert s.cores["machine (all processes)"] >= s.cores["bench driver"] - 0.2
+    assert s.cores["machine (all processes)"] > 0.5, s.cores
 
 
 def _rec(setup: str, c: int, qps: float, p50: float, phase: str = "p05") -> dict[str, object]:
