@@ -195,11 +195,12 @@ class _LoadStatLogger:
         )
 
 
-def _import_entry_points() -> tuple[Any, Any]:
+def _import_entry_points() -> tuple[Any, Any, Any]:
     from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncEngineArgs, AsyncLLM
+    return AsyncEngineArgs, AsyncLLM, UsageContext.OPENAI_API_SERVER
 
 
 def _vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
@@ -301,7 +302,7 @@ class VllmEngine:
         # The first vllm import takes seconds, and some vllm modules keep an import-time
         # exception (with its frames) alive: importing in a worker thread keeps the loop
         # responsive and keeps this frame, and with it the engine, out of those tracebacks.
-        AsyncEngineArgs, AsyncLLM = await asyncio.to_thread(_import_entry_points)
+        AsyncEngineArgs, AsyncLLM, serving = await asyncio.to_thread(_import_entry_points)
         args = AsyncEngineArgs(**self._engine_kwargs())
         factory = _stat_logger_factory(self._stats)
         t0 = time.monotonic()
@@ -309,8 +310,13 @@ class VllmEngine:
         # config, child process, weights, KV cache, warm-up), so it runs in a worker thread.
         # AsyncLLM supports construction without a running loop: its output handler and
         # ZMQ sockets bind to the loop lazily, on first use, which is then this loop.
+        # usage_context = the OpenAI server's, so unset scheduler limits take `vllm serve`'s
+        # defaults for the hardware (H100/H200: max_num_seqs 1024, max_num_batched_tokens
+        # 8192) instead of the bare-engine fallback (128 / 2048), which capped a 7B H200 node
+        # at 128 running requests (docs/benchmarks-gpu.md). On CPU both give 128 / 2048.
         build = asyncio.ensure_future(
-            asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory])
+            asyncio.to_thread(AsyncLLM.from_engine_args, args, usage_context=serving,
+                              stat_loggers=[factory])
         )
         try:
             llm = await asyncio.shield(build)
@@ -334,9 +340,12 @@ class VllmEngine:
             # samples and the registration its gpu_model; then one a second.
             await self._gpu_sampler.sample()
             self._sampler_task = asyncio.create_task(self._gpu_sampler.run(1.0))
+        sched = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
         logger.info(
-            "vLLM engine ready: model=%s max_model_len=%d in %.1fs",
-            self._config.name, self._max_model_len, time.monotonic() - t0,
+            "vLLM engine ready: model=%s max_model_len=%d max_num_seqs=%s "
+            "max_num_batched_tokens=%s in %.1fs",
+            self._config.name, self._max_model_len, getattr(sched, "max_num_seqs", "?"),
+            getattr(sched, "max_num_batched_tokens", "?"), time.monotonic() - t0,
         )
 
     def tokenize(self, text: str) -> list[int]:

@@ -159,6 +159,8 @@ class Env:
     max_model_len: int
     sim_time_scale: float
     small_kv_blocks: int
+    sim_front_end_tok_s: float = 0.0   # simulated nodes: front-end ceiling (0 = none)
+    sim_max_num_seqs: int = 0          # simulated nodes: vLLM's max_num_seqs (0 = default)
     raw_tool: str
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
@@ -198,10 +200,13 @@ def node_toml(env: Env, spec: NodeSpec) -> str:
         base = SimEngineConfig.for_shape(spec.shape)
         top.update(engine="sim", model=SERVED[spec.shape], tensor_parallel_size=spec.tp)
         sim: dict[str, Any] = {"time_scale": env.sim_time_scale,
+                               "front_end_tokens_per_s": env.sim_front_end_tok_s,
                                "step_a_ms": base.step_a_ms / max(1, spec.tp) ** 0.5,
                                "step_b_decode_ms": base.step_b_decode_ms,
                                "step_b_prefill_ms": base.step_b_prefill_ms,
                                "kv_capacity_tokens": base.kv_capacity_tokens}
+        if env.sim_max_num_seqs:
+            sim["max_num_seqs"] = env.sim_max_num_seqs
         if spec.blocks:
             sim["kv_capacity_tokens"] = max(spec.blocks * 16, env.max_model_len)
         tables["sim"] = sim
@@ -773,6 +778,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     env = Env(out=out, engine=a.engine, models=models, workers=a.workers, procs=a.procs,
               warmup_s=a.warmup, window_s=a.seconds, max_model_len=a.max_model_len,
               sim_time_scale=a.sim_time_scale, small_kv_blocks=a.small_kv_blocks,
+              sim_front_end_tok_s=a.sim_front_end_tok_s, sim_max_num_seqs=a.sim_max_num_seqs,
               raw_tool=a.raw_tool)
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
@@ -1047,6 +1053,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--max-model-len", type=int, default=2048)
     r.add_argument("--sim-time-scale", type=float, default=1.0)
     r.add_argument("--small-kv-blocks", type=int, default=1536)
+    r.add_argument("--sim-front-end-tok-s", type=float, default=0.0,
+                   help="--engine sim: each node's front-end ceiling in simulated output tokens/s "
+                        "(17500 = the H200 host of the second GPU session); 0 = none")
+    r.add_argument("--sim-max-num-seqs", type=int, default=0,
+                   help="--engine sim: max_num_seqs of each node (128 = vLLM's bare-engine "
+                        "default the GPU runs had); 0 = the simulator's default")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
     r.set_defaults(func=cmd_run)
