@@ -77,6 +77,9 @@ class RouterConfig:
     freshness_s: float = 1.5          # report older than this -> STALE (router counts only);
     #                                   > the node idle heartbeat interval (1 s by default)
     known_model_retention_s: float = 60.0  # a model whose nodes all left answers UNAVAILABLE
+    # Half-life of this router's estimated share of all routers' dispatches (registry.PeerShare;
+    # the expected-wait model scales its unreported requests by 1 / share). 0 = ignore peers.
+    peer_share_half_life_s: float = 10.0
 
     # --- dispatch
     max_concurrency_default: int = 0  # per node, when the node declares 0 (0 = unlimited)
@@ -120,6 +123,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.kv_hard_threshold <= 1 or not 0 < self.kv_usage_cap < 1:
             raise ValueError("kv_hard_threshold must be in (0, 1] and kv_usage_cap in (0, 1)")
+        if self.peer_share_half_life_s < 0:
+            raise ValueError("peer_share_half_life_s must be >= 0 (0 = ignore peers)")
         if self.decision_sample_size < 0 or self.kv_output_allowance_tokens < 0:
             raise ValueError("decision_sample_size and kv_output_allowance_tokens must be >= 0")
         if self.max_attempts < 1 or self.queue_bound < 0 or self.max_concurrency_default < 0:

@@ -270,6 +270,13 @@ class NodeLedger:
         self._cutoff = 0                        # ordinals <= cutoff are in the last report
         self._unreported_tokens = 0             # pending credits with ordinal > cutoff
         self._unreported_n = 0
+        # The decode term's input (``decode_delta``): requests whose finish this router sees
+        # (proxy, unary) and that are still in flight with ordinal > cutoff (not in the last
+        # report's running/waiting whatever their phase), those in the report that finished
+        # since, and lookaside credits (finish unseen) pending and unreported.
+        self._live_unreported: set[int] = set()
+        self._finished_reported = 0
+        self._blind_slot_unreported = 0
         self._synced = False
         self._base_admitted = 0
         self._base_first = 0
@@ -292,6 +299,10 @@ class NodeLedger:
         self._pending_tokens += c.tokens
         self._unreported_tokens += c.tokens     # a new ordinal is above any report's cutoff
         self._unreported_n += 1
+        if slot_until_finish:
+            self._live_unreported.add(c.ordinal)
+        else:
+            self._blind_slot_unreported += 1
         self.in_flight += 1
         self.version += 1
         if blind and c.expires_at < self.next_expiry:
@@ -320,6 +331,8 @@ class NodeLedger:
             if c.ordinal > self._cutoff:
                 self._unreported_tokens -= c.tokens
                 self._unreported_n -= 1
+                if not c.slot_until_finish:
+                    self._blind_slot_unreported -= 1
             if not c.slot_until_finish:
                 self._release_slot(c)
 
@@ -328,6 +341,11 @@ class NodeLedger:
             c.slot = False
             self.version += 1
             self.in_flight -= 1
+            if c.slot_until_finish:
+                if c.ordinal > self._cutoff:
+                    self._live_unreported.discard(c.ordinal)
+                else:
+                    self._finished_reported += 1
             if self._on_release is not None:
                 self._on_release()
 
@@ -353,12 +371,17 @@ class NodeLedger:
         self._rejected_below += i
         del self._rejected[:i]
         new_cutoff = max(self._cutoff, min(cutoff, self.dispatched))
+        live = self._live_unreported
         for ordinal in range(self._cutoff + 1, new_cutoff + 1):   # now in a report
             c = self._pending.get(ordinal)
             if c is not None:
                 self._unreported_tokens -= c.tokens
                 self._unreported_n -= 1
+                if not c.slot_until_finish:
+                    self._blind_slot_unreported -= 1
+            live.discard(ordinal)
         self._cutoff = new_cutoff
+        self._finished_reported = 0   # the report's running/waiting no longer hold them
         # Blind credits: release oldest-first as the node's first-token count grows.
         blind_first = max(0, a.first_token_requests - self._base_first - self._proxy_first_seen)
         if self._blind_done < blind_first:
@@ -390,10 +413,86 @@ class NodeLedger:
     def pending_requests(self) -> int:
         return len(self._pending)
 
+    def decode_delta(self) -> int:
+        """How far the node's running + waiting requests have moved since its last report, as
+        far as this router's requests show it: its requests still in flight that the report
+        does not hold (dispatched after it; first token or not), minus those the report held
+        that finished since, plus lookaside requests pending and unreported (their finish is
+        not seen). May be negative. O(1)."""
+        return len(self._live_unreported) - self._finished_reported + self._blind_slot_unreported
+
     def unreported(self) -> tuple[int, int]:
         """(prompt tokens, requests) outstanding and dispatched after the last report. O(1):
         kept as running sums (charge adds, a release or a report's cutoff subtracts)."""
         return self._unreported_tokens, self._unreported_n
+
+
+class PeerShare:
+    """This router's share of the admissions its nodes report across every router, and its
+    inverse ``factor`` (>= 1): how many requests all routers together are estimated to
+    dispatch for each one this router dispatches.
+
+    Why: a decision sees the fleet as of each node's last report plus THIS router's own
+    dispatches since; its peers' dispatches since that report (other ``--workers`` processes,
+    other replicas) are invisible until the next one. With W equal routers every one of them
+    sees the same report and, counting only its own 1/W of the traffic, moves its estimate
+    of a node W times too slowly: all of them keep sending to the node that reported the
+    lighter load for the whole heartbeat interval, the next report shows the overshoot, and
+    the split of in-flight requests between equal nodes swings by about one interval's
+    arrivals. Scaling this router's unreported requests by ``factor`` (peers assumed to act
+    like it, which they do when they see the same reports) restores one router's behaviour.
+
+    Estimate: every accepted report carries each router's cumulative ``admitted_requests`` on
+    that node; per node, the increase since the node's previous report, ours and all
+    routers', is added to two sums over all nodes that decay with ``half_life_s`` (injected
+    clock). ``factor`` = all / ours, 1 while there is too little data (fewer than
+    ``MIN_ADMISSIONS`` in the decayed sum, or none of them ours) and capped at ``MAX_FACTOR``.
+    One router alone (or peers that are idle) gives exactly 1, so a single router decides as
+    before. A counter going down (node restart) only resets that node's baseline."""
+
+    MIN_ADMISSIONS = 8.0
+    MAX_FACTOR = 64.0
+
+    def __init__(self, router_id: str, half_life_s: float, clock: Clock) -> None:
+        self.router_id = router_id
+        self.half_life_s = half_life_s
+        self.clock = clock
+        self._last: dict[str, tuple[int, int]] = {}   # node id -> (ours, all) cumulative
+        self._ours = 0.0
+        self._all = 0.0
+        self._t = -math.inf
+        self.factor = 1.0
+
+    def observe(self, node_id: str, accounts: Iterable[tuple[str, AccountSample]]) -> None:
+        ours = total = 0
+        for rid, a in accounts:
+            total += a.admitted_requests
+            if rid == self.router_id:
+                ours = a.admitted_requests
+        prev = self._last.get(node_id)
+        self._last[node_id] = (ours, total)
+        if self.half_life_s <= 0:
+            return
+        if prev is None or ours < prev[0] or total < prev[1]:
+            return   # first report of this node, or its counters restarted: baseline only
+        d_ours, d_all = ours - prev[0], total - prev[1]
+        if d_all <= 0:
+            return
+        now = self.clock()
+        if math.isfinite(self._t) and now > self._t:
+            decay = 0.5 ** ((now - self._t) / self.half_life_s)
+            self._ours *= decay
+            self._all *= decay
+        self._t = max(self._t, now)
+        self._ours += d_ours
+        self._all += d_all
+        if self._all < self.MIN_ADMISSIONS or self._ours <= 0:
+            self.factor = 1.0
+        else:
+            self.factor = min(max(self._all / self._ours, 1.0), self.MAX_FACTOR)
+
+    def forget(self, node_id: str) -> None:
+        self._last.pop(node_id, None)
 
 
 # ---------------------------------------------------------------------------- registry
@@ -409,6 +508,7 @@ class _Index:
 class Registry:
     def __init__(self, router_id: str, *, lease_ttl_s: float, freshness_s: float,
                  max_concurrency_default: int = 0, known_model_retention_s: float = 60.0,
+                 peer_share_half_life_s: float = 10.0,
                  clock: Clock = time.monotonic) -> None:
         self.router_id = router_id
         self.lease_ttl_s = lease_ttl_s
@@ -416,6 +516,8 @@ class Registry:
         self.max_concurrency_default = max_concurrency_default
         self.known_model_retention_s = known_model_retention_s
         self.clock = clock
+        # This router's share of all routers' dispatches (0 = off: peers ignored).
+        self.peers = PeerShare(router_id, peer_share_half_life_s, clock)
         self._nodes: dict[str, NodeEntry] = {}
         self._ledgers: dict[str, NodeLedger] = {}
         self._index = _Index()
@@ -470,6 +572,7 @@ class Registry:
         now = self.clock()
         accounts = tuple(accounts)
         ours = next((a for rid, a in accounts if rid == self.router_id), None)
+        self.peers.observe(node_id, accounts)
         self._ledgers[node_id].on_report(ours)
         report = Report(seq, sent_unix_ms, now, load, ours, gpus, accounts)
         was_draining = self._draining(entry)
@@ -518,6 +621,7 @@ class Registry:
         if entry is None or entry.stream_id != stream_id:
             return
         del self._nodes[node_id]
+        self.peers.forget(node_id)
         log.info("node %s removed: %s", node_id, why)
         self._rebuild()
         for cb in self._removal_listeners:
@@ -663,7 +767,8 @@ class Registry:
             router_in_flight=ledger.in_flight,
             outstanding_prompt_tokens=ledger.pending_tokens,
             outstanding_requests=ledger.pending_requests,
-            unreported_prompt_tokens=tokens, unreported_requests=requests)
+            unreported_prompt_tokens=tokens, unreported_requests=requests,
+            decode_delta=ledger.decode_delta(), peer_factor=self.peers.factor)
         s.cand, s.valid_until, s.version = c, valid_until, ledger.version
         return c
 

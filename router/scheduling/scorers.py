@@ -11,13 +11,27 @@ For node n with a fresh report (age <= freshness window)::
            RouterAccount.admitted_requests for this router); U = how many requests that is
     T    = max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback)
     K    = n's reported kv_capacity_tokens (0 = unknown)
-    k    = min(kv_cache_usage + (C + U * kv_output_allowance_tokens) / K, kv_usage_cap)
+    k    = min(kv_cache_usage + f * (C + U * kv_output_allowance_tokens) / K, kv_usage_cap)
            (the KV the router's own unreported requests will take; without K, k is the
            reported kv_cache_usage alone)
-    R    = num_running from the report + U
-    wait = ((P + C) / T  +  kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
+    D    = this router's change to n's requests since that report, whatever their phase:
+           its requests still in flight that the report does not hold (dispatched after it;
+           past their first token too) minus those the report held that finished since
+           (``NodeLedger.decode_delta``; lookaside requests count while their credit is held)
+    f    = all routers' dispatches per one of this router's (``PeerShare.factor``, from every
+           router's admission counts in the reports; 1 for a router alone)
+    R    = max(num_running from the report + f * D, 0)
+    wait = ((P + f * C) / T  +  kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
 
-where w is n's declared capacity weight (a TP=2 node or faster GPU declares more). Every term
+Why D and f, not U alone: a request is in
+the report's running count only from the next report on, so if R counted it only while its
+credit is pending (U), a node not at its running ceiling would look unchanged once each
+request's first token came back, and every request between two reports would go to it; and
+with several routers (``--workers``) each one sees only its own dispatches between reports,
+so all of them chase the node the last report showed lighter (docs/benchmarks.md section 8:
+two equal nodes behind a 4-worker router swung by ~50-180 in-flight requests).
+
+w is n's declared capacity weight (a TP=2 node or faster GPU declares more). Every term
 moves with this router's own dispatches between heartbeats (C and U grow at each one), so when
 KV is the binding resource successive picks spread instead of all going to the node that
 reported the lowest k; the next report folds those requests into P (and into
@@ -68,9 +82,12 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
         return wait / weight
     tps = max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
     k = min(max(effective_kv_usage(c, m), 0.0), m.kv_usage_cap)
-    wait = ((r.pending_prefill_tokens + c.unreported_prompt_tokens) / tps
+    f = max(c.peer_factor, 1.0)
+    delta = c.unreported_requests if c.decode_delta is None else c.decode_delta
+    running = max(r.num_running + f * delta, 0.0)
+    wait = ((r.pending_prefill_tokens + f * c.unreported_prompt_tokens) / tps
             + m.kv_penalty_s * k / (1.0 - k)
-            + m.decode_s_per_request * (r.num_running + c.unreported_requests))
+            + m.decode_s_per_request * running)
     return wait / weight
 
 
@@ -83,8 +100,9 @@ def effective_kv_usage(c: Candidate, m: WaitModel) -> float:
         return c.kv_cache_usage
     if r.kv_capacity_tokens <= 0:
         return r.kv_cache_usage
-    return r.kv_cache_usage + ((c.unreported_prompt_tokens
-                                + m.kv_output_allowance_tokens * c.unreported_requests)
+    return r.kv_cache_usage + (max(c.peer_factor, 1.0)
+                               * (c.unreported_prompt_tokens
+                                  + m.kv_output_allowance_tokens * c.unreported_requests)
                                / r.kv_capacity_tokens)
 
 

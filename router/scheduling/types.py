@@ -59,6 +59,12 @@ class Candidate:
     outstanding_requests: int
     unreported_prompt_tokens: int        # ... of those, not yet in the last report
     unreported_requests: int
+    # This router's change to the node's requests since its last report, any phase
+    # (registry.NodeLedger.decode_delta; may be negative); None = not known (R uses U).
+    decode_delta: int | None = None
+    # All routers' dispatches per one of this router's (registry.PeerShare; >= 1, 1 = alone):
+    # the expected-wait model scales the unreported terms by it.
+    peer_factor: float = 1.0
 
     @property
     def at_capacity(self) -> bool:

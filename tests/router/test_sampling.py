@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 
-from router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
+from router.registry import AccountSample, Credit, ModelSpec, NodeRegistration, Registry
 from router.scheduling import (
     Candidate,
     ListCandidates,
@@ -188,8 +189,10 @@ def test_sampled_decision_keeps_top_scores_and_the_chosen() -> None:
 RID = "r1"
 
 
-def _reference(r: Registry, model: str) -> list[Candidate]:
-    """The candidates as the uncached registry built them (every field but report_age_s)."""
+def _reference(r: Registry, model: str, credits: Sequence[Credit] = ()) -> list[Candidate]:
+    """The candidates as the uncached registry built them (every field but report_age_s).
+    ``credits``: every credit the test dispatched and has not finished (the in-flight part of
+    ``decode_delta`` is recomputed from them; the finished-since-report count is the ledger's)."""
     now = r.clock()
     out = []
     snap = r.snapshot(model)
@@ -202,6 +205,9 @@ def _reference(r: Registry, model: str) -> list[Candidate]:
         spec = next(m for m in e.registration.models if m.name == model)
         unrep = [c for o, c in ledger._pending.items() if o > ledger._cutoff]  # from scratch
         tokens, requests = sum(c.tokens for c in unrep), len(unrep)
+        live = sum(1 for c in credits if c.ledger is ledger and c.slot and c.slot_until_finish
+                   and c.ordinal > ledger._cutoff)
+        blind = sum(1 for c in unrep if not c.slot_until_finish)
         fresh = e.report is not None and state is not NodeState.STALE
         out.append(Candidate(
             node_id=e.node_id, address=e.registration.address, state=state,
@@ -212,7 +218,8 @@ def _reference(r: Registry, model: str) -> list[Candidate]:
             kv_cache_usage=e.report.load.kv_cache_usage if e.report is not None else 0.0,
             router_in_flight=ledger.in_flight, outstanding_prompt_tokens=ledger.pending_tokens,
             outstanding_requests=ledger.pending_requests,
-            unreported_prompt_tokens=tokens, unreported_requests=requests))
+            unreported_prompt_tokens=tokens, unreported_requests=requests,
+            decode_delta=live - ledger._finished_reported + blind, peer_factor=r.peers.factor))
     return out
 
 
@@ -271,7 +278,7 @@ def test_cached_candidates_match_a_full_rebuild(seed: int) -> None:
         src = r.candidate_source("m")
         one_by_one = [replace(c, report_age_s=0.0) for i in range(len(src))
                       if (c := src.at(i)) is not None]
-        expected = _reference(r, "m")
+        expected = _reference(r, "m", credits)
         assert cached == expected, _step
         assert one_by_one == expected, _step
 
