@@ -161,7 +161,13 @@ class Env:
     small_kv_blocks: int
     sim_front_end_tok_s: float = 0.0   # simulated nodes: front-end ceiling (0 = none)
     sim_max_num_seqs: int = 0          # simulated nodes: vLLM's max_num_seqs (0 = default)
-    raw_tool: str
+    raw_tool: str = ""
+    # Simulated nodes: multiply the node's flush interval and heartbeat intervals and the
+    # router's freshness window and lease by sim_time_scale, so that heartbeats per request
+    # lifetime and messages per token are those of the unscaled (GPU) system.
+    sim_scale_intervals: bool = False
+    policy: str = "weighted_least_load"   # the data-parallel phases' router policy
+    router_env: dict[str, str] = field(default_factory=dict)  # extra env for every router
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -210,6 +216,10 @@ def node_toml(env: Env, spec: NodeSpec) -> str:
         if spec.blocks:
             sim["kv_capacity_tokens"] = max(spec.blocks * 16, env.max_model_len)
         tables["sim"] = sim
+        if env.sim_scale_intervals and env.sim_time_scale > 0:
+            t = env.sim_time_scale
+            top.update(heartbeat_busy_interval_s=0.25 * t, heartbeat_idle_interval_s=1.0 * t,
+                       flush_interval_ms=max(1, round(20 * t)))
     lines = [f"{k} = {_toml_value(v)}" for k, v in top.items()]
     for t, kv in tables.items():
         lines.append(f"[{t}]")
@@ -245,7 +255,13 @@ class Group:
             self.addr[r.name] = f"127.0.0.1:{port}"
             args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", r.policy,
                     "--workers", str(env.workers), "--router-id", r.name.replace(".", "-")]
-            c = Child(r.name, args, env.logs, {"GPUMESH_LOG_LEVEL": "warning"})
+            renv = {"GPUMESH_LOG_LEVEL": "warning"}
+            if env.engine == "sim" and env.sim_scale_intervals and env.sim_time_scale > 0:
+                t = env.sim_time_scale   # RouterConfig defaults 1.5 s / 3 s, scaled
+                renv.update(GPUMESH_ROUTER_FRESHNESS_S=str(1.5 * t),
+                            GPUMESH_ROUTER_LEASE_TTL_S=str(3.0 * t))
+            renv.update(env.router_env)
+            c = Child(r.name, args, env.logs, renv)
             self.children.append(c)
             self.commands.append(c.command())
         started: dict[str, Child] = {}
@@ -409,6 +425,26 @@ class FleetSampler:
         return out
 
 
+    def imbalance(self, t_lo: float, t_hi: float) -> dict[str, float]:
+        """Two nodes: |in_flight A - in_flight B| (node-reported, the servicer's requests) and
+        total waiting over the window's polls (each poll shows the last report of each)."""
+        nodes = sorted({s["node"] for s in self.samples})
+        if len(nodes) != 2:
+            return {}
+        by_t: dict[float, dict[str, dict[str, Any]]] = {}
+        for s in self.samples:
+            if t_lo <= s["t"] <= t_hi:
+                by_t.setdefault(s["t"], {})[s["node"]] = s
+        pairs = [v for v in by_t.values() if len(v) == 2]
+        if not pairs:
+            return {}
+        diff = sorted(abs(v[nodes[0]]["in_flight"] - v[nodes[1]]["in_flight"]) for v in pairs)
+        wait = [v[nodes[0]]["waiting"] + v[nodes[1]]["waiting"] for v in pairs]
+        return {"polls": len(pairs), "in_flight_diff_p50": _pct(diff, 50),
+                "in_flight_diff_max": diff[-1], "in_flight_diff_mean": _mean(diff),
+                "waiting_sum_mean": _mean(wait), "waiting_sum_max": max(wait)}
+
+
 class CpuSampler:
     """Where the host's cores go during a window: CPU seconds per process group between two
     instants (``time.time()``), as cores. Groups: each node's own process (vLLM's front end:
@@ -549,6 +585,9 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         "cpu_cores": cpu.cores}
     if sampler is not None:
         rec["fleet"] = sampler.summary(warm, warm + win)
+        imb = sampler.imbalance(warm, warm + win)
+        if imb:
+            rec["imbalance"] = imb
         if sampler.status_text:
             rec["status_table"] = sampler.status_text
     rec.update(extra or {})
@@ -566,6 +605,13 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
           f"done_qps={rec['done_qps']:7.1f} p50={rec['lat_p50']:.3f}s p99={rec['lat_p99']:.3f}s "
           f"ttft50={rec['ttft_p50']:.3f}s tpot50={rec['tpot_p50'] * 1000:.2f}ms "
           f"errors={rec['errors']} nodes={nodes}", flush=True)
+    if rec.get("imbalance"):
+        im = rec["imbalance"]
+        print(f"[gpu-bench]          in-flight |A-B| p50 {im['in_flight_diff_p50']:.0f} max "
+              f"{im['in_flight_diff_max']:.0f}, waiting A+B mean {im['waiting_sum_mean']:.1f} max "
+              f"{im['waiting_sum_max']:.0f}; per node: " + ", ".join(
+                  f"{n} run {v['running_mean']:.0f} wait max {v['waiting_max']:.0f}"
+                  for n, v in rec.get("fleet", {}).items()), flush=True)
     if cpu.cores:
         print("[gpu-bench]          cores used: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.cores.items()),
               flush=True)
@@ -660,17 +706,19 @@ def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2,
     routers = [RouterSpec("r1", members=(a,))]
     if gpus >= 2:
         nodes.append(NodeSpec(b, shape, "1", 0.85, routers=("r2",), after=a))
-        routers.append(RouterSpec("r2", members=(a, b)))
+        routers.append(RouterSpec("r2", policy=env.policy, members=(a, b)))
     with Group(env, nodes, routers) as g:
         g.start()
         env.meta.setdefault("commands", {})[phase] = g.commands
         if dp_only and gpus >= 2:
+            x = {"policy": env.policy, "workers": env.workers}
             for k in range(rounds):
                 bench(env, phase=phase, setup=f"2 GPUs data parallel, router #{k}", shape=shape,
-                      target=g.addr["r2"], concurrency=2 * c1, poll=g.addr["r2"])
+                      target=g.addr["r2"], concurrency=2 * c1, poll=g.addr["r2"],
+                      extra={**x, "round": k})
                 bench(env, phase=phase, setup=f"2 GPUs data parallel, direct (client splits) #{k}",
                       shape=shape, target=g.addr[a], concurrency=2 * c1, poll=g.addr["r2"],
-                      split=(g.addr[a], g.addr[b]))
+                      split=(g.addr[a], g.addr[b]), extra={**x, "round": k})
             return
         for k in range(rounds):
             x = {"round": k}
@@ -779,7 +827,9 @@ def cmd_run(a: argparse.Namespace) -> int:
               warmup_s=a.warmup, window_s=a.seconds, max_model_len=a.max_model_len,
               sim_time_scale=a.sim_time_scale, small_kv_blocks=a.small_kv_blocks,
               sim_front_end_tok_s=a.sim_front_end_tok_s, sim_max_num_seqs=a.sim_max_num_seqs,
-              raw_tool=a.raw_tool)
+              raw_tool=a.raw_tool, sim_scale_intervals=a.sim_scale_intervals,
+              policy=a.policy,
+              router_env=dict(kv.split("=", 1) for kv in a.router_env))
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
         doc = json.loads(prev.read_text())
@@ -815,7 +865,8 @@ def cmd_run(a: argparse.Namespace) -> int:
              "tp7": lambda: _tp_phase(env, "7b", "tp7"),
              "ab7": lambda: phase_ab(env, "7b", gpus, "ab7"),
              "ab05": lambda: phase_ab(env, "0.5b", gpus, "ab05"),
-             "dp05": lambda: phase_ab(env, "0.5b", gpus, "dp05", dp_only=True)}[ph]()
+             "dp05": lambda: phase_ab(env, "0.5b", gpus, "dp05", rounds=a.rounds,
+                                      dp_only=True)}[ph]()
         except Exception as e:  # noqa: BLE001 - one phase failing must not cost the others
             print(f"[gpu-bench] {ph}: FAILED: {type(e).__name__}: {e}"[:4000], flush=True)
             failed.append(ph)
@@ -1059,6 +1110,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--sim-max-num-seqs", type=int, default=0,
                    help="--engine sim: max_num_seqs of each node (128 = vLLM's bare-engine "
                         "default the GPU runs had); 0 = the simulator's default")
+    r.add_argument("--sim-scale-intervals", action="store_true",
+                   help="--engine sim: scale the nodes' flush and heartbeat intervals and the "
+                        "router's freshness window and lease by --sim-time-scale (the GPU "
+                        "system's heartbeats per request and tokens per message)")
+    r.add_argument("--policy", default="weighted_least_load", choices=POLICIES,
+                   help="policy of the data-parallel router in ab7/ab05/dp05")
+    r.add_argument("--rounds", type=int, default=2, help="dp05: ABAB rounds")
+    r.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra environment of every router (e.g. GPUMESH_ROUTER_...); repeats")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
     r.set_defaults(func=cmd_run)
