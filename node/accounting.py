@@ -38,7 +38,7 @@ class Admission:
     router_id: str
     prompt_tokens: int
     charged_tokens: int
-    _ledger: "NodeLedger" = field(repr=False)
+    _ledger: NodeLedger = field(repr=False)
     _first: bool = False
     _done: bool = False
 

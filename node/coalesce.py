@@ -43,61 +43,88 @@ def _merge(parts: list[EngineOutput]) -> EngineOutput:
 
 async def coalesce(outputs: AsyncIterator[EngineOutput], policy: CoalescePolicy,
                    clock: Callable[[], float] = time.monotonic) -> AsyncIterator[EngineOutput]:
-    """Re-chunks an engine's per-step outputs. Closing this generator closes ``outputs``."""
+    """Re-chunks an engine's per-step outputs. Closing this generator closes ``outputs``.
+
+    A pump task drains the engine into a buffer; this generator sends the buffer once per
+    flush interval (at once for the first tokens, the final output, the token cap, an error).
+    Per engine output that costs one append, not a task and a timed wait: the node's process
+    is the ceiling of a GPU node (docs/benchmarks-gpu.md), so per-token work matters.
+    """
     it = aiter(outputs)
     if policy.per_token:
         async for out in it:
             yield out
         return
 
-    pending: list[EngineOutput] = []
-    pending_tokens = 0
-    next_task: asyncio.Future[EngineOutput] | None = None
-    sent_first = False
+    buf: list[EngineOutput] = []
+    wake = asyncio.Event()     # the buffer has something
+    urgent = asyncio.Event()   # send it now: first tokens, final output, token cap, end, error
+    st = _PumpState()
+
+    async def pump() -> None:
+        try:
+            async for out in it:
+                buf.append(out)
+                st.pending_tokens += len(out.token_ids)
+                if (out.finish is not None or st.pending_tokens >= policy.max_tokens
+                        or (not st.sent_first and st.pending_tokens > 0)):
+                    urgent.set()
+                wake.set()
+                if out.finish is not None:
+                    break
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
+            st.error = e
+        finally:
+            st.done = True
+            urgent.set()
+            wake.set()
+
+    task = asyncio.create_task(pump())
     last_sent = clock()
     try:
         while True:
-            if not pending:
-                try:
-                    out = await anext(it) if next_task is None else await next_task
-                except StopAsyncIteration:
-                    return
-                next_task = None
-            else:
-                # Wait for the next output, but no longer than the flush deadline.
-                if next_task is None:
-                    next_task = asyncio.ensure_future(anext(it))
-                timeout = max(0.0, last_sent + policy.flush_interval_s - clock())
-                done, _ = await asyncio.wait((next_task,), timeout=timeout)
-                if not done:
-                    yield _merge(pending)
-                    pending, pending_tokens, last_sent = [], 0, clock()
-                    continue
-                try:
-                    out = next_task.result()
-                except StopAsyncIteration:
-                    yield _merge(pending)
-                    return
-                finally:
-                    next_task = None
-
-            pending.append(out)
-            pending_tokens += len(out.token_ids)
-            now = clock()
-            if (not sent_first or out.finish is not None or pending_tokens >= policy.max_tokens
-                    or now - last_sent >= policy.flush_interval_s):
-                sent_first = sent_first or pending_tokens > 0
-                yield _merge(pending)
-                pending, pending_tokens, last_sent = [], 0, clock()
+            if not buf and not st.done:
+                wake.clear()
+                await wake.wait()
+            if buf and st.sent_first and not urgent.is_set():
+                remaining = last_sent + policy.flush_interval_s - clock()
+                if remaining > 0:
+                    # Tokens arriving meanwhile join this message; the first of them has then
+                    # waited at most one flush interval.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(remaining):
+                            await urgent.wait()
+            if buf:
+                parts = buf[:]
+                buf.clear()
+                st.sent_first = st.sent_first or st.pending_tokens > 0
+                st.pending_tokens = 0
+                if not st.done:
+                    urgent.clear()
+                last_sent = clock()
+                out = _merge(parts)
+                yield out
                 if out.finish is not None:
                     return
+            elif st.done:
+                if st.error is not None:
+                    raise st.error
+                return
     finally:
-        if next_task is not None:
-            # Cancelling the pending anext() aborts the request in the engine; wait for it to
-            # unwind before closing the generator it runs in.
-            next_task.cancel()
-            with contextlib.suppress(BaseException):
-                await next_task
+        if not task.done():
+            # Cancelling the pump's pending anext() aborts the request in the engine; wait
+            # for it to unwind before closing the generator it runs in.
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
         aclose = getattr(it, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+@dataclass
+class _PumpState:
+    pending_tokens: int = 0
+    sent_first: bool = False
+    done: bool = False
+    error: Exception | None = None

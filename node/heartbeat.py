@@ -124,7 +124,7 @@ class HeartbeatClient:
                 raise
             except grpc.aio.AioRpcError as exc:
                 log.debug("heartbeat stream to %s broke: %s", addr, exc.code())
-            except Exception:  # noqa: BLE001 - keep retrying whatever broke
+            except Exception:
                 log.warning("heartbeat stream to %s failed", addr, exc_info=True)
             finally:
                 self.connected.pop(addr, None)

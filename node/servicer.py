@@ -184,7 +184,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 trace.engine_abort()
                 try:
                     await self._engine.abort(req.request_id)
-                except Exception:  # noqa: BLE001 - abort is best effort
+                except Exception:
                     log.debug("abort of %s failed", req.request_id, exc_info=True)
 
     def _trailing(self, context: grpc.aio.ServicerContext,

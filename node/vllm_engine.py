@@ -203,6 +203,20 @@ def _import_entry_points() -> tuple[Any, Any, Any]:
     return AsyncEngineArgs, AsyncLLM, UsageContext.OPENAI_API_SERVER
 
 
+def _cache_vllm_envs() -> None:
+    """Freeze ``vllm.envs`` once the engine is built, as vLLM does in its engine-core and worker
+    processes but not in the front end: there, every scheduler step's stats update reads
+    ``envs.VLLM_COMPUTE_NANS_IN_LOGITS`` per request, two ``os.getenv`` calls each, which
+    py-spy put at ~9 % of a loaded CPU node's process (the process that limits a GPU node,
+    docs/benchmarks-gpu.md). Environment changes after start-up are then not seen, as in
+    vLLM's own processes. Versions without the cache are left as they are."""
+    import vllm.envs
+
+    enable = getattr(vllm.envs, "enable_envs_cache", None)
+    if callable(enable):
+        enable()
+
+
 def _vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
     """(engine errors to map, overload errors, client errors) of the installed vLLM.
 
@@ -335,6 +349,7 @@ class VllmEngine:
             run_handler()
         self._max_model_len = int(self._llm.model_config.max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
+        _cache_vllm_envs()
         if self._gpu_sampler is not None and self._sampler_task is None:
             # One reading now, so the first heartbeat (sent once start() returns) carries GPU
             # samples and the registration its gpu_model; then one a second.

@@ -31,7 +31,7 @@ async def test_first_token_alone_then_merged_and_final_at_once():
     steps = [(0.0, _tok(0))] + [(0.001, _tok(i)) for i in range(1, 20)] + [
         (0.001, _tok(20, finish=Finish.LENGTH))]
     got = await _collect(coalesce(_script(steps), CoalescePolicy(0.5, 1000)))
-    assert [o.token_ids for _, o in got][0] == (0,)
+    assert got[0][1].token_ids == (0,)
     assert len(got) == 2  # first alone, then everything else with the finish
     assert got[-1][1].finish is Finish.LENGTH
     assert got[-1][1].token_ids == tuple(range(1, 21))
@@ -80,3 +80,49 @@ async def test_closing_early_closes_the_engine_generator():
         break
     await gen.aclose()
     assert closed.is_set()
+
+
+async def test_engine_error_mid_stream_delivers_the_tokens_before_it_then_raises():
+    async def engine():
+        yield _tok(0)
+        await asyncio.sleep(0.005)
+        yield _tok(1)
+        yield _tok(2)
+        raise RuntimeError("engine died")
+
+    got = []
+    try:
+        async for out in coalesce(engine(), CoalescePolicy(0.5, 100)):
+            got.append(out)
+    except RuntimeError as e:
+        assert "engine died" in str(e)
+    else:
+        raise AssertionError("the engine's error was swallowed")
+    assert [o.token_ids for o in got] == [(0,), (1, 2)]
+
+
+async def test_cancelling_the_consumer_cancels_the_engine_iteration():
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def engine():
+        yield _tok(0)
+        started.set()
+        try:
+            await asyncio.sleep(30)  # an engine step that never ends
+            yield _tok(1)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def consume():
+        async for _ in coalesce(engine(), CoalescePolicy(0.02, 100)):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 1)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    assert cancelled.is_set()
