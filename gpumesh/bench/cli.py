@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     vs = sub.add_parser("vs-smg", help="gpumesh router vs SMG, each against one vLLM CPU worker")
     vs_smg.add_arguments(vs)
+    from gpumesh.bench import nodecpu
+
+    nc = sub.add_parser("node-cpu", help="node-process CPU per output token, nodes interleaved")
+    nodecpu.add_arguments(nc)
     return p
 
 
@@ -256,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return {"overhead": overhead.main, "scaling": scaling.main,
                 "vs-smg": vs_smg.main}[a.cmd](a)
+    if a.cmd == "node-cpu":
+        from gpumesh.bench import nodecpu
+
+        return nodecpu.cmd_node_cpu(a)
     return {"run": _cmd_run, "trace": _cmd_trace, "report": _cmd_report, "plot": _cmd_plot}[a.cmd](a)
 
 
