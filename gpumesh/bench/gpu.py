@@ -424,7 +424,6 @@ class FleetSampler:
                 "gpu_model": ss[-1]["gpu_model"]}
         return out
 
-
     def imbalance(self, t_lo: float, t_hi: float) -> dict[str, float]:
         """Two nodes: |in_flight A - in_flight B| (node-reported, the servicer's requests) and
         total waiting over the window's polls (each poll shows the last report of each)."""
