@@ -63,6 +63,7 @@ async def vllm_grpc_worker(tiny_model_dir: Path):
     session; yields its host:port once VllmEngine.HealthCheck answers healthy."""
     import asyncio
     import importlib.util
+    import signal
 
     for mod in ("vllm", "smg_grpc_servicer"):
         if importlib.util.find_spec(mod) is None:
@@ -74,37 +75,44 @@ async def vllm_grpc_worker(tiny_model_dir: Path):
 
     from tests.integration.procs import LOG_DIR, free_port
 
-    port = free_port()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log_path = LOG_DIR / f"vllm-grpc-worker-{os.getpid()}.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
-    proc = _spawn([sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", "--model",
-                   str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype",
-                   "bfloat16", "--max-model-len", "512", "--enforce-eager"], log_path, env)
-    address = f"127.0.0.1:{port}"
-    try:
+    # vLLM's launcher binds its port only once the engine is up (20-40 s after free_port()
+    # chose it), so another process may take the port meanwhile: then start again on another.
+    for attempt in range(3):
+        port = free_port()
+        log_path = LOG_DIR / f"vllm-grpc-worker-{os.getpid()}-{attempt}.log"
+        proc = _spawn([sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", "--model",
+                       str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
+                       "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager"],
+                      log_path, env)
+        address = f"127.0.0.1:{port}"
         async with grpc.aio.insecure_channel(address) as ch:
             stub = vpb_grpc.VllmEngineStub(ch)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 300
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"vLLM gRPC worker exited {proc.returncode}:\n"
-                                       + log_path.read_text(errors="replace")[-3000:])
+                    break
                 try:
                     if (await stub.HealthCheck(vpb.HealthCheckRequest(), timeout=2)).healthy:
                         break
                 except grpc.aio.AioRpcError:
                     pass
                 if loop.time() > deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
                     raise TimeoutError("vLLM gRPC worker not healthy after 300 s:\n"
                                        + log_path.read_text(errors="replace")[-3000:])
                 await asyncio.sleep(0.5)
+        if proc.poll() is None:
+            break
+        text = log_path.read_text(errors="replace")
+        if "Failed to bind" not in text or attempt == 2:
+            raise RuntimeError(f"vLLM gRPC worker exited {proc.returncode}:\n" + text[-3000:])
+    try:
         yield address
     finally:
         if proc.poll() is None:
-            import signal
-
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(30)
