@@ -346,13 +346,17 @@ def kv_capacity(log: Path) -> int:
     return int(m[-1].replace(",", "")) if m else 0
 
 
-def gpu_pids() -> list[int]:
+def nvidia_smi(query: str) -> str:
+    """``nvidia-smi --query-<query> --format=csv,noheader`` output; "" without nvidia-smi."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=False).stdout
+        return subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [int(x) for x in out.split() if x.strip().isdigit()]
+        return ""
+
+
+def gpu_pids() -> list[int]:
+    return [int(x) for x in nvidia_smi("compute-apps=pid").split() if x.strip().isdigit()]
 
 
 def wait_gpus_free(timeout_s: float = 20.0) -> None:
@@ -647,17 +651,23 @@ def phase_raw(env: Env) -> None:
     env.save()
 
 
-def _pair_phase(env: Env, shape: str, gpus: int, phase: str, sweep: bool) -> None:
-    c1 = RAW_CONCURRENCY[shape]
+def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[NodeSpec], list[RouterSpec]]:
+    """Node A on GPU 0 behind router r1; with two GPUs also node B on GPU 1 and router r2
+    (policy ``env.policy``) fronting A and B. Returns (A, B, nodes, routers)."""
     a, b = f"a{shape.replace('.', '')}", f"b{shape.replace('.', '')}"
-    nodes = [NodeSpec(a, shape, "0", 0.85, routers=("r1", "r2"))]
+    two = gpus >= 2
+    nodes = [NodeSpec(a, shape, "0", 0.85, routers=("r1", "r2") if two else ("r1",))]
     routers = [RouterSpec("r1", members=(a,))]
-    if gpus >= 2:
+    if two:
         # After A serves: B then finds vLLM's compile cache warm instead of racing A to fill it.
         nodes.append(NodeSpec(b, shape, "1", 0.85, routers=("r2",), after=a))
-        routers.append(RouterSpec("r2", members=(a, b)))
-    else:
-        nodes[0].routers = ("r1",)
+        routers.append(RouterSpec("r2", policy=env.policy, members=(a, b)))
+    return a, b, nodes, routers
+
+
+def _pair_phase(env: Env, shape: str, gpus: int, phase: str, sweep: bool) -> None:
+    c1 = RAW_CONCURRENCY[shape]
+    a, b, nodes, routers = _pair(env, shape, gpus)
     with Group(env, nodes, routers) as g:
         g.start()
         env.meta.setdefault("commands", {})[phase] = g.commands
@@ -700,12 +710,7 @@ def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2,
     then (two GPUs) data parallel through the router vs the client splitting its streams;
     ``dp_only``: data parallel router vs client split, ``rounds`` times (ABAB)."""
     c1 = RAW_CONCURRENCY[shape]
-    a, b = f"a{shape.replace('.', '')}", f"b{shape.replace('.', '')}"
-    nodes = [NodeSpec(a, shape, "0", 0.85, routers=("r1", "r2") if gpus >= 2 else ("r1",))]
-    routers = [RouterSpec("r1", members=(a,))]
-    if gpus >= 2:
-        nodes.append(NodeSpec(b, shape, "1", 0.85, routers=("r2",), after=a))
-        routers.append(RouterSpec("r2", policy=env.policy, members=(a, b)))
+    a, b, nodes, routers = _pair(env, shape, gpus)
     with Group(env, nodes, routers) as g:
         g.start()
         env.meta.setdefault("commands", {})[phase] = g.commands
@@ -791,22 +796,14 @@ def gpu_count(engine: str) -> int:
 
 
 def gpu_indices() -> list[str]:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [x for x in out.split() if x.strip()]
+    return [x for x in nvidia_smi("gpu=index").split() if x.strip()]
 
 
 def device_meta(engine: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"engine": engine, "host_cpus": os.cpu_count(),
                             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if engine == "vllm":
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            meta["nvidia_smi"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
-                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False).stdout
+        meta["nvidia_smi"] = nvidia_smi("gpu=index,name,memory.total,driver_version")
         with contextlib.suppress(Exception):
             import importlib.metadata as im
 
