@@ -102,6 +102,11 @@ class InvalidRequest(EngineError):
     -> INVALID_ARGUMENT."""
 
 
+class EngineUnavailable(EngineError):
+    """The engine is not serving yet (still starting) or any more (shut down) -> UNAVAILABLE,
+    so clients and routers retry elsewhere or later."""
+
+
 class EngineOverloaded(EngineError):
     """The engine refused the request for lack of capacity -> RESOURCE_EXHAUSTED."""
 

@@ -36,7 +36,12 @@ def permission_denied(message: str) -> RequestError:
 
 def from_engine_exception(exc: BaseException) -> RequestError:
     """Engine failures: bad token ids and length errors are the caller's; the rest INTERNAL."""
-    from node.engine import EngineOverloaded, InvalidRequest, PromptTooLong
+    from node.engine import (
+        EngineOverloaded,
+        EngineUnavailable,
+        InvalidRequest,
+        PromptTooLong,
+    )
 
     if isinstance(exc, RequestError):
         return exc
@@ -44,6 +49,8 @@ def from_engine_exception(exc: BaseException) -> RequestError:
         return out_of_range(str(exc))
     if isinstance(exc, InvalidRequest):
         return invalid(f"engine rejected the request: {exc}")
+    if isinstance(exc, EngineUnavailable):
+        return RequestError(grpc.StatusCode.UNAVAILABLE, f"engine not serving: {exc}")
     if isinstance(exc, EngineOverloaded):
         return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"engine is full: {exc}")
     if isinstance(exc, ValueError):

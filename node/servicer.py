@@ -24,7 +24,14 @@ from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from node.accounting import Admission, NodeLedger
 from node.coalesce import CoalescePolicy, coalesce
-from node.engine import Engine, EngineOutput, EngineRequest, Finish, Sampling
+from node.engine import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    Finish,
+    Sampling,
+)
 from node.errors import (
     RequestError,
     from_engine_exception,
@@ -139,7 +146,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise unavailable(f"node {self._state.node_id} is draining")
         self._resolve_model(req.model)
         sampling = _sampling(req.sampling)
-        ids = self._prompt_ids(req)
+        try:
+            ids = self._prompt_ids(req)   # tokenizes: the engine may be starting or shut down
+        except EngineError as exc:
+            raise from_engine_exception(exc) from exc
         limit = self._engine.model.max_context_length
         if len(ids) + sampling.max_tokens > limit:
             raise out_of_range(

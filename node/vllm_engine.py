@@ -29,6 +29,7 @@ from node.engine import (
     EngineOutput,
     EngineOverloaded,
     EngineRequest,
+    EngineUnavailable,
     Finish,
     InvalidRequest,
     ModelSpec,
@@ -476,12 +477,12 @@ class VllmEngine:
 
     def _engine(self) -> Any:
         if self._llm is None:
-            raise EngineError("engine shut down" if self._shut else "engine not started")
+            raise EngineUnavailable("engine shut down" if self._shut else "engine still starting")
         return self._llm
 
     def _tok(self) -> Any:
         if self._tokenizer is None:
-            raise EngineError("engine not started")
+            raise EngineUnavailable("engine shut down" if self._shut else "engine still starting")
         return self._tokenizer
 
     def _engine_kwargs(self) -> dict[str, Any]:

@@ -168,6 +168,8 @@ class Env:
     sim_scale_intervals: bool = False
     policy: str = "weighted_least_load"   # the data-parallel phases' router policy
     router_env: dict[str, str] = field(default_factory=dict)  # extra env for every router
+    # vLLM nodes: extra AsyncEngineArgs on top of the bench's (e.g. stream_interval=4)
+    engine_args: dict[str, Any] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -199,7 +201,7 @@ def node_toml(env: Env, spec: NodeSpec) -> str:
         top.update(engine="vllm", model=str(model), tokenizer=str(model / "tokenizer"),
                    load_format="dummy", dtype="bfloat16", gpu_memory_utilization=spec.gpu_mem,
                    tensor_parallel_size=spec.tp, num_gpu_blocks_override=spec.blocks)
-        tables["engine_args"] = {"enable_prefix_caching": False, "seed": 0}
+        tables["engine_args"] = {"enable_prefix_caching": False, "seed": 0, **env.engine_args}
     else:
         from node.sim_engine import SimEngineConfig
 
@@ -586,6 +588,8 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         "out_tokens_p50": _pct([r.output_tokens for r in inwin], 50),
         "node_share": nodes, "command": cmd, "started": t_start, "engine": env.engine,
         "cpu_cores": cpu.cores}
+    if env.engine == "vllm" and env.engine_args:
+        rec["engine_args"] = env.engine_args
     if sampler is not None:
         rec["fleet"] = sampler.summary(warm, warm + win)
         imb = sampler.imbalance(warm, warm + win)
@@ -813,6 +817,16 @@ def device_meta(engine: str) -> dict[str, Any]:
     return meta
 
 
+def _engine_arg(kv: str) -> tuple[str, Any]:
+    name, sep, value = kv.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--engine-arg {kv!r}: expected NAME=VALUE")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from gpumesh.dummy_model import build_dummy_model
 
@@ -825,7 +839,8 @@ def cmd_run(a: argparse.Namespace) -> int:
               sim_front_end_tok_s=a.sim_front_end_tok_s, sim_max_num_seqs=a.sim_max_num_seqs,
               raw_tool=a.raw_tool, sim_scale_intervals=a.sim_scale_intervals,
               policy=a.policy,
-              router_env=dict(kv.split("=", 1) for kv in a.router_env))
+              router_env=dict(kv.split("=", 1) for kv in a.router_env),
+              engine_args=dict(_engine_arg(kv) for kv in a.engine_arg))
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
         doc = json.loads(prev.read_text())
@@ -833,7 +848,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     gpus = gpu_count(a.engine)
     env.meta.setdefault("calls", []).append({**device_meta(a.engine), "gpus": gpus,
                                              "phases": a.phases, "workers": a.workers,
-                                             "procs": a.procs})
+                                             "procs": a.procs,
+                                             "engine_args": env.engine_args})
     env.save()
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
@@ -1115,6 +1131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--rounds", type=int, default=2, help="dp05: ABAB rounds")
     r.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment of every router (e.g. GPUMESH_ROUTER_...); repeats")
+    r.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra vLLM engine argument of every vLLM node (the node TOML's "
+                        "[engine_args]; VALUE is JSON, else a string), e.g. stream_interval=4; "
+                        "repeats")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
     r.set_defaults(func=cmd_run)
