@@ -2,7 +2,9 @@
 
 Counters are cumulative since this process started (the node's incarnation), so a router
 that misses a heartbeat loses nothing: it compares its own dispatch counts with the latest
-cumulative figures (see router.registry for how credits are cleared).
+cumulative figures (see router.registry for how credits are cleared). ``admitted_requests -
+finished_requests`` is how many of a router's requests the node holds at the report (the
+router's exact change since it is its in-flight count now minus that).
 
 ``pending_prefill_tokens`` is the node's own count of prompt tokens admitted whose request
 has not produced its first token yet (queued or in prefill). It is engine-independent, so the
@@ -20,6 +22,7 @@ class _Account:
     admitted_prompt_tokens: int = 0
     first_token_requests: int = 0
     first_token_prompt_tokens: int = 0
+    finished_requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class AccountSnapshot:
     admitted_prompt_tokens: int
     first_token_requests: int
     first_token_prompt_tokens: int
+    finished_requests: int   # admitted and ended (done, error, cancel)
 
 
 @dataclass
@@ -89,11 +93,13 @@ class NodeLedger:
 
     def _on_finish(self, a: Admission) -> None:
         self.in_flight -= 1
+        self._accounts[a.router_id].finished_requests += 1
 
     def accounts(self) -> tuple[AccountSnapshot, ...]:
         return tuple(
             AccountSnapshot(rid, a.admitted_requests, a.admitted_prompt_tokens,
-                            a.first_token_requests, a.first_token_prompt_tokens)
+                            a.first_token_requests, a.first_token_prompt_tokens,
+                            a.finished_requests)
             for rid, a in self._accounts.items()
             if rid
         )

@@ -100,7 +100,8 @@ class NodeServer:
                 router_id=a.router_id, admitted_requests=a.admitted_requests,
                 admitted_prompt_tokens=a.admitted_prompt_tokens,
                 first_token_requests=a.first_token_requests,
-                first_token_prompt_tokens=a.first_token_prompt_tokens)
+                first_token_prompt_tokens=a.first_token_prompt_tokens,
+                finished_requests=a.finished_requests)
                 for a in ledger.accounts()])
 
     def registration(self) -> cpb.Registration:

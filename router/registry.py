@@ -35,6 +35,14 @@ prompt-token estimate. A credit is outstanding until the request's first token:
   completion. Never wholesale at a heartbeat.
 A credit is "not yet in the last report" when its ordinal is above the report's
 ``admitted_requests`` (corrected for requests the node never admitted, e.g. rejected ones).
+
+The decode term's D (``decode_delta``, see router/scheduling/scorers.py) is this router's
+requests in flight now minus how many of them the last report held. A node that sends
+``finished_requests`` says so itself (admitted - finished, bounded by this router's own
+reported requests in flight: an earlier process's requests under the same router id and
+lookaside requests are in the node's count but not in ours); without it (older nodes,
+foreign engines) every in-flight request up to the cutoff is taken as held, so a finish seen
+after a report counts as one since it -- twice when the report already had it.
 """
 
 from __future__ import annotations
@@ -86,6 +94,9 @@ class AccountSample:
     admitted_prompt_tokens: int = 0
     first_token_requests: int = 0
     first_token_prompt_tokens: int = 0
+    # Of the admitted, those that ended (any way); None when the node does not report it (an
+    # older node, a foreign engine's adapter): the ledger then infers D as before.
+    finished_requests: int | None = None
 
 
 @dataclass(frozen=True)
@@ -271,11 +282,13 @@ class NodeLedger:
         self._unreported_tokens = 0             # pending credits with ordinal > cutoff
         self._unreported_n = 0
         # The decode term's input (``decode_delta``): requests whose finish this router sees
-        # (proxy, unary) and that are still in flight with ordinal > cutoff (not in the last
-        # report's running/waiting whatever their phase), those in the report that finished
-        # since, and lookaside credits (finish unseen) pending and unreported.
+        # (proxy, unary) still in flight, split by ordinal at the cutoff (above: not in the
+        # last report whatever their phase; at or below: ``_live_reported``), how many of them
+        # the last report held (``_held``), and lookaside credits (finish unseen) pending and
+        # unreported.
         self._live_unreported: set[int] = set()
-        self._finished_reported = 0
+        self._live_reported = 0
+        self._held = 0
         self._blind_slot_unreported = 0
         self._synced = False
         self._base_admitted = 0
@@ -345,7 +358,7 @@ class NodeLedger:
                 if c.ordinal > self._cutoff:
                     self._live_unreported.discard(c.ordinal)
                 else:
-                    self._finished_reported += 1
+                    self._live_reported -= 1
             if self._on_release is not None:
                 self._on_release()
 
@@ -379,9 +392,23 @@ class NodeLedger:
                 self._unreported_n -= 1
                 if not c.slot_until_finish:
                     self._blind_slot_unreported -= 1
-            live.discard(ordinal)
+            if ordinal in live:
+                live.discard(ordinal)
+                self._live_reported += 1
         self._cutoff = new_cutoff
-        self._finished_reported = 0   # the report's running/waiting no longer hold them
+        # How many of this router's requests still in flight the report holds. Without the
+        # node's finished count: all of them up to the cutoff (a finish the router sees after
+        # the report is taken to have come after it). With it: admitted - finished, the
+        # node's own count, so a finish that reached the node before the report but this
+        # router after it is not subtracted twice. Raw counters: an earlier process's
+        # admissions under this router id are in both and cancel once its requests end; until
+        # then (and for lookaside requests, whose finish this router never sees) the node
+        # holds more than this router counts in flight, so the bound keeps the estimate
+        # between the exact one and the inferred one.
+        self._held = self._live_reported
+        if a.finished_requests is not None:
+            self._held = min(self._live_reported,
+                             max(0, a.admitted_requests - a.finished_requests))
         # Blind credits: release oldest-first as the node's first-token count grows.
         blind_first = max(0, a.first_token_requests - self._base_first - self._proxy_first_seen)
         if self._blind_done < blind_first:
@@ -415,11 +442,14 @@ class NodeLedger:
 
     def decode_delta(self) -> int:
         """How far the node's running + waiting requests have moved since its last report, as
-        far as this router's requests show it: its requests still in flight that the report
-        does not hold (dispatched after it; first token or not), minus those the report held
-        that finished since, plus lookaside requests pending and unreported (their finish is
-        not seen). May be negative. O(1)."""
-        return len(self._live_unreported) - self._finished_reported + self._blind_slot_unreported
+        far as this router's requests show it: its requests in flight now (those whose finish
+        it sees: proxy, unary) minus how many of them the report held, plus lookaside
+        requests pending and unreported (their finish is not seen). The report holds
+        admitted - finished when the node sends ``finished_requests`` (exact); otherwise
+        every in-flight request up to the report's admission cutoff, so that a finish seen
+        after the report counts as one since it. May be negative. O(1)."""
+        return (len(self._live_unreported) + self._live_reported - self._held
+                + self._blind_slot_unreported)
 
     def unreported(self) -> tuple[int, int]:
         """(prompt tokens, requests) outstanding and dispatched after the last report. O(1):

@@ -268,7 +268,8 @@ class ControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                         node_id, stream_id, hb.seq, hb.sent_unix_ms, load_from_proto(hb.load),
                         accounts=[(a.router_id, AccountSample(
                             a.admitted_requests, a.admitted_prompt_tokens,
-                            a.first_token_requests, a.first_token_prompt_tokens))
+                            a.first_token_requests, a.first_token_prompt_tokens,
+                            a.finished_requests if a.HasField("finished_requests") else None))
                             for a in hb.load.router_accounts],
                         gpus=tuple(GpuStat(g.index, g.utilization, g.memory_used_bytes,
                                            g.memory_total_bytes) for g in hb.load.gpus))
@@ -311,7 +312,8 @@ def _load_to_proto(report: Report | None) -> control_pb2.LoadReport:
             router_id=rid, admitted_requests=a.admitted_requests,
             admitted_prompt_tokens=a.admitted_prompt_tokens,
             first_token_requests=a.first_token_requests,
-            first_token_prompt_tokens=a.first_token_prompt_tokens)
+            first_token_prompt_tokens=a.first_token_prompt_tokens,
+            finished_requests=a.finished_requests)
             for rid, a in report.accounts])
 
 

@@ -64,18 +64,20 @@ class GpuStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class RouterAccount(_message.Message):
-    __slots__ = ("router_id", "admitted_requests", "admitted_prompt_tokens", "first_token_requests", "first_token_prompt_tokens")
+    __slots__ = ("router_id", "admitted_requests", "admitted_prompt_tokens", "first_token_requests", "first_token_prompt_tokens", "finished_requests")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     admitted_requests: int
     admitted_prompt_tokens: int
     first_token_requests: int
     first_token_prompt_tokens: int
-    def __init__(self, router_id: _Optional[str] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., first_token_requests: _Optional[int] = ..., first_token_prompt_tokens: _Optional[int] = ...) -> None: ...
+    finished_requests: int
+    def __init__(self, router_id: _Optional[str] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., first_token_requests: _Optional[int] = ..., first_token_prompt_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("num_running", "num_waiting", "pending_prefill_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "in_flight", "gpus", "draining", "router_accounts", "prompt_tokens_per_s", "kv_capacity_tokens")

@@ -15,9 +15,14 @@ For node n with a fresh report (age <= freshness window)::
            (the KV the router's own unreported requests will take; without K, k is the
            reported kv_cache_usage alone)
     D    = this router's change to n's requests since that report, whatever their phase:
-           its requests still in flight that the report does not hold (dispatched after it;
-           past their first token too) minus those the report held that finished since
-           (``NodeLedger.decode_delta``; lookaside requests count while their credit is held)
+           its requests in flight now minus those the report held
+           (``NodeLedger.decode_delta``). The report holds RouterAccount.admitted_requests -
+           finished_requests of them, the node's own count, so a finish that reached the
+           node before the report and the router after it is not subtracted twice; a node
+           that does not send finished_requests is taken to hold every in-flight request up
+           to its admission cutoff (a finish seen later counts as one since the report).
+           Lookaside requests (finish unseen) count while their credit is held and not
+           reported, as before
     f    = all routers' dispatches per one of this router's (``PeerShare.factor``, from every
            router's admission counts in the reports; 1 for a router alone)
     R    = max(num_running from the report + f * D, 0)

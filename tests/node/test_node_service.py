@@ -225,12 +225,21 @@ async def test_per_router_accounts_from_metadata_and_tickets(node, cp):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub(node).Generate(other, timeout=60)
     assert "another-node" in err.value.details()
+    # A stream the client cancels after its first chunk ends too (finished_requests).
+    long_req = build_request("cancelled", model="tiny", max_tokens=200, ignore_eos=True)
+    call = stub(node).GenerateStream(long_req, timeout=60,
+                                     metadata=((md.ROUTER_ID, "router-c"),))
+    await call.read()
+    call.cancel()
     await asyncio.sleep(0.8)
     accounts = {a.router_id: a for a in plane.heartbeats(NODE_ID)[-1].load.router_accounts}
     assert accounts["router-a"].admitted_requests == 1
     assert accounts["router-a"].first_token_requests == 1
     assert accounts["router-b"].admitted_requests == 1
     assert accounts["router-b"].admitted_prompt_tokens > 0
+    for rid in ("router-a", "router-b", "router-c"):     # admitted, all ended: none held
+        assert accounts[rid].HasField("finished_requests"), rid
+        assert accounts[rid].finished_requests == accounts[rid].admitted_requests == 1, rid
 
 
 async def test_reflection_lists_services_and_health_serving(node):

@@ -30,6 +30,7 @@ class Account:
     admitted_prompt_tokens: int = 0
     first_token_requests: int = 0
     first_token_prompt_tokens: int = 0
+    finished_requests: int = 0
 
 
 @dataclass
@@ -56,6 +57,8 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
     fail_mode: str | None = None
     kv_cache_usage: float = 0.0
     draining: bool = False
+    # False: heartbeats leave RouterAccount.finished_requests unset (a node from before it).
+    reports_finished: bool = True
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def __post_init__(self) -> None:
@@ -105,8 +108,10 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
             num_running=self.active, pending_prefill_tokens=self._pending_prefill,
             kv_cache_usage=self.kv_cache_usage, in_flight=self.active, draining=self.draining,
             prompt_tokens_per_s=0.0,
-            router_accounts=[control_pb2.RouterAccount(router_id=rid, **vars(a))
-                             for rid, a in self.accounts.items()])
+            router_accounts=[control_pb2.RouterAccount(
+                router_id=rid, **{k: v for k, v in vars(a).items()
+                                  if self.reports_finished or k != "finished_requests"})
+                for rid, a in self.accounts.items()])
 
     def _registration(self) -> control_pb2.NodeMessage:
         return control_pb2.NodeMessage(registration=control_pb2.Registration(
@@ -199,6 +204,7 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
             if first:
                 self._pending_prefill -= charged
             self.active -= 1
+            acct.finished_requests += 1
 
     async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
         max_tokens, charged = await self._validate(request, context)

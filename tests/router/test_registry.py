@@ -236,6 +236,86 @@ def test_lookaside_credits_released_by_first_token_count_and_time() -> None:
     assert r.ledger("a").pending_requests == 0 and r.ledger("a").in_flight == 1
 
 
+def _report(r: Registry, node: str, seq: int, running: int, admitted: int,
+            finished: int | None) -> None:
+    r.heartbeat(node, 1, seq, 0, LoadSample(num_running=running),
+                accounts=[(RID, AccountSample(admitted, 0, admitted, 0, finished))])
+
+
+def test_finish_seen_after_the_report_that_holds_it_is_not_subtracted_twice() -> None:
+    """10 requests running; one ends at the node, the node's next report (running 9) goes out
+    before the router sees that request's stream end. With ``finished_requests`` the report
+    says it holds 9 of ours, so once the router sees the finish D is 0 (the node has 9, as
+    reported). Without it (an older node) the finish counts once in the report and once more
+    as "since the report": D = -1, as before."""
+    for finished, expect in ((1, 0), (None, -1)):
+        r = make(Clock())
+        r.register(reg("a"), 1)
+        credits = [r.charge("a", 10) for _ in range(10)]
+        for c in credits:
+            c.first_token()
+        _report(r, "a", 1, 10, 10, 0 if finished is not None else None)
+        assert r.ledger("a").decode_delta() == 0
+        _report(r, "a", 2, 9, 10, finished)       # the node already counts it finished
+        credits[0].finish()                       # ... the router sees it only now
+        assert r.ledger("a").decode_delta() == expect, finished
+        credits[1].finish()                       # a finish after the report: once, both ways
+        assert r.ledger("a").decode_delta() == expect - 1, finished
+        r.charge("a", 10)                         # a dispatch since the report: +1
+        assert r.ledger("a").decode_delta() == expect, finished
+
+
+def test_decode_delta_with_finished_counts_is_in_flight_now_minus_held() -> None:
+    """D = this router's requests in flight now - (admitted - finished) at the report, for
+    proxy requests in any order of admission, finish and report."""
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    credits = [r.charge("a", 10) for _ in range(6)]
+    credits[0].first_token()
+    _report(r, "a", 1, 4, 4, 1)    # node: 4 admitted (1 of them already ended): holds 3
+    assert r.ledger("a").decode_delta() == 6 - 3
+    credits[0].finish()            # the one it had ended
+    credits[5].finish()            # one not yet admitted at the report (ended since)
+    assert r.ledger("a").decode_delta() == 4 - 3
+    _report(r, "a", 2, 3, 6, 2)
+    assert r.ledger("a").decode_delta() == 4 - 4
+
+
+def test_finished_counts_from_an_earlier_router_process_are_bounded() -> None:
+    """The router restarted under the same id while its old requests still run on the node:
+    the raw admitted - finished (10) includes requests this ledger never dispatched, so the
+    held count is bounded by this router's own reported requests in flight; as the old ones
+    end, the counts become exact again."""
+    r = make(Clock())
+    r.register(reg("a"), 1)
+    _report(r, "a", 1, 10, 500, 490)
+    credits = [r.charge("a", 10) for _ in range(3)]
+    assert r.ledger("a").decode_delta() == 3       # not 3 - 10
+    _report(r, "a", 2, 13, 503, 490)
+    assert r.ledger("a").decode_delta() == 0       # held min(3, 13) = 3
+    credits[0].finish()
+    assert r.ledger("a").decode_delta() == -1
+    _report(r, "a", 3, 2, 503, 501)                # old ones ended; 2 of ours held
+    assert r.ledger("a").decode_delta() == 0
+
+
+def test_lookaside_requests_keep_the_inferred_delta_with_finished_counts() -> None:
+    """Lookaside requests are in the node's admitted - finished but their end is never seen
+    by the router: with finished counts the estimate is the same as without them."""
+    for finished in (0, None):
+        r = make(Clock(), lease_ttl_s=10.0)
+        r.register(reg("a"), 1)
+        _report(r, "a", 1, 0, 0, finished)
+        for _ in range(4):
+            r.charge("a", 10, blind=True, hold_s=5.0, slot_until_finish=False)
+        proxy = [r.charge("a", 10) for _ in range(3)]
+        assert r.ledger("a").decode_delta() == 7
+        _report(r, "a", 2, 7, 7, finished)         # first tokens: the lookaside credits go
+        assert r.ledger("a").in_flight == 3 and r.ledger("a").decode_delta() == 0
+        proxy[0].finish()
+        assert r.ledger("a").decode_delta() == -1, finished
+
+
 # ---------------------------------------------------------------- fleet behaviour
 
 

@@ -116,6 +116,28 @@ async def test_routing_spreads_over_nodes() -> None:
         assert set(counts) == {"a", "b", "c"} and max(counts.values()) <= 5, counts
 
 
+async def test_finished_counts_reach_the_ledger_and_their_absence_is_kept() -> None:
+    """The node's per-router finished count rides the heartbeat into this router's
+    AccountSample (None when the node leaves it unset) and GetFleet; once every request has
+    ended and a report came after, the node holds none of ours and D is 0 either way."""
+    async with fleet({"node_id": "a"}, {"node_id": "b", "reports_finished": False}) as f:
+        await asyncio.gather(*(stream_all(f.stub, req(max_tokens=3)) for _ in range(6)))
+        reg = f.router.registry
+        seq = {n: reg.entry(n).report.seq for n in "ab"}
+        await wait_for(lambda: all(reg.entry(n).report.seq > seq[n] for n in "ab"))
+        acc = {n: reg.entry(n).report.account for n in "ab"}
+        assert acc["a"].finished_requests == acc["a"].admitted_requests > 0
+        assert acc["b"].finished_requests is None and acc["b"].admitted_requests > 0
+        assert acc["a"].admitted_requests + acc["b"].admitted_requests == 6
+        assert reg.ledger("a").decode_delta() == reg.ledger("b").decode_delta() == 0
+        fleet_resp = await f.admin.GetFleet(control_pb2.GetFleetRequest(), timeout=5)
+        shown = {n.node_id: n for n in fleet_resp.nodes}
+        (a_acc,) = [a for a in shown["a"].load.router_accounts if a.router_id == "rt"]
+        assert a_acc.HasField("finished_requests") and a_acc.finished_requests > 0
+        (b_acc,) = [a for a in shown["b"].load.router_accounts if a.router_id == "rt"]
+        assert not b_acc.HasField("finished_requests")
+
+
 async def test_cancel_reaches_node() -> None:
     async with fleet({"node_id": "a", "token_s": 0.2}) as f:
         call = f.stub.GenerateStream(req(max_tokens=100))

@@ -192,7 +192,7 @@ RID = "r1"
 def _reference(r: Registry, model: str, credits: Sequence[Credit] = ()) -> list[Candidate]:
     """The candidates as the uncached registry built them (every field but report_age_s).
     ``credits``: every credit the test dispatched and has not finished (the in-flight part of
-    ``decode_delta`` is recomputed from them; the finished-since-report count is the ledger's)."""
+    ``decode_delta`` is recomputed from them; how many the last report held is the ledger's)."""
     now = r.clock()
     out = []
     snap = r.snapshot(model)
@@ -205,8 +205,7 @@ def _reference(r: Registry, model: str, credits: Sequence[Credit] = ()) -> list[
         spec = next(m for m in e.registration.models if m.name == model)
         unrep = [c for o, c in ledger._pending.items() if o > ledger._cutoff]  # from scratch
         tokens, requests = sum(c.tokens for c in unrep), len(unrep)
-        live = sum(1 for c in credits if c.ledger is ledger and c.slot and c.slot_until_finish
-                   and c.ordinal > ledger._cutoff)
+        live = sum(1 for c in credits if c.ledger is ledger and c.slot and c.slot_until_finish)
         blind = sum(1 for c in unrep if not c.slot_until_finish)
         fresh = e.report is not None and state is not NodeState.STALE
         out.append(Candidate(
@@ -219,7 +218,7 @@ def _reference(r: Registry, model: str, credits: Sequence[Credit] = ()) -> list[
             router_in_flight=ledger.in_flight, outstanding_prompt_tokens=ledger.pending_tokens,
             outstanding_requests=ledger.pending_requests,
             unreported_prompt_tokens=tokens, unreported_requests=requests,
-            decode_delta=live - ledger._finished_reported + blind, peer_factor=r.peers.factor))
+            decode_delta=live - ledger._held + blind, peer_factor=r.peers.factor))
     return out
 
 
@@ -237,6 +236,7 @@ def test_cached_candidates_match_a_full_rebuild(seed: int) -> None:
     seqs: Counter[str] = Counter()
     admitted: Counter[str] = Counter()
     first: Counter[str] = Counter()
+    finished: Counter[str] = Counter()
     credits: list = []
     next_stream = iter(range(1, 10**6))
     for _step in range(600):
@@ -251,11 +251,13 @@ def test_cached_candidates_match_a_full_rebuild(seed: int) -> None:
             seqs[n] += 1
             admitted[n] += rng.randrange(3)
             first[n] += rng.randrange(3)
+            finished[n] += rng.randrange(3)
             r.heartbeat(n, streams[n], seqs[n], 0, LoadSample(
                 num_running=rng.randrange(9), pending_prefill_tokens=rng.randrange(5000),
                 kv_cache_usage=rng.random(), kv_capacity_tokens=rng.choice((0, 8192)),
                 draining=rng.random() < 0.05),
-                accounts=[(RID, AccountSample(admitted[n], 0, first[n], 0))])
+                accounts=[(RID, AccountSample(admitted[n], 0, first[n], 0, finished[n]
+                                              if rng.random() < 0.5 else None))])
         elif op < 0.6:
             if r.entry(n) is not None:
                 blind = rng.random() < 0.5
