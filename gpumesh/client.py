@@ -11,6 +11,7 @@ engine.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,43 @@ _SERVICE_CONFIG = json.dumps({
     }]})
 CHANNEL_OPTIONS = [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1),
                    ("grpc.keepalive_time_ms", 30_000)]
+# With a spread target (below): one connection per router worker, calls round-robin over them.
+SPREAD_OPTIONS = [("grpc.lb_policy_name", "round_robin")]
+
+
+def _ip_target(addresses: Sequence[str]) -> str:
+    """host:port list -> a gRPC ``ipv4:``/``ipv6:`` target (names resolved here, once)."""
+    v4: list[str] = []
+    v6: list[str] = []
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        host = host.strip("[]")
+        info = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+        ip = info[4][0]
+        (v6 if info[0] == socket.AF_INET6 else v4).append(
+            f"[{ip}]:{port}" if info[0] == socket.AF_INET6 else f"{ip}:{port}")
+    return f"ipv4:{','.join(v4)}" if v4 else f"ipv6:{','.join(v6)}"
+
+
+async def spread_target(target: str, timeout: float = 10.0) -> str:
+    """The target a client with few connections should use for a router started with
+    ``--workers N``: its workers' own addresses as one ``ipv4:`` target, to open with
+    ``SPREAD_OPTIONS`` (gRPC's round_robin: a connection per worker, calls spread evenly).
+
+    Why: the workers share the public port through SO_REUSEPORT, and the kernel hashes each
+    *connection* to a worker; a client's calls all ride its one connection, so a handful of
+    clients load the workers unevenly (8 connections over 4 workers: the busiest worker gets
+    3-4 of them, 1.5-2x its share, measured with 5 tries) and the busiest worker saturates
+    first. Returns ``target`` unchanged for a single-process router or a node."""
+    async with grpc.aio.insecure_channel(target) as ch:
+        try:
+            fleet = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:   # a node: nothing to spread
+                return target
+            raise
+    workers = list(fleet.worker_addresses)
+    return _ip_target(workers) if len(workers) > 1 else target
 
 
 def build_request(prompt: str | Sequence[int] | Sequence[tuple[str, str]], model: str = "",
@@ -79,6 +117,15 @@ class MeshClient:
         self.inference = pb_grpc.InferenceStub(self._channel)
         self.router = cpb_grpc.RouterStub(self._channel)
         self._node_channels: dict[str, grpc.aio.Channel] = {}
+
+    @classmethod
+    async def spread(cls, target: str, lookaside: bool = False,
+                     channel_options: Sequence[tuple[str, object]] = ()) -> MeshClient:
+        """A client whose calls go round-robin over a multi-worker router's processes
+        (``spread_target``); the same as ``MeshClient(target)`` for anything else."""
+        spread = await spread_target(target)
+        opts = [*channel_options, *(SPREAD_OPTIONS if spread != target else ())]
+        return cls(spread, lookaside=lookaside, channel_options=opts)
 
     async def close(self) -> None:
         for ch in self._node_channels.values():

@@ -343,8 +343,10 @@ class RouterServicer(control_pb2_grpc.RouterServicer):
                 last_heartbeat_age_s=v.report_age_s if math.isfinite(v.report_age_s) else -1.0,
                 router_in_flight=v.router_in_flight, engine=reg.engine,
                 gpu_model=reg.gpu_model, kind=reg.kind))
+        workers = self.config.peer_addresses if len(self.config.peer_addresses) > 1 else ()
         return control_pb2.GetFleetResponse(router_id=self.config.router_id,
-                                            policy=self.config.policy, nodes=nodes)
+                                            policy=self.config.policy, nodes=nodes,
+                                            worker_addresses=workers)
 
     async def Pick(self, request: control_pb2.PickRequest,
                    context: grpc.aio.ServicerContext) -> control_pb2.PickResponse:

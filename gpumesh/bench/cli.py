@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--procs", type=int, default=1, help="load-generator processes")
     r.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
     r.add_argument("--per-token", action="store_true", help="ask for one message per token")
+    r.add_argument("--spread-workers", action="store_true",
+                   help="a router with --workers N: each process round-robins its calls over "
+                        "the workers' own ports (else one connection, hashed to one worker)")
     r.add_argument("--temperature", type=float, default=None)
     r.add_argument("--slo-ttft-ms", type=float, default=float("inf"))
     r.add_argument("--slo-tpot-ms", type=float, default=float("inf"))
@@ -203,7 +206,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
     cfg = LoadConfig(target=a.target, rate=0.0 if a.concurrency else rate,
                      concurrency=a.concurrency, num_requests=total, duration_s=a.duration,
                      timeout_s=a.timeout, seed=a.seed, per_token=a.per_token,
-                     temperature=a.temperature, progress_s=a.progress, label=a.label)
+                     temperature=a.temperature, progress_s=a.progress, label=a.label,
+                     spread_workers=a.spread_workers)
     run = run_multi(cfg, spec, a.procs)
     summary = summarize(run.results, SLO(a.slo_ttft_ms, a.slo_tpot_ms))
     extra = {"procs": a.procs, "trace": a.trace, "prompt": str(a.prompt), "output": str(a.output)}

@@ -25,7 +25,8 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
 - ``p7``: as ``p05`` with the 7B shape at concurrency 256 (512 for the equal-latency DP point).
 - ``ab7`` / ``ab05``: repeats on the same nodes, interleaved: one GPU direct vs through the
   router twice (ABAB), then data parallel through the router vs the client splitting.
-  ``dp05``: 0.5B data parallel through the router vs the client splitting, twice (ABAB).
+  ``dp05`` / ``dp7``: data parallel through the router vs the client splitting, ``--rounds``
+  times interleaved, with a multi-worker router also with the load spread over its workers.
 
 Workload: the raw reference's (``shared/gpu/seed_table.py``): a closed loop of C streams,
 32 prompt tokens, 256 output tokens with ignore_eos, a 4 s warm-up then a 15 s window. QPS is
@@ -170,6 +171,8 @@ class Env:
     router_env: dict[str, str] = field(default_factory=dict)  # extra env for every router
     # vLLM nodes: extra AsyncEngineArgs on top of the bench's (e.g. stream_interval=4)
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # Load processes round-robin over a multi-worker router's processes (bench --spread-workers)
+    spread_workers: bool = False
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -544,8 +547,10 @@ def _pct(xs: Sequence[float], p: float) -> float:
 def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurrency: int,
           prompt: str = "fixed:32", output: str = "fixed:256", poll: str = "",
           status: bool = False, warmup_s: float | None = None, window_s: float | None = None,
-          extra: dict[str, Any] | None = None, split: Sequence[str] = ()) -> dict[str, Any]:
+          extra: dict[str, Any] | None = None, split: Sequence[str] = (),
+          spread: bool | None = None) -> dict[str, Any]:
     """One closed-loop run; a record with the reference-style window metrics.
+    ``spread``: load processes round-robin over the router's workers (None: env's setting).
 
     ``split``: instead of ``target``, these nodes directly, the concurrency and the load
     processes divided evenly between them (a client that spreads its own streams: data
@@ -556,14 +561,17 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
 
     warm = env.warmup_s if warmup_s is None else warmup_s
     win = env.window_s if window_s is None else window_s
+    spread = env.spread_workers if spread is None else spread
     procs = max(1, min(env.procs * (2 if concurrency > 256 else 1), concurrency))
     cfg = LoadConfig(target=target, concurrency=concurrency, duration_s=warm + win,
-                     timeout_s=180.0, seed=0, progress_s=0.0, label=setup)
+                     timeout_s=180.0, seed=0, progress_s=0.0, label=setup,
+                     spread_workers=spread)
     spec = StreamSpec(WorkloadSpec(LengthDist.parse(prompt), LengthDist.parse(output), 0, "", 0.0))
     parts = [(t, concurrency // len(split), max(1, procs // len(split))) for t in split] \
         or [(target, concurrency, procs)]
     cmd = " & ".join(f"gpumesh bench run --target {t} --concurrency {c} --duration {warm + win:g} "
                      f"--prompt {prompt} --output {output} --procs {n} --timeout 180"
+                     + (" --spread-workers" if spread else "")
                      for t, c, n in parts)
     sampler = FleetSampler(poll, warm + win / 2 if status else None, None) if poll else None
     t_start = time.time()
@@ -598,6 +606,8 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         "cpu_cores": cpu.cores}
     if env.engine == "vllm" and env.engine_args:
         rec["engine_args"] = env.engine_args
+    if spread:
+        rec["spread_workers"] = True
     if sampler is not None:
         rec["fleet"] = sampler.summary(warm, warm + win)
         imb = sampler.imbalance(warm, warm + win)
@@ -720,7 +730,8 @@ def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2,
              dp_only: bool = False) -> None:
     """Repeats, interleaved on the same nodes: one GPU direct vs through the router (ABAB),
     then (two GPUs) data parallel through the router vs the client splitting its streams;
-    ``dp_only``: data parallel router vs client split, ``rounds`` times (ABAB)."""
+    ``dp_only``: data parallel router vs client split, ``rounds`` times (ABAB); with a
+    multi-worker router also the router with the load spread over its workers (ABCABC)."""
     c1 = RAW_CONCURRENCY[shape]
     a, b, nodes, routers = _pair(env, shape, gpus)
     with Group(env, nodes, routers) as g:
@@ -732,6 +743,11 @@ def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2,
                 bench(env, phase=phase, setup=f"2 GPUs data parallel, router #{k}", shape=shape,
                       target=g.addr["r2"], concurrency=2 * c1, poll=g.addr["r2"],
                       extra={**x, "round": k})
+                if env.workers > 1 and not env.spread_workers:
+                    bench(env, phase=phase, shape=shape, target=g.addr["r2"],
+                          setup=f"2 GPUs data parallel, router, spread over workers #{k}",
+                          concurrency=2 * c1, poll=g.addr["r2"], extra={**x, "round": k},
+                          spread=True)
                 bench(env, phase=phase, setup=f"2 GPUs data parallel, direct (client splits) #{k}",
                       shape=shape, target=g.addr[a], concurrency=2 * c1, poll=g.addr["r2"],
                       split=(g.addr[a], g.addr[b]), extra={**x, "round": k})
@@ -848,7 +864,8 @@ def cmd_run(a: argparse.Namespace) -> int:
               raw_tool=a.raw_tool, sim_scale_intervals=a.sim_scale_intervals,
               policy=a.policy,
               router_env=dict(kv.split("=", 1) for kv in a.router_env),
-              engine_args=dict(_engine_arg(kv) for kv in a.engine_arg))
+              engine_args=dict(_engine_arg(kv) for kv in a.engine_arg),
+              spread_workers=a.spread_workers)
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
         doc = json.loads(prev.read_text())
@@ -857,12 +874,14 @@ def cmd_run(a: argparse.Namespace) -> int:
     env.meta.setdefault("calls", []).append({**device_meta(a.engine), "gpus": gpus,
                                              "phases": a.phases, "workers": a.workers,
                                              "procs": a.procs,
-                                             "engine_args": env.engine_args})
+                                             "engine_args": env.engine_args,
+                                             "spread_workers": env.spread_workers})
     env.save()
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
     need = {"raw": 90, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
-            "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120}
+            "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120,
+            "dp7": 330}
     failed = []
     for ph in [p for p in a.phases.split(",") if p]:
         left = budget_end - time.monotonic()
@@ -886,7 +905,9 @@ def cmd_run(a: argparse.Namespace) -> int:
              "ab7": lambda: phase_ab(env, "7b", gpus, "ab7"),
              "ab05": lambda: phase_ab(env, "0.5b", gpus, "ab05"),
              "dp05": lambda: phase_ab(env, "0.5b", gpus, "dp05", rounds=a.rounds,
-                                      dp_only=True)}[ph]()
+                                      dp_only=True),
+             "dp7": lambda: phase_ab(env, "7b", gpus, "dp7", rounds=a.rounds,
+                                     dp_only=True)}[ph]()
         except Exception as e:  # noqa: BLE001 - one phase failing must not cost the others
             print(f"[gpu-bench] {ph}: FAILED: {type(e).__name__}: {e}"[:4000], flush=True)
             failed.append(ph)
@@ -1135,14 +1156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "router's freshness window and lease by --sim-time-scale (the GPU "
                         "system's heartbeats per request and tokens per message)")
     r.add_argument("--policy", default="weighted_least_load", choices=POLICIES,
-                   help="policy of the data-parallel router in ab7/ab05/dp05")
-    r.add_argument("--rounds", type=int, default=2, help="dp05: ABAB rounds")
+                   help="policy of the data-parallel router in ab7/ab05/dp05/dp7")
+    r.add_argument("--rounds", type=int, default=2, help="dp05/dp7: interleaved rounds")
     r.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment of every router (e.g. GPUMESH_ROUTER_...); repeats")
     r.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="extra vLLM engine argument of every vLLM node (the node TOML's "
                         "[engine_args]; VALUE is JSON, else a string), e.g. stream_interval=4; "
                         "repeats")
+    r.add_argument("--spread-workers", action="store_true",
+                   help="load processes round-robin over the router's workers' own ports "
+                        "(gpumesh.client.spread_target) instead of one hashed connection each")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
     r.set_defaults(func=cmd_run)

@@ -28,6 +28,7 @@ import grpc
 
 from gpumesh import metadata as md
 from gpumesh.bench.workload import BenchRequest, prompt_text
+from gpumesh.client import SPREAD_OPTIONS, spread_target
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 
@@ -47,6 +48,9 @@ class LoadConfig:
     temperature: float | None = None
     progress_s: float = 5.0  # a progress line on stderr every so often; 0 = quiet
     label: str = ""  # the policy / setup name, for reports and plots
+    # A router with --workers N: round-robin each process's calls over the workers' own
+    # ports (gpumesh.client.spread_target) instead of one SO_REUSEPORT-hashed connection.
+    spread_workers: bool = False
 
     def __post_init__(self) -> None:
         if (self.rate > 0) == (self.concurrency > 0):
@@ -173,7 +177,12 @@ async def run_load(cfg: LoadConfig, requests: Iterable[BenchRequest], *,
     ``start_at`` (a ``time.time()`` epoch) aligns several processes on one start instant.
     """
     opts = [("grpc.max_receive_message_length", 64 << 20), *(channel_options or [])]
-    async with grpc.aio.insecure_channel(cfg.target, options=opts) as channel:
+    target = cfg.target
+    if cfg.spread_workers:
+        target = await spread_target(cfg.target)
+        if target != cfg.target:
+            opts += SPREAD_OPTIONS
+    async with grpc.aio.insecure_channel(target, options=opts) as channel:
         stub = pb_grpc.InferenceStub(channel)
         await asyncio.wait_for(channel.channel_ready(), timeout=30)
         if start_at is not None:

@@ -196,14 +196,16 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class GetFleetResponse(_message.Message):
-    __slots__ = ("router_id", "policy", "nodes")
+    __slots__ = ("router_id", "policy", "nodes", "worker_addresses")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     policy: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
-    def __init__(self, router_id: _Optional[str] = ..., policy: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ...) -> None: ...
+    worker_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, router_id: _Optional[str] = ..., policy: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., worker_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PickRequest(_message.Message):
     __slots__ = ("request", "exclude_node_ids")

@@ -229,3 +229,38 @@ async def test_multi_worker_router_every_worker_sees_the_fleet_and_accounts_exac
         for proc, _ in nodes:
             proc.close()
         router.close()
+
+
+async def test_spread_client_round_robins_over_every_worker():
+    """SO_REUSEPORT hashes a connection to one worker: a plain client's calls all land on one
+    worker; ``MeshClient.spread`` (GetFleet's worker_addresses + round_robin) reaches all."""
+    port = free_port()
+    router = Proc("router-spread", ["router", "--host", "127.0.0.1", "--port", str(port),
+                                    "--workers", "3"])
+    try:
+        target = f"127.0.0.1:{port}"
+        await wait_serving(target, router, timeout_s=30)
+        async with MeshClient(target) as plain:
+            fleet = await plain.fleet()
+            assert len(fleet.worker_addresses) == 3
+            assert len({(await plain.fleet()).router_id for _ in range(9)}) == 1
+        async with await MeshClient.spread(target) as spread:
+            assert spread.target.startswith("ipv4:")
+            seen: set[str] = set()
+            for _ in range(200):   # workers still starting are skipped until they serve
+                seen.add((await spread.fleet()).router_id)
+                if len(seen) == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(seen) == 3, seen
+        # A node (no Router service) or a single-process router: the target as given.
+        single = RouterServer(RouterConfig(host="127.0.0.1", port=0))
+        await single.start()
+        try:
+            async with await MeshClient.spread(single.address) as c:
+                assert c.target == single.address
+                assert not (await c.fleet()).worker_addresses
+        finally:
+            await single.stop(0.1)
+    finally:
+        router.close()
