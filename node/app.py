@@ -56,7 +56,8 @@ def build_engine(cfg: NodeConfig) -> Engine:
             gpu_memory_utilization=cfg.gpu_memory_utilization, load_format=cfg.load_format,
             enforce_eager=cfg.enforce_eager,
             num_gpu_blocks_override=cfg.num_gpu_blocks_override or None,
-            capacity_weight=cfg.weight, extra=dict(cfg.engine_args)),
+            stream_interval=cfg.stream_interval, capacity_weight=cfg.weight,
+            extra=dict(cfg.engine_args)),
             gpu_sampler=GpuSampler())
     raise ValueError(f"unknown engine {cfg.engine!r} (expected 'vllm' or 'sim')")
 

@@ -39,6 +39,10 @@ class NodeConfig:
     tokenizer: str = ""
     enforce_eager: bool = False
     num_gpu_blocks_override: int = 0
+    # vLLM emits a request's output every N tokens (the first and the last at once): less
+    # front-end CPU per token, the ceiling of a GPU node (docs/benchmarks-gpu.md: 7B on an
+    # H200, 4 -> 1.27x QPS through the router). Per-token streams then get N-token chunks.
+    stream_interval: int = 1
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs
     sim: Mapping[str, Any] = field(default_factory=dict)          # SimEngineConfig fields
 
@@ -51,6 +55,10 @@ class NodeConfig:
     drain_timeout_s: float = 30.0
     ticket_secret: str = ""               # lookaside tickets; "" -> tickets refused
     require_ticket: bool = False          # refuse requests without a router ticket/metadata
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
     def resolved_node_id(self, bound_port: int) -> str:
         return self.node_id or f"{socket.gethostname()}-{bound_port}".replace(".", "-")

@@ -70,6 +70,7 @@ class VllmEngineConfig:
     enforce_eager: bool = False
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    stream_interval: int = 1   # vLLM's: an output every N tokens (first and last at once)
     capacity_weight: float = 1.0
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -499,6 +500,7 @@ class VllmEngine:
             "enforce_eager": c.enforce_eager,
             "num_gpu_blocks_override": c.num_gpu_blocks_override,
             "enable_prefix_caching": c.enable_prefix_caching,
+            "stream_interval": c.stream_interval,
             "disable_log_stats": False,  # our stat logger needs the per-step stats
             "enable_log_requests": False,
         }

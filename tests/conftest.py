@@ -38,14 +38,16 @@ async def vllm_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
     """One started ``VllmEngine`` on the tiny model for the whole session.
 
     max_model_len 512 and 16 KV blocks (2048 tokens on CPU, 128-token blocks): KV usage is
-    visible per request, and at most 4 full-length requests fit at once.
+    visible per request, and at most 4 full-length requests fit at once. stream_interval 3:
+    the engine hands over tokens 3 at a time (the node processes in tests/node keep vLLM's
+    default of 1, so both paths are exercised).
     """
     pytest.importorskip("vllm")
     from node.vllm_engine import VllmEngine, VllmEngineConfig
 
     engine = VllmEngine(VllmEngineConfig(
         model=str(tiny_model_dir), served_name="tiny", aliases=("tiny-alias",),
-        max_model_len=512, num_gpu_blocks_override=16, enforce_eager=True,
+        max_model_len=512, num_gpu_blocks_override=16, enforce_eager=True, stream_interval=3,
     ))
     await engine.start()
     try:

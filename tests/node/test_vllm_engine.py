@@ -341,3 +341,29 @@ async def test_token_id_out_of_vocabulary_is_invalid_request(vllm_engine: VllmEn
     with pytest.raises(InvalidRequest):
         await collect(vllm_engine, EngineRequest("oov", (5, 10**9), GREEDY))
     assert len(tokens(await collect(vllm_engine, req(vllm_engine)))) == GREEDY.max_tokens
+
+
+@vllm_only
+async def test_stream_interval_hands_over_tokens_in_groups(vllm_engine: VllmEngine) -> None:
+    """The session engine runs with stream_interval 3: the first token alone (no TTFT cost),
+    then groups of 3, the last group whatever is left; nothing lost or reordered."""
+    outs = await collect(vllm_engine, req(vllm_engine, Sampling(max_tokens=11, temperature=0.0,
+                                                                 ignore_eos=True)))
+    sizes = [len(o.token_ids) for o in outs]
+    assert sum(sizes) == 11 and sizes[0] == 1
+    assert sizes[1:-1] and all(s == 3 for s in sizes[1:-1]) and 1 <= sizes[-1] <= 3
+    assert outs[-1].finish is Finish.LENGTH
+
+
+def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) -> None:
+    from node.app import build_engine
+    from node.config import load_node_config
+
+    toml = tmp_path / "node.toml"
+    toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 4\n')
+    engine = build_engine(load_node_config(toml, environ={}))
+    assert engine._engine_kwargs()["stream_interval"] == 4   # type: ignore[attr-defined]
+    assert VllmEngine(VllmEngineConfig(model="/m"))._engine_kwargs()["stream_interval"] == 1
+    toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 0\n')
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        load_node_config(toml, environ={})
