@@ -37,7 +37,9 @@ A credit is "not yet in the last report" when its ordinal is above the report's
 ``admitted_requests`` (corrected for requests the node never admitted, e.g. rejected ones).
 
 The decode term's D (``decode_delta``, see router/scheduling/scorers.py) is this router's
-requests in flight now minus how many of them the last report held. A node that sends
+requests in flight now minus how many of them the last report held (the reported part capped
+at 0: requests the node had ended before the report whose ends are still on the way to the
+router are no change). A node that sends
 ``finished_requests`` says so itself (admitted - finished, bounded by this router's own
 reported requests in flight: an earlier process's requests under the same router id and
 lookaside requests are in the node's count but not in ours); without it (older nodes,
@@ -445,10 +447,14 @@ class NodeLedger:
         far as this router's requests show it: its requests in flight now (those whose finish
         it sees: proxy, unary) minus how many of them the report held, plus lookaside
         requests pending and unreported (their finish is not seen). The report holds
-        admitted - finished when the node sends ``finished_requests`` (exact); otherwise
-        every in-flight request up to the report's admission cutoff, so that a finish seen
-        after the report counts as one since it. May be negative. O(1)."""
-        return (len(self._live_unreported) + self._live_reported - self._held
+        admitted - finished when the node sends ``finished_requests``; otherwise every
+        in-flight request up to the report's admission cutoff, so that a finish seen after the
+        report counts as one since it. The reported part is capped at 0: the requests the
+        router still counted in flight at the report beyond what the node held had already
+        ended at the node (their ends were on the way), so the first finishes seen after the
+        report are theirs and change nothing; only finishes beyond them lower D. May be
+        negative. O(1)."""
+        return (len(self._live_unreported) + min(0, self._live_reported - self._held)
                 + self._blind_slot_unreported)
 
     def unreported(self) -> tuple[int, int]:

@@ -18,7 +18,8 @@ For node n with a fresh report (age <= freshness window)::
            its requests in flight now minus those the report held
            (``NodeLedger.decode_delta``). The report holds RouterAccount.admitted_requests -
            finished_requests of them, the node's own count, so a finish that reached the
-           node before the report and the router after it is not subtracted twice; a node
+           node before the report and the router after it is not subtracted twice (nor
+           counted as in flight while its end is on the way: that part is capped at 0); a node
            that does not send finished_requests is taken to hold every in-flight request up
            to its admission cutoff (a finish seen later counts as one since the report).
            Lookaside requests (finish unseen) count while their credit is held and not

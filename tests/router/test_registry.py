@@ -266,14 +266,16 @@ def test_finish_seen_after_the_report_that_holds_it_is_not_subtracted_twice() ->
 
 
 def test_decode_delta_with_finished_counts_is_in_flight_now_minus_held() -> None:
-    """D = this router's requests in flight now - (admitted - finished) at the report, for
-    proxy requests in any order of admission, finish and report."""
+    """D = requests dispatched since the report + min(0, reported ones still in flight -
+    (admitted - finished) at the report), for proxy requests in any order of admission,
+    finish and report: a request the node had ended before the report but whose end the
+    router has not seen yet is neither held nor a change."""
     r = make(Clock())
     r.register(reg("a"), 1)
     credits = [r.charge("a", 10) for _ in range(6)]
     credits[0].first_token()
     _report(r, "a", 1, 4, 4, 1)    # node: 4 admitted (1 of them already ended): holds 3
-    assert r.ledger("a").decode_delta() == 6 - 3
+    assert r.ledger("a").decode_delta() == 2    # the 2 dispatched after it (not 6 - 3)
     credits[0].finish()            # the one it had ended
     credits[5].finish()            # one not yet admitted at the report (ended since)
     assert r.ledger("a").decode_delta() == 4 - 3

@@ -205,7 +205,8 @@ def _reference(r: Registry, model: str, credits: Sequence[Credit] = ()) -> list[
         spec = next(m for m in e.registration.models if m.name == model)
         unrep = [c for o, c in ledger._pending.items() if o > ledger._cutoff]  # from scratch
         tokens, requests = sum(c.tokens for c in unrep), len(unrep)
-        live = sum(1 for c in credits if c.ledger is ledger and c.slot and c.slot_until_finish)
+        live = [c for c in credits if c.ledger is ledger and c.slot and c.slot_until_finish]
+        live_rep = sum(1 for c in live if c.ordinal <= ledger._cutoff)
         blind = sum(1 for c in unrep if not c.slot_until_finish)
         fresh = e.report is not None and state is not NodeState.STALE
         out.append(Candidate(
@@ -218,7 +219,8 @@ def _reference(r: Registry, model: str, credits: Sequence[Credit] = ()) -> list[
             router_in_flight=ledger.in_flight, outstanding_prompt_tokens=ledger.pending_tokens,
             outstanding_requests=ledger.pending_requests,
             unreported_prompt_tokens=tokens, unreported_requests=requests,
-            decode_delta=live - ledger._held + blind, peer_factor=r.peers.factor))
+            decode_delta=len(live) - live_rep + min(0, live_rep - ledger._held) + blind,
+            peer_factor=r.peers.factor))
     return out
 
 
