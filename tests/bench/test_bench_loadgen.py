@@ -150,3 +150,14 @@ async def test_trace_replay(server, tmp_path) -> None:
     doc = json.loads(out.read_text())
     assert doc["summary"]["requests"] == 12 and doc["config"]["rate"] > 0
     assert all(r["output_tokens"] == 3 for r in doc["requests"] if r["status"] == "OK")
+
+
+async def test_spread_workers_against_a_server_without_router_service_uses_the_target(
+        server) -> None:
+    """--spread-workers asks GetFleet for a router's workers; a node (no Router service:
+    UNIMPLEMENTED) is driven as given. The multi-worker case: tests/integration/test_dataplane."""
+    svc, target = server
+    cfg = LoadConfig(target=target, concurrency=2, num_requests=6, progress_s=0,
+                     spread_workers=True)
+    run = await run_load(cfg, iter_requests(WL))
+    assert len(run.results) == 6 and len(svc.seen) == 6
