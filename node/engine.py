@@ -87,6 +87,9 @@ class EngineLoad:
     prompt_tokens_per_s: float = 0.0
     gpus: tuple[GpuSample, ...] = field(default_factory=tuple)
     kv_capacity_tokens: int = 0  # KV-cache capacity in tokens; 0 = unknown
+    # Prompt tokens/s the engine can prefill when busy (capacity, per wall-clock second; not
+    # the observed, arrival-limited prompt_tokens_per_s); 0 = unknown.
+    prefill_capacity_tokens_per_s: float = 0.0
 
 
 class EngineError(Exception):

@@ -32,6 +32,15 @@ Units: ``load()`` rates (``generation_tokens_per_s``, ``prompt_tokens_per_s``) a
 WALL-CLOCK second, i.e. simulated rates divided by ``time_scale``, so the router's formulas see
 the wall-clock behaviour they act on. :attr:`SimEngine.stats` reports simulated seconds.
 
+Prefill capacity (``load().prefill_capacity_tokens_per_s``): what a step that spends its whole
+``max_num_batched_tokens`` budget B on prefill does, from the step model above::
+
+    B / ((step_a_ms + step_b_prefill_ms * B) / speed / 1000) / time_scale   tokens/s
+
+(per wall-clock second; with ``time_scale = 0`` the simulated rate). The 0.5B defaults give
+16384 / 102.6 ms = 159,700 tokens/s simulated. It is a constant of the model, unlike
+``prompt_tokens_per_s``, which is what arrived and was prefilled (throughput, not capacity).
+
 Calibration (defaults = the 0.5B shape). Two sources, both vLLM 0.26.0 on H200 with CUDA
 graphs and dummy weights:
 
@@ -309,6 +318,7 @@ class SimEngine:
         self._waiting: deque[_Req] = deque()
         self._block = cfg.kv_block_size
         self._total_blocks = cfg.kv_capacity_tokens // cfg.kv_block_size
+        self._prefill_capacity = self.prefill_capacity_tokens_per_s()
         self._free_blocks = self._total_blocks
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -392,6 +402,7 @@ class SimEngine:
             generation_tokens_per_s=gen_rate,
             prompt_tokens_per_s=prompt_rate,
             kv_capacity_tokens=self._total_blocks * self._block,
+            prefill_capacity_tokens_per_s=self._prefill_capacity,
         )
 
     async def shutdown(self) -> None:
@@ -421,6 +432,14 @@ class SimEngine:
         if c.front_end_tokens_per_s > 0:
             return max(gpu_s, decode_tokens / c.front_end_tokens_per_s)
         return gpu_s
+
+    def prefill_capacity_tokens_per_s(self) -> float:
+        """Prompt tokens per wall-clock second a full-budget prefill step does (module
+        docstring); per simulated second when ``time_scale`` is 0."""
+        c = self.config
+        budget = c.max_num_batched_tokens
+        rate = budget / self.step_time_s(0, budget)
+        return rate / c.time_scale if c.time_scale > 0 else rate
 
     @property
     def free_kv_blocks(self) -> int:

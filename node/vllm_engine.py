@@ -88,6 +88,17 @@ class _LoadStatLogger:
     seconds; the prefix cache hit rate is over the last ``prefix_window_requests`` requests
     that queried the cache (it keeps its value while idle, like vLLM's own logger).
     Prompt tokens/s counts tokens actually computed by prefill (prefix cache hits excluded).
+
+    Prefill capacity (``EngineLoad.prefill_capacity_tokens_per_s``) is measured, not
+    configured: consecutive ``record`` calls are grouped into spans of at least
+    ``capacity_span_s`` wall-clock seconds (a step lasts from the previous call to this one;
+    a span absorbs the output handler's bursts, when it catches up with queued steps and calls
+    come back to back), and a span's prompt tokens over its length is one sample. The figure
+    is the maximum sample over the last ``capacity_windows`` windows of ``capacity_window_s``
+    that saw prefill (windows without prefill are skipped, so it holds while idle and one
+    outlier ages out). Decode steps and idle gaps inside a span only lower a sample, so it is
+    a lower bound of what the engine can prefill, and far closer to it than the observed
+    prompt rate, which follows arrivals. 0 until a span with prefill has ended. O(1) per call.
     """
 
     def __init__(
@@ -95,9 +106,22 @@ class _LoadStatLogger:
         rate_window_s: float = 3.0,
         prefix_window_requests: int = 256,
         clock: Callable[[], float] = time.monotonic,
+        capacity_span_s: float = 0.05,
+        capacity_window_s: float = 10.0,
+        capacity_windows: int = 6,
     ) -> None:
         self._clock = clock
         self._window = rate_window_s
+        # prefill capacity: the open span, the open window's best sample, older windows' best
+        self._cap_span_s = capacity_span_s
+        self._cap_window_s = capacity_window_s
+        self._cap_last_t: float | None = None   # time of the previous record() call
+        self._cap_span_t0 = 0.0                  # start of the open span
+        self._cap_span_tokens = 0
+        self._cap_win_t0 = 0.0
+        self._cap_win_best = 0.0
+        self._cap_past: deque[float] = deque(maxlen=max(capacity_windows - 1, 1))
+        self._cap_past_best = 0.0
         self._prefix_window = prefix_window_requests
         self._running = 0
         self._waiting = 0
@@ -137,11 +161,44 @@ class _LoadStatLogger:
             gen = int(getattr(iteration_stats, "num_generation_tokens", 0))
             pts = getattr(iteration_stats, "prompt_token_stats", None)
             prompt = int(getattr(pts, "computed", 0)) if pts is not None else 0
+            now = self._clock()
             if gen or prompt:
-                self._rates.append((self._clock(), gen, prompt))
+                self._rates.append((now, gen, prompt))
                 self._gen_sum += gen
                 self._prompt_sum += prompt
-            self._expire(self._clock())
+            self._observe_capacity(now, prompt)
+            self._expire(now)
+
+    def _observe_capacity(self, now: float, prompt: int) -> None:
+        last = self._cap_last_t
+        self._cap_last_t = now
+        if last is None:  # the first step's start is unknown
+            self._cap_span_t0 = now
+            return
+        if self._cap_span_tokens == 0 and prompt == 0:
+            self._cap_span_t0 = now  # spans start at a step that prefills (its start = last)
+            return
+        if self._cap_span_tokens == 0:
+            self._cap_span_t0 = last
+        self._cap_span_tokens += prompt
+        span = now - self._cap_span_t0
+        if span < self._cap_span_s:
+            return
+        sample = self._cap_span_tokens / span
+        self._cap_span_tokens = 0
+        self._cap_span_t0 = now
+        if now - self._cap_win_t0 >= self._cap_window_s:
+            if self._cap_win_best > 0:
+                self._cap_past.append(self._cap_win_best)
+                self._cap_past_best = max(self._cap_past)  # once per window: O(windows)
+            self._cap_win_t0 = now
+            self._cap_win_best = 0.0
+        if sample > self._cap_win_best:
+            self._cap_win_best = sample
+
+    @property
+    def prefill_capacity_tokens_per_s(self) -> float:
+        return max(self._cap_win_best, self._cap_past_best)
 
     def _observe_prefix(self, pc: Any) -> None:
         if getattr(pc, "reset", False):
@@ -194,6 +251,7 @@ class _LoadStatLogger:
             generation_tokens_per_s=self._gen_sum / self._window,
             prompt_tokens_per_s=self._prompt_sum / self._window,
             kv_capacity_tokens=self.kv_capacity_tokens,
+            prefill_capacity_tokens_per_s=self.prefill_capacity_tokens_per_s,
         )
 
 
@@ -447,6 +505,7 @@ class VllmEngine:
                 prompt_tokens_per_s=snap.prompt_tokens_per_s,
                 gpus=self._gpu_sampler.latest,
                 kv_capacity_tokens=snap.kv_capacity_tokens,
+                prefill_capacity_tokens_per_s=snap.prefill_capacity_tokens_per_s,
             )
         return snap
 

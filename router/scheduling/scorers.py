@@ -9,7 +9,9 @@ For node n with a fresh report (age <= freshness window)::
     C    = prompt tokens of THIS router's requests to n that have not produced their first
            token and were not yet in that report (dispatch ordinal > the report's
            RouterAccount.admitted_requests for this router); U = how many requests that is
-    T    = max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback)
+    T    = max(n's prefill_capacity_tokens_per_s, n's prompt_tokens_per_s) when n reports a
+           capacity (> 0); max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)
+           otherwise (the floor / fallback; foreign nodes report no capacity)
     K    = n's reported kv_capacity_tokens (0 = unknown)
     k    = min(kv_cache_usage + f * (C + U * kv_output_allowance_tokens) / K, kv_usage_cap)
            (the KV the router's own unreported requests will take; without K, k is the
@@ -28,6 +30,22 @@ For node n with a fresh report (age <= freshness window)::
            router's admission counts in the reports; 1 for a router alone)
     R    = max(num_running from the report + f * D, 0)
     wait = ((P + f * C) / T  +  kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
+           when T is the reported capacity, w divides only the last two terms:
+    wait = (P + f * C) / T  +  (kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
+
+Why T is the capacity, not the floor: the prompt rate a node reports is throughput (what
+arrived and was prefilled), so on a GPU it sits far below what the node could prefill and the
+floor decides T. With short prompts a dispatch then costs more estimated wait than a finish
+gives back (32 / 8000 s = 4 ms against decode_s_per_request = 2 ms), and when identical
+requests finish in waves the router sends most of a wave to the node that just freed slots
+(docs/benchmarks.md section 8). The reported capacity (a simulated node's step model; a vLLM
+node's measured lower bound) is what T stands for, so it replaces the floor outright, upwards
+and downwards: a node that measured a slow prefill should look slow even if the floor is
+higher, and the floor, a guess for nodes that report nothing, should not shrink a fast node's
+queue either. Taking the larger with the observed rate only guards a capacity estimate that
+lags the node's own throughput (a vLLM node measures a lower bound). A measured capacity
+already holds the node's speed, which w also declares, so w does not divide that term again
+(a speed-2 node's prefill queue would otherwise count a quarter, not a half).
 
 Why D and f, not U alone: a request is in
 the report's running count only from the next report on, so if R counted it only while its
@@ -63,7 +81,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.scheduling.types import Candidate
+from router.scheduling.types import Candidate, LoadSample
 
 
 @dataclass(frozen=True)
@@ -86,15 +104,24 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
         wait = (c.outstanding_prompt_tokens / m.reference_prompt_tokens_per_s
                 + m.decode_s_per_request * c.router_in_flight)
         return wait / weight
-    tps = max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
     k = min(max(effective_kv_usage(c, m), 0.0), m.kv_usage_cap)
     f = max(c.peer_factor, 1.0)
     delta = c.unreported_requests if c.decode_delta is None else c.decode_delta
     running = max(r.num_running + f * delta, 0.0)
-    wait = ((r.pending_prefill_tokens + f * c.unreported_prompt_tokens) / tps
-            + m.kv_penalty_s * k / (1.0 - k)
-            + m.decode_s_per_request * running)
-    return wait / weight
+    prefill = (r.pending_prefill_tokens + f * c.unreported_prompt_tokens) / prefill_rate(r, m)
+    rest = m.kv_penalty_s * k / (1.0 - k) + m.decode_s_per_request * running
+    if r.prefill_capacity_tokens_per_s > 0:
+        # The node's own capacity already holds its speed: w must not divide it again.
+        return prefill + rest / weight
+    return (prefill + rest) / weight
+
+
+def prefill_rate(r: LoadSample, m: WaitModel) -> float:
+    """T above: the node's reported prefill capacity (with its observed rate as a floor) when
+    it reports one, else the observed rate floored at ``reference_prompt_tokens_per_s``."""
+    if r.prefill_capacity_tokens_per_s > 0:
+        return max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
+    return max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
 
 
 def effective_kv_usage(c: Candidate, m: WaitModel) -> float:

@@ -35,6 +35,7 @@ class LoadSample:
     in_flight: int = 0
     draining: bool = False
     kv_capacity_tokens: int = 0          # 0 = unknown (KV usage then moves only with reports)
+    prefill_capacity_tokens_per_s: float = 0.0  # 0 = unknown (T falls back to the floor)
 
 
 @dataclass(frozen=True)

@@ -344,3 +344,27 @@ async def test_slow_consumer_still_gets_every_token_and_the_finish():
             assert outs[-1].finish is not None
     finally:
         await eng.shutdown()
+
+
+async def test_load_reports_prefill_capacity_from_the_step_model() -> None:
+    # A full-budget prefill step: 16384 tokens in 2.29 + 0.00612 * 16384 ms (0.5B defaults),
+    # per wall-clock second (time_scale divides it), per simulated second at time_scale 0.
+    step_s = (2.29 + 0.00612 * 16384) / 1000
+    assert SimEngine(FAST).load().prefill_capacity_tokens_per_s == pytest.approx(16384 / step_s)
+    slowed = SimEngine(SimEngineConfig(time_scale=10.0))
+    assert slowed.load().prefill_capacity_tokens_per_s == pytest.approx(16384 / step_s / 10)
+    fast = SimEngine(SimEngineConfig(time_scale=10.0, speed=2.0))
+    assert fast.load().prefill_capacity_tokens_per_s == pytest.approx(2 * 16384 / step_s / 10)
+    small = SimEngine(dataclasses.replace(FAST, max_num_batched_tokens=100, step_a_ms=1.0,
+                                          step_b_prefill_ms=0.01))
+    assert small.load().prefill_capacity_tokens_per_s == pytest.approx(100 / 0.002)
+    # Capacity, not throughput: it does not move with what arrived (the observed rate does).
+    eng = await started(SimEngineConfig(time_scale=1.0))
+    try:
+        before = eng.load().prefill_capacity_tokens_per_s
+        await collect(eng, req("c", n_prompt=32, max_tokens=2))
+        after = eng.load()
+        assert after.prefill_capacity_tokens_per_s == before
+        assert 0 < after.prompt_tokens_per_s < before / 100
+    finally:
+        await eng.shutdown()

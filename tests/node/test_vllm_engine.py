@@ -154,6 +154,47 @@ def test_stat_adapter_counts_rates_and_prefix_window() -> None:
     assert s.snapshot().prefix_cache_hit_rate == pytest.approx(1.0)  # kept while idle
 
 
+def test_stat_adapter_measures_prefill_capacity_over_spans_of_steps() -> None:
+    now = [100.0]
+    s = _LoadStatLogger(rate_window_s=3.0, clock=lambda: now[0], capacity_span_s=0.05,
+                        capacity_window_s=10.0, capacity_windows=2)
+
+    def step(dt: float, prompt: int, gen: int = 0) -> None:
+        now[0] += dt
+        s.record(_sched(1, 0, 0.1), _iter(gen, prompt=prompt))
+
+    assert s.snapshot().prefill_capacity_tokens_per_s == 0.0
+    step(0.0, 0, gen=1)                 # the first call: its step's start is unknown
+    step(5.0, 0, gen=1)                 # idle gap, decode only: no span opens
+    assert s.snapshot().prefill_capacity_tokens_per_s == 0.0
+    # A prefill of 4000 tokens in 20 ms, then decode steps until the span reaches 50 ms:
+    # 4000 / 0.06 s (decode steps inside a span only lower the sample).
+    step(0.02, 4000, gen=4)
+    step(0.01, 0, gen=4)
+    assert s.snapshot().prefill_capacity_tokens_per_s == 0.0   # span still open (30 ms)
+    step(0.03, 0, gen=4)
+    snap = s.snapshot()
+    assert snap.prefill_capacity_tokens_per_s == pytest.approx(4000 / 0.06)
+    # The observed prompt rate is throughput over the rate window, far below it.
+    assert snap.prompt_tokens_per_s == pytest.approx(4000 / 3.0)
+    # Calls that come back to back (the output handler catching up) are absorbed by the span:
+    # 10 records 1 ms apart with 1000 tokens each, then one 50 ms step: 10000 / 0.06 s.
+    for _ in range(10):
+        step(0.001, 1000)
+    step(0.05, 0, gen=4)
+    assert s.snapshot().prefill_capacity_tokens_per_s == pytest.approx(10000 / 0.06)
+    # A slower sample keeps the maximum; an idle engine keeps the figure.
+    step(0.1, 100)
+    now[0] += 600.0
+    assert s.snapshot().prefill_capacity_tokens_per_s == pytest.approx(10000 / 0.06)
+    # Windows that saw prefill age the maximum out (2 windows here): 2 windows later only
+    # the recent, smaller samples count.
+    for _ in range(2):
+        step(11.0, 50)      # a new window; a span of >= 11 s: a low sample
+        step(0.06, 3000)    # a new span: 3000 tokens in 60 ms = 50k
+    assert s.snapshot().prefill_capacity_tokens_per_s == pytest.approx(3000 / 0.06)
+
+
 # -- GPU sampler (no GPU here) ------------------------------------------------------------
 
 
@@ -269,6 +310,8 @@ async def test_load_reports_running_requests_and_kv_usage(vllm_engine: VllmEngin
     after = vllm_engine.load()
     assert after.generation_tokens_per_s > 0 and after.prompt_tokens_per_s > 0
     assert after.kv_capacity_tokens > 0 and after.kv_capacity_tokens % 16 == 0   # blocks x 16
+    # Measured from the steps that prefilled: above the observed (arrival-limited) rate.
+    assert after.prefill_capacity_tokens_per_s > after.prompt_tokens_per_s > 0
     assert await wait_for(lambda: vllm_engine.load().num_running == 0)
     assert vllm_engine.load().kv_cache_usage == 0.0
 

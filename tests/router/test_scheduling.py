@@ -33,10 +33,11 @@ WEIGHTS = {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 0.0}
 def cand(node_id: str = "n", *, weight: float = 1.0, pending: int = 0, kv: float = 0.0,
          tps: float = 0.0, running: int = 0, state: NodeState = NodeState.HEALTHY,
          in_flight: int = 0, outstanding: int = 0, unreported: int = 0, unreported_n: int = 0,
-         max_concurrency: int = 0, stale: bool = False) -> Candidate:
+         max_concurrency: int = 0, stale: bool = False, capacity: float = 0.0) -> Candidate:
     report = None if stale else LoadSample(num_running=running, pending_prefill_tokens=pending,
                                            kv_cache_usage=kv, prompt_tokens_per_s=tps,
-                                           draining=state is NodeState.DRAINING)
+                                           draining=state is NodeState.DRAINING,
+                                           prefill_capacity_tokens_per_s=capacity)
     return Candidate(node_id=node_id, address=f"{node_id}:1",
                      state=NodeState.STALE if stale else state, capacity_weight=weight,
                      max_concurrency=max_concurrency, report=report,
@@ -59,6 +60,33 @@ def cand(node_id: str = "n", *, weight: float = 1.0, pending: int = 0, kv: float
 ])
 def test_expected_wait(c: Candidate, expected: float) -> None:
     assert expected_wait_s(c, WM) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("c, expected", [
+    (cand(pending=1000, capacity=8000), 0.125),             # capacity replaces the floor ...
+    (cand(pending=1000, capacity=8000, tps=100), 0.125),    # ... and the observed rate
+    (cand(pending=1000, capacity=500), 2.0),                # a slow node's, below the floor
+    (cand(pending=1000, capacity=500, tps=2000), 0.5),      # never below its own throughput
+    (cand(pending=500, unreported=500, capacity=4000), 0.25),
+    (cand(stale=True, outstanding=2000, capacity=8000), 2.0),  # stale: router counts, floor
+    # The capacity holds the node's speed, so w divides only the other terms.
+    (cand(pending=1000, capacity=8000, kv=0.5, weight=2.0), 0.125 + 0.25 / 2),
+    (cand(pending=1000, kv=0.5, weight=2.0), (1.0 + 0.25) / 2),   # no capacity: w divides all
+])
+def test_expected_wait_divides_prompt_tokens_by_reported_prefill_capacity(
+        c: Candidate, expected: float) -> None:
+    assert expected_wait_s(c, WM) == pytest.approx(expected)
+
+
+def test_prefill_capacity_makes_short_prompts_cheaper_than_the_decode_term() -> None:
+    # docs/benchmarks.md section 8: 32-token prompts against the 8000 tok/s floor cost 4 ms
+    # each, twice the 2 ms a finish gives back; with a node's capacity (160k) it is 0.2 ms.
+    wm = WaitModel(reference_prompt_tokens_per_s=8000.0, decode_s_per_request=0.002,
+                   kv_penalty_s=0.0)
+    floor = cand(unreported=32, unreported_n=1, tps=300.0)
+    known = cand(unreported=32, unreported_n=1, tps=300.0, capacity=160_000.0)
+    assert expected_wait_s(floor, wm) == pytest.approx(0.004 + 0.002)
+    assert expected_wait_s(known, wm) == pytest.approx(0.0002 + 0.002)
 
 
 def test_decode_term_counts_running_and_unreported() -> None:

@@ -1,0 +1,59 @@
+"""A node's prefill capacity rides its heartbeat into the router's candidates and GetFleet:
+a real in-process node (simulated engine) and a real router over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from gpumesh.v1 import control_pb2, control_pb2_grpc
+from node.app import NodeServer
+from node.config import NodeConfig
+from node.sim_engine import SimEngine, SimEngineConfig
+from router.app import RouterServer
+from router.config import RouterConfig
+from router.scheduling import WaitModel, expected_wait_s
+
+
+async def test_heartbeat_carries_prefill_capacity_to_the_router_and_get_fleet() -> None:
+    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, router_id="rt",
+                                       heartbeat_interval_ms=50, shutdown_grace_s=0.5))
+    await router.start()
+    engine = SimEngine(SimEngineConfig(model_name="sim", time_scale=4.0))
+    expected = engine.prefill_capacity_tokens_per_s()
+    assert expected == pytest.approx(159_750.0 / 4, rel=1e-3)
+    node = NodeServer(NodeConfig(engine="sim", port=0, node_id="pc",
+                                 routers=(router.address,), heartbeat_idle_interval_s=0.1),
+                      engine)
+    await node.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            entry = router.registry.entry("pc")
+            if entry is not None and entry.report is not None:
+                break
+            assert time.monotonic() < deadline, "no report reached the router"
+            await asyncio.sleep(0.02)
+        assert entry.report.load.prefill_capacity_tokens_per_s == pytest.approx(expected)
+        (cand,) = router.registry.candidates("sim")
+        assert cand.report is not None
+        assert cand.report.prefill_capacity_tokens_per_s == pytest.approx(expected)
+        # The estimate divides by it (not by the 8000 tokens/s floor): 32 unreported prompt
+        # tokens cost 32 / 39,937 s.
+        wm = WaitModel(reference_prompt_tokens_per_s=8000.0, decode_s_per_request=0.0,
+                       kv_penalty_s=0.0)
+        probe = replace(cand, unreported_prompt_tokens=32, decode_delta=0)
+        assert expected_wait_s(probe, wm) == pytest.approx(
+            (cand.report.pending_prefill_tokens + 32) / expected)
+        async with grpc.aio.insecure_channel(router.address) as ch:
+            resp = await control_pb2_grpc.RouterStub(ch).GetFleet(
+                control_pb2.GetFleetRequest(), timeout=5)
+        (shown,) = resp.nodes
+        assert shown.load.prefill_capacity_tokens_per_s == pytest.approx(expected)
+    finally:
+        await node.stop()
+        await router.stop(0.2)
