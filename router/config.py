@@ -56,6 +56,10 @@ class RouterConfig:
     # Expected-wait model (router.scheduling.scorers): throughput floor per unit of capacity
     # weight when a node reports none (or a tiny one), prompt tokens per second.
     reference_prompt_tokens_per_s: float = 8000.0
+    # Divide prompt tokens by each node's reported prefill capacity instead of max(observed
+    # rate, the floor above). Off: it balances waves of identical short requests better but,
+    # with the other terms' constants, costs mixed-speed fleets TTFT p99 (scorers.py).
+    prefill_from_capacity: bool = False
     # c in c * k / (1 - k). 0.05 s: the policy benchmark (docs/benchmarks.md section 1) found
     # 0.25 s burst onto the lowest-k node on lognormal lengths and 0.05 s no worse on bimodal.
     kv_penalty_s: float = 0.05

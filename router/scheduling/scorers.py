@@ -9,9 +9,9 @@ For node n with a fresh report (age <= freshness window)::
     C    = prompt tokens of THIS router's requests to n that have not produced their first
            token and were not yet in that report (dispatch ordinal > the report's
            RouterAccount.admitted_requests for this router); U = how many requests that is
-    T    = max(n's prefill_capacity_tokens_per_s, n's prompt_tokens_per_s) when n reports a
-           capacity (> 0); max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)
-           otherwise (the floor / fallback; foreign nodes report no capacity)
+    T    = max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback);
+           with ``prefill_from_capacity`` (off by default, below) and a reported capacity
+           (> 0): max(n's prefill_capacity_tokens_per_s, n's prompt_tokens_per_s)
     K    = n's reported kv_capacity_tokens (0 = unknown)
     k    = min(kv_cache_usage + f * (C + U * kv_output_allowance_tokens) / K, kv_usage_cap)
            (the KV the router's own unreported requests will take; without K, k is the
@@ -30,7 +30,8 @@ For node n with a fresh report (age <= freshness window)::
            router's admission counts in the reports; 1 for a router alone)
     R    = max(num_running from the report + f * D, 0)
     wait = ((P + f * C) / T  +  kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
-           when T is the reported capacity, w divides only the last two terms:
+           when T is the reported capacity (``prefill_from_capacity``), w divides only the
+           last two terms:
     wait = (P + f * C) / T  +  (kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
 
 Why T is the capacity, not the floor: the prompt rate a node reports is throughput (what
@@ -46,6 +47,12 @@ queue either. Taking the larger with the observed rate only guards a capacity es
 lags the node's own throughput (a vLLM node measures a lower bound). A measured capacity
 already holds the node's speed, which w also declares, so w does not divide that term again
 (a speed-2 node's prefill queue would otherwise count a quarter, not a half).
+Why it is off by default: the other terms (decode_s_per_request, kv_penalty_s) are constants
+tuned against the floor-sized prefill term; with the capacity the prefill term shrinks ~20x
+against them and section 7's two mixed-speed cells lost 16-27 % TTFT p99 (p50 unchanged),
+while the data-parallel wave case gained (router 0.89x -> 0.93x of the client's own split;
+docs/benchmarks.md section 8). Until decode_s_per_request follows each node's measured step
+time too, the capacity is opt-in; every node reports it regardless (GetFleet shows it).
 
 Why D and f, not U alone: a request is in
 the report's running count only from the next report on, so if R counted it only while its
@@ -94,6 +101,8 @@ class WaitModel:
     decode_s_per_request: float = 0.002
     wait_scale_s: float = 0.5
     kv_output_allowance_tokens: float = 128.0  # KV tokens per unreported request's output
+    # T from the node's reported prefill capacity (RouterConfig.prefill_from_capacity)
+    prefill_from_capacity: bool = False
 
 
 def expected_wait_s(c: Candidate, m: WaitModel) -> float:
@@ -110,16 +119,17 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
     running = max(r.num_running + f * delta, 0.0)
     prefill = (r.pending_prefill_tokens + f * c.unreported_prompt_tokens) / prefill_rate(r, m)
     rest = m.kv_penalty_s * k / (1.0 - k) + m.decode_s_per_request * running
-    if r.prefill_capacity_tokens_per_s > 0:
+    if m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
         # The node's own capacity already holds its speed: w must not divide it again.
         return prefill + rest / weight
     return (prefill + rest) / weight
 
 
 def prefill_rate(r: LoadSample, m: WaitModel) -> float:
-    """T above: the node's reported prefill capacity (with its observed rate as a floor) when
-    it reports one, else the observed rate floored at ``reference_prompt_tokens_per_s``."""
-    if r.prefill_capacity_tokens_per_s > 0:
+    """T above: with ``prefill_from_capacity``, the node's reported prefill capacity (with its
+    observed rate as a floor) when it reports one; else the observed rate floored at
+    ``reference_prompt_tokens_per_s``."""
+    if m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
         return max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
     return max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
 

@@ -45,7 +45,7 @@ async def test_heartbeat_carries_prefill_capacity_to_the_router_and_get_fleet() 
         # The estimate divides by it (not by the 8000 tokens/s floor): 32 unreported prompt
         # tokens cost 32 / 39,937 s.
         wm = WaitModel(reference_prompt_tokens_per_s=8000.0, decode_s_per_request=0.0,
-                       kv_penalty_s=0.0)
+                       kv_penalty_s=0.0, prefill_from_capacity=True)
         probe = replace(cand, unreported_prompt_tokens=32, decode_delta=0)
         assert expected_wait_s(probe, wm) == pytest.approx(
             (cand.report.pending_prefill_tokens + 32) / expected)

@@ -75,14 +75,22 @@ def test_expected_wait(c: Candidate, expected: float) -> None:
 ])
 def test_expected_wait_divides_prompt_tokens_by_reported_prefill_capacity(
         c: Candidate, expected: float) -> None:
-    assert expected_wait_s(c, WM) == pytest.approx(expected)
+    assert expected_wait_s(c, replace(WM, prefill_from_capacity=True)) == pytest.approx(expected)
+
+
+def test_reported_prefill_capacity_is_ignored_unless_enabled() -> None:
+    # The default (prefill_from_capacity off): the floor decides T, the weight divides all.
+    assert not WM.prefill_from_capacity
+    assert expected_wait_s(cand(pending=1000, capacity=500), WM) == pytest.approx(1.0)
+    assert expected_wait_s(cand(pending=1000, capacity=8000, kv=0.5, weight=2.0), WM) == \
+        pytest.approx((1.0 + 0.25) / 2)
 
 
 def test_prefill_capacity_makes_short_prompts_cheaper_than_the_decode_term() -> None:
     # docs/benchmarks.md section 8: 32-token prompts against the 8000 tok/s floor cost 4 ms
     # each, twice the 2 ms a finish gives back; with a node's capacity (160k) it is 0.2 ms.
     wm = WaitModel(reference_prompt_tokens_per_s=8000.0, decode_s_per_request=0.002,
-                   kv_penalty_s=0.0)
+                   kv_penalty_s=0.0, prefill_from_capacity=True)
     floor = cand(unreported=32, unreported_n=1, tps=300.0)
     known = cand(unreported=32, unreported_n=1, tps=300.0, capacity=160_000.0)
     assert expected_wait_s(floor, wm) == pytest.approx(0.004 + 0.002)
