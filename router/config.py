@@ -178,6 +178,15 @@ def _coerce(type_name: Any, key: str, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(p.strip() for p in value.split(",") if p.strip())
         return tuple(value)
+    if t == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{key} must be true or false, got {value!r}")
     if t == "int":
         return int(value)
     if t == "float":

@@ -55,3 +55,12 @@ def test_unknown_key_rejected(tmp_path: Path) -> None:
     f.write_text("polcy = 'x'\n")
     with pytest.raises(ValueError, match="polcy"):
         RouterConfig.load(f, env={})
+
+
+def test_bool_fields_from_env_and_flags() -> None:
+    for text, want in (("1", True), ("true", True), ("off", False), ("false", False)):
+        cfg = RouterConfig.load(env={"GPUMESH_ROUTER_PREFILL_FROM_CAPACITY": text})
+        assert cfg.prefill_from_capacity is want, text
+    assert RouterConfig.load().prefill_from_capacity is False
+    with pytest.raises(ValueError, match="prefill_from_capacity must be true or false"):
+        RouterConfig.load(env={"GPUMESH_ROUTER_PREFILL_FROM_CAPACITY": "maybe"})
