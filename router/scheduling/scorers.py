@@ -88,7 +88,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.scheduling.types import Candidate, LoadSample
+from router.scheduling.types import Candidate
 
 
 @dataclass(frozen=True)
@@ -117,21 +117,14 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
     f = max(c.peer_factor, 1.0)
     delta = c.unreported_requests if c.decode_delta is None else c.decode_delta
     running = max(r.num_running + f * delta, 0.0)
-    prefill = (r.pending_prefill_tokens + f * c.unreported_prompt_tokens) / prefill_rate(r, m)
     rest = m.kv_penalty_s * k / (1.0 - k) + m.decode_s_per_request * running
+    queued = r.pending_prefill_tokens + f * c.unreported_prompt_tokens
     if m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
-        # The node's own capacity already holds its speed: w must not divide it again.
-        return prefill + rest / weight
-    return (prefill + rest) / weight
-
-
-def prefill_rate(r: LoadSample, m: WaitModel) -> float:
-    """T above: with ``prefill_from_capacity``, the node's reported prefill capacity (with its
-    observed rate as a floor) when it reports one; else the observed rate floored at
-    ``reference_prompt_tokens_per_s``."""
-    if m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
-        return max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
-    return max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
+        # T = the node's capacity, which already holds its speed: w must not divide it again.
+        tps = max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
+        return queued / tps + rest / weight
+    tps = max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
+    return (queued / tps + rest) / weight
 
 
 def effective_kv_usage(c: Candidate, m: WaitModel) -> float:
