@@ -46,6 +46,8 @@ if [ "$ENGINE" = vllm ]; then
     TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
+  # the host's CPUs (physical cores, sockets, NUMA) and which are local to each GPU (--pin)
+  lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA|Model name)' ; nvidia-smi topo -m | head -6
   for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
     echo "leftover GPU process $p: killing it"; kill -9 "$p" 2>/dev/null; done
 else

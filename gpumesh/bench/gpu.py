@@ -37,6 +37,10 @@ and TTFT percentiles are over the same requests. Load comes from ``gpumesh bench
 multi-process generator (``gpumesh.bench.cli.run_multi``, what ``gpumesh bench run --procs N``
 runs) and routers run with ``--workers N``.
 
+``--pin on|both`` (data-parallel and main-table phases): each node's process tree (front end,
+engine core) runs on physical cores of its own near its GPU, routers and load on the rest
+(``gpumesh.bench.affinity``); ``both`` runs each data-parallel setup unpinned then pinned.
+
 Every bench also records the cores each process group used in its window (``CpuSampler``:
 node front end, vLLM engine processes, router, load generator, whole machine), which says
 whether a setup was GPU- or CPU-bound.
@@ -64,9 +68,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import grpc
+
+if TYPE_CHECKING:
+    from gpumesh.bench.affinity import Placement
 
 # Raw vLLM 0.26.0 on H200 (shared/gpu/README.md, seed_table.sh, 2026-11-29, nvidia-h200-x2):
 # (shape, setup) -> (QPS, p50 latency s, TTFT p50 s or None), input 32, output 256, ignore_eos.
@@ -173,6 +180,9 @@ class Env:
     engine_args: dict[str, Any] = field(default_factory=dict)
     # Load processes round-robin over a multi-worker router's processes (bench --spread-workers)
     spread_workers: bool = False
+    # Data-parallel phases: "off", "on" (every bench with node processes on physical cores of
+    # their own, gpumesh.bench.affinity), "both" (each setup unpinned then pinned, interleaved)
+    pin: str = "off"
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -243,6 +253,17 @@ class Group:
         self.addr: dict[str, str] = {}
         self.commands: list[str] = []
         self.kv_tokens: dict[str, int] = {}
+
+    def placement(self) -> Placement:
+        """Each node's process tree on physical cores of its own (near its GPUs), routers
+        and the load generator on the rest (gpumesh.bench.affinity)."""
+        from gpumesh.bench.affinity import Placement
+
+        kids = {c.name: c for c in self.children}
+        nodes = {kids[s.name].popen.pid: [int(g) for g in s.gpus.split(",")]
+                 for s in self.node_specs}
+        routers = [kids[r.name].popen.pid for r in self.router_specs]
+        return Placement.plan(nodes, routers)
 
     def __enter__(self) -> Self:
         return self
@@ -548,9 +569,10 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
           prompt: str = "fixed:32", output: str = "fixed:256", poll: str = "",
           status: bool = False, warmup_s: float | None = None, window_s: float | None = None,
           extra: dict[str, Any] | None = None, split: Sequence[str] = (),
-          spread: bool | None = None) -> dict[str, Any]:
+          spread: bool | None = None, placement: Placement | None = None) -> dict[str, Any]:
     """One closed-loop run; a record with the reference-style window metrics.
     ``spread``: load processes round-robin over the router's workers (None: env's setting).
+    ``placement``: pin the process trees to its CPU sets for this run (affinity.Placement).
 
     ``split``: instead of ``target``, these nodes directly, the concurrency and the load
     processes divided evenly between them (a client that spreads its own streams: data
@@ -578,7 +600,8 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     # run_multi starts its processes' clocks 2 + 0.2 * procs s after it is called.
     t0 = t_start + 2.0 + 0.2 * parts[0][2]
     cpu = CpuSampler(t0 + warm, t0 + warm + win)
-    with (sampler if sampler is not None else contextlib.nullcontext(), cpu,
+    with (placement.applied() if placement is not None else contextlib.nullcontext(),
+          sampler if sampler is not None else contextlib.nullcontext(), cpu,
           concurrent.futures.ThreadPoolExecutor(len(parts)) as ex):
         runs = list(ex.map(lambda p: run_multi(dataclasses.replace(cfg, target=p[0],
                                                                     concurrency=p[1]),
@@ -608,6 +631,8 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         rec["engine_args"] = env.engine_args
     if spread:
         rec["spread_workers"] = True
+    if placement is not None:
+        rec["cpu_sets"] = placement.describe()
     if sampler is not None:
         rec["fleet"] = sampler.summary(warm, warm + win)
         imb = sampler.imbalance(warm, warm + win)
@@ -687,6 +712,22 @@ def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[NodeSpec], li
     return a, b, nodes, routers
 
 
+def _placements(env: Env, g: Group, phase: str) -> list[Placement | None]:
+    """The CPU placements a phase's benches run under (``--pin``): [None] (off), [pinned]
+    (on), [None, pinned] (both); a host too small to pin runs unpinned and says so."""
+    if env.pin == "off":
+        return [None]
+    try:
+        pl = g.placement()
+    except ValueError as e:
+        print(f"[gpu-bench] {phase}: not pinned: {e}", flush=True)
+        env.meta.setdefault("not_pinned", {})[phase] = str(e)
+        return [None]
+    env.meta.setdefault("cpu_sets", {})[phase] = pl.describe()
+    print(f"[gpu-bench] {phase}: cpu sets {pl.describe()}", flush=True)
+    return [pl] if env.pin == "on" else [None, pl]
+
+
 def _pair_phase(env: Env, shape: str, gpus: int, phase: str, sweep: bool) -> None:
     c1 = RAW_CONCURRENCY[shape]
     a, b, nodes, routers = _pair(env, shape, gpus)
@@ -694,20 +735,22 @@ def _pair_phase(env: Env, shape: str, gpus: int, phase: str, sweep: bool) -> Non
         g.start()
         env.meta.setdefault("commands", {})[phase] = g.commands
         env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)
+        pl = _placements(env, g, phase)[-1]   # the main table: pinned under on and both
         kv = {"kv_tokens": g.kv_tokens[a]}
         bench(env, phase=phase, setup="1 GPU, direct to node", shape=shape, target=g.addr[a],
-              concurrency=c1, poll=g.addr["r1"], extra=kv)
+              concurrency=c1, poll=g.addr["r1"], extra=kv, placement=pl)
         bench(env, phase=phase, setup="1 GPU, through router", shape=shape, target=g.addr["r1"],
-              concurrency=c1, poll=g.addr["r1"], status=True, extra=kv)
+              concurrency=c1, poll=g.addr["r1"], status=True, extra=kv, placement=pl)
         if gpus >= 2:
             for c in (c1, 2 * c1):
                 bench(env, phase=phase, setup="2 GPUs data parallel, router", shape=shape,
-                      target=g.addr["r2"], concurrency=c, poll=g.addr["r2"], status=c == c1)
+                      target=g.addr["r2"], concurrency=c, poll=g.addr["r2"], status=c == c1,
+                      placement=pl)
             # The same two nodes with the client splitting its streams itself: what data
             # parallel gives on this machine without a router, so the router's share shows.
             bench(env, phase=phase, setup="2 GPUs data parallel, direct (client splits)",
                   shape=shape, target=g.addr[a], concurrency=2 * c1, poll=g.addr["r2"],
-                  split=(g.addr[a], g.addr[b]))
+                  split=(g.addr[a], g.addr[b]), placement=pl)
         if sweep:
             _sweep(env, shape, g.addr[a], g.addr["r1"])
 
@@ -739,18 +782,23 @@ def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2,
         env.meta.setdefault("commands", {})[phase] = g.commands
         if dp_only and gpus >= 2:
             x = {"policy": env.policy, "workers": env.workers}
+            pins = _placements(env, g, phase)
             for k in range(rounds):
-                bench(env, phase=phase, setup=f"2 GPUs data parallel, router #{k}", shape=shape,
-                      target=g.addr["r2"], concurrency=2 * c1, poll=g.addr["r2"],
-                      extra={**x, "round": k})
-                if env.workers > 1 and not env.spread_workers:
-                    bench(env, phase=phase, shape=shape, target=g.addr["r2"],
-                          setup=f"2 GPUs data parallel, router, spread over workers #{k}",
-                          concurrency=2 * c1, poll=g.addr["r2"], extra={**x, "round": k},
-                          spread=True)
-                bench(env, phase=phase, setup=f"2 GPUs data parallel, direct (client splits) #{k}",
-                      shape=shape, target=g.addr[a], concurrency=2 * c1, poll=g.addr["r2"],
-                      split=(g.addr[a], g.addr[b]), extra={**x, "round": k})
+                for pl in pins:
+                    tag = ", pinned" if pl is not None else ""
+                    y = {**x, "round": k, "pinned": pl is not None}
+                    bench(env, phase=phase, setup=f"2 GPUs data parallel, router{tag} #{k}",
+                          shape=shape, target=g.addr["r2"], concurrency=2 * c1,
+                          poll=g.addr["r2"], extra=y, placement=pl)
+                    if env.workers > 1 and not env.spread_workers:
+                        bench(env, phase=phase, shape=shape, target=g.addr["r2"],
+                              setup=f"2 GPUs data parallel, router, spread over workers{tag} #{k}",
+                              concurrency=2 * c1, poll=g.addr["r2"], extra=y, spread=True,
+                              placement=pl)
+                    bench(env, phase=phase,
+                          setup=f"2 GPUs data parallel, direct (client splits){tag} #{k}",
+                          shape=shape, target=g.addr[a], concurrency=2 * c1, poll=g.addr["r2"],
+                          split=(g.addr[a], g.addr[b]), extra=y, placement=pl)
             return
         for k in range(rounds):
             x = {"round": k}
@@ -865,7 +913,7 @@ def cmd_run(a: argparse.Namespace) -> int:
               policy=a.policy,
               router_env=dict(kv.split("=", 1) for kv in a.router_env),
               engine_args=dict(_engine_arg(kv) for kv in a.engine_arg),
-              spread_workers=a.spread_workers)
+              spread_workers=a.spread_workers, pin=a.pin)
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
         doc = json.loads(prev.read_text())
@@ -875,7 +923,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                                              "phases": a.phases, "workers": a.workers,
                                              "procs": a.procs,
                                              "engine_args": env.engine_args,
-                                             "spread_workers": env.spread_workers})
+                                             "spread_workers": env.spread_workers,
+                                             "pin": env.pin})
     env.save()
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
@@ -1167,6 +1216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--spread-workers", action="store_true",
                    help="load processes round-robin over the router's workers' own ports "
                         "(gpumesh.client.spread_target) instead of one hashed connection each")
+    r.add_argument("--pin", choices=["off", "on", "both"], default="off",
+                   help="dp05/dp7: node process trees on physical cores of their own near their "
+                        "GPUs, routers and load on the rest (gpumesh.bench.affinity); both: each "
+                        "setup unpinned then pinned")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
     r.set_defaults(func=cmd_run)
