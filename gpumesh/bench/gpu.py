@@ -11,6 +11,8 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
 
 - ``raw``: the raw-vLLM reference tool (``--raw-tool``, shared/gpu/seed_table.py) in this
   session, 0.5B, one GPU, concurrency 128 (the README's method, for an in-session ratio).
+  ``raw7``: 7B at 256, one GPU, then (two GPUs) data parallel: two engines at once, 128 each
+  (seed_table.sh's method); ``rawdp05``: the same for 0.5B at 128.
 - ``p05``: 0.5B. Node A on GPU 0 and (two GPUs or more) node B on GPU 1, 0.85 of memory each;
   router R1 fronts A alone, R2 fronts A and B. Benches: A direct and R1 at concurrency 128
   (one GPU), R2 at 128 and 256 (data parallel; 256 = 128 per GPU, the equal-latency point),
@@ -670,32 +672,64 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
 
 # --- phases -------------------------------------------------------------------------------------
 
-def phase_raw(env: Env) -> None:
+def phase_raw(env: Env, shape: str = "0.5b", dp: bool = False) -> None:
+    """The raw-vLLM reference tool in this session at the reference's concurrency C: one
+    engine on GPU 0; ``dp``: also two engines at once, C/2 each on GPUs 0 and 1 (the
+    reference's data-parallel method, shared/gpu/seed_table.sh), recorded as one row."""
     if env.engine != "vllm" or not env.raw_tool:
         print("[gpu-bench] raw: skipped (needs --engine vllm and --raw-tool)", flush=True)
         return
-    base = env.models["0.5b"]
-    out = env.logs / "raw.jsonl"
-    cmd = [sys.executable, env.raw_tool, "--shape", "0.5b", "--tp", "1", "--concurrency",
-           str(RAW_CONCURRENCY["0.5b"]), "--seconds", str(env.window_s), "--warmup",
-           str(env.warmup_s), "--base", str(base), "--json", str(out), "--tag", "single"]
-    with open(env.logs / "raw.log", "wb") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, timeout=240, check=False).returncode
-    wait_gpus_free()
-    rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-    for r in rows:
-        rec = {"phase": "raw", "setup": "raw vLLM (in session)", "shape": r["shape"],
-                   "concurrency": r["concurrency"], "qps": r["qps"], "lat_p50": r["lat_p50"],
-                   "lat_p99": r["lat_p99"], "ttft_p50": r["ttft_p50"], "out_tok_s": r["out_tok_s"],
-                   "command": "CUDA_VISIBLE_DEVICES=0 python3 seed_table.py " + " ".join(cmd[2:]),
-                   "engine": "vllm-raw"}
+    c = RAW_CONCURRENCY[shape]
+    tag = shape.replace(".", "")
+
+    def argv(conc: int, json_out: Path, seed: int) -> list[str]:
+        return [sys.executable, env.raw_tool, "--shape", shape, "--tp", "1", "--concurrency",
+                str(conc), "--seconds", str(env.window_s), "--warmup", str(env.warmup_s),
+                "--base", str(env.models["0.5b"]), "--json", str(json_out), "--seed", str(seed)]
+
+    def launch(cmd: list[str], gpu: str, log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as f:
+            return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
+
+    runs: list[tuple[str, list[tuple[str, list[str], Path]]]] = [
+        ("raw vLLM (in session)", [("0", argv(c, env.logs / f"raw-{tag}.jsonl", 0),
+                                    env.logs / f"raw-{tag}.log")])]
+    if dp:
+        runs.append(("raw vLLM data parallel (in session)", [
+            (g, argv(c // 2, env.logs / f"raw-{tag}-dp{g}.jsonl", int(g)),
+             env.logs / f"raw-{tag}-dp{g}.log") for g in ("0", "1")]))
+    for setup, parts in runs:
+        for _, cmd, _ in parts:
+            Path(cmd[cmd.index("--json") + 1]).unlink(missing_ok=True)
+        procs = [launch(cmd, g, log) for g, cmd, log in parts]
+        for p in procs:
+            try:
+                p.wait(300)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        wait_gpus_free()
+        rows = []
+        for _, cmd, log in parts:
+            out = Path(cmd[cmd.index("--json") + 1])
+            rows += [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+        if len(rows) != len(parts):
+            print(f"[gpu-bench] raw {shape} {setup}: no result\n"
+                  + "\n".join(log.read_text(errors="replace")[-1500:] for _, _, log in parts))
+            continue
+        rec = {"phase": "raw", "setup": setup, "shape": shape,
+               "concurrency": sum(r["concurrency"] for r in rows),
+               "qps": round(sum(r["qps"] for r in rows), 2),
+               "lat_p50": max(r["lat_p50"] for r in rows), "lat_p99": max(r["lat_p99"] for r in rows),
+               "ttft_p50": max(r["ttft_p50"] for r in rows),
+               "out_tok_s": round(sum(r["out_tok_s"] for r in rows), 1),
+               "command": " & ".join(f"CUDA_VISIBLE_DEVICES={g} python3 seed_table.py "
+                                     + " ".join(cmd[2:]) for g, cmd, _ in parts),
+               "engine": "vllm-raw", "parts": rows}
         env.records.append(rec)
-        print(f"[gpu-bench] raw      {rec['setup']:28} c={rec['concurrency']:<4} "
+        print(f"[gpu-bench] raw      {shape} {setup:36} c={rec['concurrency']:<4} "
               f"qps={rec['qps']:7.1f} p50={rec['lat_p50']:.3f}s", flush=True)
-    if not rows:
-        print(f"[gpu-bench] raw: no result (rc={rc})\n" + (env.logs / "raw.log").read_text()[-2000:])
-    env.save()
+        env.save()
 
 
 def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[NodeSpec], list[RouterSpec]]:
@@ -928,7 +962,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     env.save()
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
-    need = {"raw": 90, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
+    need = {"raw": 90, "raw7": 200, "rawdp05": 150, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
             "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120,
             "dp7": 330}
     failed = []
@@ -945,7 +979,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         t = time.monotonic()
         print(f"[gpu-bench] === phase {ph} ({left:.0f}s of budget left)", flush=True)
         try:
-            {"raw": lambda: phase_raw(env), "p05": lambda: phase_p05(env, gpus),
+            {"raw": lambda: phase_raw(env), "raw7": lambda: phase_raw(env, "7b", gpus >= 2),
+             "rawdp05": lambda: phase_raw(env, "0.5b", gpus >= 2), "p05": lambda: phase_p05(env, gpus),
              "p05q": lambda: phase_p05q(env, gpus), "share": lambda: phase_share(env),
              "unequal": lambda: phase_unequal(env),
              "unequal2": lambda: phase_unequal(env, gpus, "unequal2"),
@@ -1003,7 +1038,7 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     records = dedupe(records)
     lines: list[str] = []
     main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw")]
-    raw_in = {r["shape"]: r for r in records if r["phase"] == "raw"}
+    raw_in = {(r["shape"], _setup_key(r)): r for r in records if r["phase"] == "raw"}
     if main:
         lines += [("| shape | setup | C | QPS | done QPS | p50 s | p99 s | TTFT p50 s | TPOT p50 ms |"
                   " raw vLLM ref QPS / p50 | x raw ref | x raw (session) | x seed QPS | errors |"),
@@ -1013,9 +1048,9 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             ref = RAW_REFERENCE.get((r["shape"], key))
             same_c = r["concurrency"] == RAW_CONCURRENCY.get(r["shape"])
             xref = _f(r["qps"] / ref[0]) if ref and same_c and r["phase"] != "share" else "-"
-            ses = raw_in.get(r["shape"])
-            xses = (_f(r["qps"] / ses["qps"]) if ses and key == "1gpu" and same_c
-                    and r["phase"] not in ("raw",) else "-")
+            ses = raw_in.get((r["shape"], key))
+            xses = (_f(r["qps"] / ses["qps"]) if ses and same_c and r["phase"] != "raw"
+                    else "-")
             seed = SEED_TABLE.get(key)
             xseed = _f(r["qps"] / seed[0], 1) if seed and same_c else "-"
             tpot = r.get("tpot_p50")
