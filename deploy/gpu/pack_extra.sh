@@ -30,6 +30,11 @@ rm -rf $S/bin
 # loopback) stay here: -215 KB packed.
 find $S \( -name '*.pyi' -o -name 'LICENSE*' \) -type f -delete
 rm -f $S/grpc/_cython/_credentials/roots.pem
+# smg_grpc_proto loads its generated modules lazily: only vLLM's (and common) are used here;
+# grpc's legacy beta/framework API is never imported (grpc/__init__ does not load it).
+rm -rf $S/smg_grpc_proto/proto $S/grpc/beta $S/grpc/framework
+find $S/smg_grpc_proto/generated -type f \( -name 'sglang_*' -o -name 'tokenspeed_*' \
+  -o -name 'trtllm_*' -o -name 'mlx_*' \) -delete
 tar -C $S --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -cf - . | xz -9e -T0 > $K/extra/extra.tar.xz
 (cd $K/extra && sha256sum extra.tar.xz > SHA256SUMS)
 ls -l $K/extra
