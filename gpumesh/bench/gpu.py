@@ -185,6 +185,10 @@ class Env:
     # Data-parallel phases: "off", "on" (every bench with node processes on physical cores of
     # their own, gpumesh.bench.affinity), "both" (each setup unpinned then pinned, interleaved)
     pin: str = "off"
+    # The reference's workload by default; another output length mix (e.g. uniform:128:384)
+    # keeps a closed loop's streams from finishing in lock-step waves
+    prompt: str = "fixed:32"
+    output: str = "fixed:256"
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -568,7 +572,7 @@ def _pct(xs: Sequence[float], p: float) -> float:
 
 
 def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurrency: int,
-          prompt: str = "fixed:32", output: str = "fixed:256", poll: str = "",
+          prompt: str = "", output: str = "", poll: str = "",
           status: bool = False, warmup_s: float | None = None, window_s: float | None = None,
           extra: dict[str, Any] | None = None, split: Sequence[str] = (),
           spread: bool | None = None, placement: Placement | None = None) -> dict[str, Any]:
@@ -583,6 +587,7 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     from gpumesh.bench.loadgen import LoadConfig
     from gpumesh.bench.workload import LengthDist, WorkloadSpec
 
+    prompt, output = prompt or env.prompt, output or env.output
     warm = env.warmup_s if warmup_s is None else warmup_s
     win = env.window_s if window_s is None else window_s
     spread = env.spread_workers if spread is None else spread
@@ -947,7 +952,7 @@ def cmd_run(a: argparse.Namespace) -> int:
               policy=a.policy,
               router_env=dict(kv.split("=", 1) for kv in a.router_env),
               engine_args=dict(_engine_arg(kv) for kv in a.engine_arg),
-              spread_workers=a.spread_workers, pin=a.pin)
+              spread_workers=a.spread_workers, pin=a.pin, prompt=a.prompt, output=a.output)
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
         doc = json.loads(prev.read_text())
@@ -958,7 +963,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                                              "procs": a.procs,
                                              "engine_args": env.engine_args,
                                              "spread_workers": env.spread_workers,
-                                             "pin": env.pin})
+                                             "pin": env.pin, "prompt": env.prompt,
+                                             "output": env.output})
     env.save()
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
@@ -1255,6 +1261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="dp05/dp7: node process trees on physical cores of their own near their "
                         "GPUs, routers and load on the rest (gpumesh.bench.affinity); both: each "
                         "setup unpinned then pinned")
+    r.add_argument("--prompt", default="fixed:32",
+                   help="prompt tokens of the main benches (gpumesh bench's length syntax)")
+    r.add_argument("--output", default="fixed:256",
+                   help="output tokens of the main benches; the reference's fixed:256 makes a "
+                        "closed loop's streams finish in lock-step waves, uniform:128:384 does not")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
     r.set_defaults(func=cmd_run)
