@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -103,19 +103,16 @@ class InferenceServicer:
             if self.in_flight == 0:
                 self.idle.set()
 
-    async def GenerateStream(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[tuple[DispatchRecord, Trace]]:
+        """One client call: its dispatch record and trace; every failure becomes the call's
+        gRPC status (errors.status_for) with the record in the trailing metadata."""
         record = DispatchRecord()
-        trace = self.telemetry.start("GenerateStream", context, record)
+        trace = self.telemetry.start(method, context, record)
         with self._tracked():
             try:
-                req = self._parse(raw)
-                info, deadline = self._route(req, context)
-                trace.routed(req, info.model, info.prompt_tokens)
-                async with contextlib.aclosing(self.dispatcher.stream(
-                        raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
-                    async for chunk in chunks:
-                        trace.chunk()
-                        await context.write(chunk)
+                yield record, trace
             except (errors.RouterError, grpc.aio.AioRpcError) as e:
                 trace.fail(e)
                 await _abort(context, e, record, trace)
@@ -123,38 +120,33 @@ class InferenceServicer:
                 trace.cancelled()
                 raise
             except Exception as e:
-                log.exception("GenerateStream failed")
+                log.exception("%s failed", method)
                 trace.fail(e)
                 await _abort(context, e, record, trace)
             finally:
                 trace.finish(record)
             context.set_trailing_metadata(_trailing(record, trace))
 
+    async def GenerateStream(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        async with self._call("GenerateStream", context) as (record, trace):
+            req = self._parse(raw)
+            info, deadline = self._route(req, context)
+            trace.routed(req, info.model, info.prompt_tokens)
+            async with contextlib.aclosing(self.dispatcher.stream(
+                    raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
+                async for chunk in chunks:
+                    trace.chunk()
+                    await context.write(chunk)
+
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        record = DispatchRecord()
-        trace = self.telemetry.start("Generate", context, record)
-        with self._tracked():
-            try:
-                req = self._parse(raw)
-                info, deadline = self._route(req, context)
-                trace.routed(req, info.model, info.prompt_tokens)
-                response = await self.dispatcher.unary(raw, info, deadline, record,
-                                                       on_attempt=trace.on_attempt)
-                trace.chunk()
-            except (errors.RouterError, grpc.aio.AioRpcError) as e:
-                trace.fail(e)
-                await _abort(context, e, record, trace)
-            except asyncio.CancelledError:
-                trace.cancelled()
-                raise
-            except Exception as e:
-                log.exception("Generate failed")
-                trace.fail(e)
-                await _abort(context, e, record, trace)
-            finally:
-                trace.finish(record)
-            context.set_trailing_metadata(_trailing(record, trace))
-            return response
+        async with self._call("Generate", context) as (record, trace):
+            req = self._parse(raw)
+            info, deadline = self._route(req, context)
+            trace.routed(req, info.model, info.prompt_tokens)
+            response = await self.dispatcher.unary(raw, info, deadline, record,
+                                                   on_attempt=trace.on_attempt)
+            trace.chunk()
+        return response
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
