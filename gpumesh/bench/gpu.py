@@ -5,7 +5,7 @@ phases, the vLLM kit installed); also runs on CPU with ``--engine sim`` (simulat
 processes, same router, same load generator) to check the logic before device time is spent.
 
   python -m gpumesh.bench.gpu run --phases p05,share,unequal --out DIR [--engine vllm|sim]
-  python -m gpumesh.bench.gpu report DIR/results.json... --md OUT.md --png OUT.png
+  python -m gpumesh.bench.gpu report DIR/results.json[.gz]... --md OUT.md --png OUT.png
 
 Phases (each starts its own nodes and routers and stops them, GPUs freed, before the next):
 
@@ -57,6 +57,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -1199,7 +1200,9 @@ def cmd_report(a: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     for f in a.files:
-        doc = json.loads(Path(f).read_text())
+        # the archived results in docs/gpu are gzipped (they travel with every device call)
+        raw = Path(f).read_bytes()
+        doc = json.loads(gzip.decompress(raw) if f.endswith(".gz") else raw)
         records += doc["records"]
         for k, v in doc.get("meta", {}).items():
             if isinstance(v, dict):
