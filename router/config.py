@@ -56,10 +56,14 @@ class RouterConfig:
     # Expected-wait model (router.scheduling.scorers): throughput floor per unit of capacity
     # weight when a node reports none (or a tiny one), prompt tokens per second.
     reference_prompt_tokens_per_s: float = 8000.0
-    # Divide prompt tokens by each node's reported prefill capacity instead of max(observed
-    # rate, the floor above). Off: it balances waves of identical short requests better but,
-    # with the other terms' constants, costs mixed-speed fleets TTFT p99 (scorers.py).
-    prefill_from_capacity: bool = False
+    # Measure the expected wait in each node's own seconds when it reports its prefill
+    # capacity: prompt tokens / that capacity (instead of max(observed rate, the floor above))
+    # and the decode term in its measured step time (below). Off: the floor and the constants.
+    prefill_from_capacity: bool = True
+    # With prefill_from_capacity: a running request costs this many of the node's measured
+    # decode steps (average running / generation tokens/s, scorers.py) in place of
+    # decode_s_per_request / weight; 0 = keep the constant. Dimensionless: no time scaling.
+    decode_steps_per_request: float = 1.0
     # c in c * k / (1 - k). 0.05 s: the policy benchmark (docs/benchmarks.md section 1) found
     # 0.25 s burst onto the lowest-k node on lognormal lengths and 0.05 s no worse on bimodal.
     kv_penalty_s: float = 0.05
@@ -67,7 +71,9 @@ class RouterConfig:
     # KV tokens each of this router's unreported requests is expected to add beyond its prompt
     # (its output), when the node reports its KV capacity: k moves by (C + U * this) / K.
     kv_output_allowance_tokens: float = 128.0
-    decode_s_per_request: float = 0.002  # the small in-flight decode term, per running request
+    # The decode term per running request, per unit of weight, where no step time is measured
+    # (no capacity reported, prefill_from_capacity off, or a node never busy yet).
+    decode_s_per_request: float = 0.002
     wait_scale_s: float = 0.5       # expected wait that scores 0.5
     kv_hard_threshold: float = 0.92  # filter: avoid nodes at or above while some are below
     # Score a random sample of this many candidates per decision (power-of-d choices) when a
@@ -129,6 +135,8 @@ class RouterConfig:
             raise ValueError("kv_hard_threshold must be in (0, 1] and kv_usage_cap in (0, 1)")
         if self.peer_share_half_life_s < 0:
             raise ValueError("peer_share_half_life_s must be >= 0 (0 = ignore peers)")
+        if self.decode_steps_per_request < 0:
+            raise ValueError("decode_steps_per_request must be >= 0 (0 = the constant)")
         if self.decision_sample_size < 0 or self.kv_output_allowance_tokens < 0:
             raise ValueError("decision_sample_size and kv_output_allowance_tokens must be >= 0")
         if self.max_attempts < 1 or self.queue_bound < 0 or self.max_concurrency_default < 0:

@@ -101,6 +101,34 @@ class AccountSample:
     finished_requests: int | None = None
 
 
+# Time constant of the running-count average: a node's generation rate is its tokens over
+# the last few seconds (simulator 5 s, vLLM node 3 s), and an exponential average with this
+# constant has about the same mean age, so average running / rate is a step time.
+STEP_AVERAGE_S = 2.0
+
+
+def _with_step_time(load: LoadSample, previous: Report | None,
+                    now: float) -> tuple[LoadSample, float]:
+    """``load`` with ``step_s``, the node's decode step time, and the new running average.
+
+    Each running request samples one token a step, so step = running / generation rate.
+    The rate is an average over the node's last few seconds while num_running is the count
+    at the report: their ratio swings several-fold when a node runs a few requests (one
+    simulated node at ~3 running read 4-35 ms against a 7 ms step), so the running count is
+    averaged over reports first. A node without a rate keeps the previous step (an idle
+    node keeps its last measured speed); 0 = never measured."""
+    if previous is None:
+        avg = float(load.num_running)
+        prev_step = 0.0
+    else:
+        w = 1.0 - math.exp(-max(now - previous.received_at, 0.0) / STEP_AVERAGE_S)
+        avg = previous.running_avg + w * (load.num_running - previous.running_avg)
+        prev_step = previous.load.step_s
+    g = load.generation_tokens_per_s
+    step = avg / g if g > 0 and avg > 0 else prev_step
+    return (load if step == load.step_s else replace(load, step_s=step)), avg
+
+
 @dataclass(frozen=True)
 class GpuStat:
     index: int
@@ -118,6 +146,9 @@ class Report:
     account: AccountSample | None = None   # ours; None when the node sent no account for us
     gpus: tuple[GpuStat, ...] = ()
     accounts: tuple[tuple[str, AccountSample], ...] = ()  # every router's, for display
+    # The node's num_running averaged over reports (exponential, STEP_AVERAGE_S), for the
+    # step time estimate (``_with_step_time``).
+    running_avg: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -610,7 +641,8 @@ class Registry:
         ours = next((a for rid, a in accounts if rid == self.router_id), None)
         self.peers.observe(node_id, accounts)
         self._ledgers[node_id].on_report(ours)
-        report = Report(seq, sent_unix_ms, now, load, ours, gpus, accounts)
+        load, running_avg = _with_step_time(load, entry.report, now)
+        report = Report(seq, sent_unix_ms, now, load, ours, gpus, accounts, running_avg)
         was_draining = self._draining(entry)
         self._nodes[node_id] = replace(entry, report=report, last_seen=now)
         if was_draining != self._draining(self._nodes[node_id]):

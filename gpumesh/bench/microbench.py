@@ -118,7 +118,8 @@ def bench_one(reg: Registry, profile: Profile, iters: int, rng: random.Random) -
 def run(sizes: list[int], iters: int, policies: tuple[str, ...] = POLICIES) -> list[dict[str, Any]]:
     cfg = RouterConfig(router_id="x")
     wm = WaitModel(cfg.reference_prompt_tokens_per_s, cfg.kv_penalty_s, cfg.kv_usage_cap,
-                   cfg.decode_s_per_request, cfg.wait_scale_s, cfg.kv_output_allowance_tokens)
+                   cfg.decode_s_per_request, cfg.wait_scale_s, cfg.kv_output_allowance_tokens,
+                   cfg.prefill_from_capacity, cfg.decode_steps_per_request)
     rows = []
     for n in sizes:
         reg = build_registry(n)

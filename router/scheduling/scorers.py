@@ -9,9 +9,13 @@ For node n with a fresh report (age <= freshness window)::
     C    = prompt tokens of THIS router's requests to n that have not produced their first
            token and were not yet in that report (dispatch ordinal > the report's
            RouterAccount.admitted_requests for this router); U = how many requests that is
-    T    = max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback);
-           with ``prefill_from_capacity`` (off by default, below) and a reported capacity
-           (> 0): max(n's prefill_capacity_tokens_per_s, n's prompt_tokens_per_s)
+    T    = max(n's prefill_capacity_tokens_per_s, n's prompt_tokens_per_s) when n reports a
+           capacity (> 0) and ``prefill_from_capacity`` is on (the default, below); else
+           max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback)
+    S    = n's measured decode step time: its num_running, averaged over reports (time
+           constant 2 s, about the age of the rate's window), / generation_tokens_per_s
+           (each running request samples one token a step; ``LoadSample.step_s``, derived
+           by the registry); an idle node keeps its last one; 0 = never measured
     K    = n's reported kv_capacity_tokens (0 = unknown)
     k    = min(kv_cache_usage + f * (C + U * kv_output_allowance_tokens) / K, kv_usage_cap)
            (the KV the router's own unreported requests will take; without K, k is the
@@ -29,10 +33,14 @@ For node n with a fresh report (age <= freshness window)::
     f    = all routers' dispatches per one of this router's (``PeerShare.factor``, from every
            router's admission counts in the reports; 1 for a router alone)
     R    = max(num_running from the report + f * D, 0)
-    wait = ((P + f * C) / T  +  kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
-           when T is the reported capacity (``prefill_from_capacity``), w divides only the
-           last two terms:
+    with T the reported capacity and S measured (every term in n's own seconds; w divides
+    only the KV term, whose constant is per unit of weight):
+    wait = (P + f * C) / T  +  kv_penalty_s * k / (1 - k) / w  +  decode_steps_per_request * S * R
+    with T the reported capacity, S not measured (a node that was never busy):
     wait = (P + f * C) / T  +  (kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
+    with T the floor (no capacity reported: foreign nodes, a vLLM node before its first
+    prefill; or ``prefill_from_capacity`` off), the constants throughout:
+    wait = ((P + f * C) / T  +  kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
 
 Why T is the capacity, not the floor: the prompt rate a node reports is throughput (what
 arrived and was prefilled), so on a GPU it sits far below what the node could prefill and the
@@ -47,12 +55,29 @@ queue either. Taking the larger with the observed rate only guards a capacity es
 lags the node's own throughput (a vLLM node measures a lower bound). A measured capacity
 already holds the node's speed, which w also declares, so w does not divide that term again
 (a speed-2 node's prefill queue would otherwise count a quarter, not a half).
-Why it is off by default: the other terms (decode_s_per_request, kv_penalty_s) are constants
-tuned against the floor-sized prefill term; with the capacity the prefill term shrinks ~20x
-against them and section 7's two mixed-speed cells lost 16-27 % TTFT p99 (p50 unchanged),
-while the data-parallel wave case gained (router 0.89x -> 0.93x of the client's own split;
-docs/benchmarks.md section 8). Until decode_s_per_request follows each node's measured step
-time too, the capacity is opt-in; every node reports it regardless (GetFleet shows it).
+Why the decode term is in steps of the node's own measured speed: with T a capacity the
+prefill term is in the node's real seconds, while a constant decode_s_per_request (2 ms a
+running request per unit of weight, tuned against the floor-sized prefill term) weighs a
+running request against a queued prompt token by a ratio that depends on the deployment,
+not on the node (at the simulated data-parallel case's time scale 10, where the router's
+constants are not scaled, it is 10x too small against the node's seconds). In steps of S
+both terms scale with the node, so their ratio is the same on every deployment and time
+scale, and the node's measured speed replaces its declared weight in that term too.
+``decode_steps_per_request`` = 1: a running request costs one of the node's steps. It is a
+load proxy, not a physical delay (below a node's running ceiling a running request adds far
+less than a step to a new one's first token; at the ceiling a new request waits for a
+finish), sized like the constant it replaces on the fleet that constant was tuned on
+(section 7's speed-1 node: ~8 ms steps against 6 ms at its time scale 3). Measured
+(docs/benchmarks.md section 8, last subsection): 0.1 and 0.25 steps lost section 7's
+hetero-kvspeed/bimodal TTFT p99 (medians 99-103 / 84-85 ms against 82-92, with many more
+runs over 110 ms), 1 step did not (83 ms); 1 / G per running request (R / G = S, the
+literal step time whatever the load) balanced the data-parallel case no better than the
+constants (|A-B| p50 48, 0.89x of the client's split), where 1 step gave 0.99-1.00x. Why S
+averages the running count: the rate is a few seconds' average, the count is the report's
+instant, and at a few running requests a node their ratio swung 4-35 ms around a 7 ms
+step (simulated node, time scale 3); averaged, 3.5-11 ms. A node that reports a step time
+itself would be exact (not done: it needs a LoadReport field). 0 = the constant (the
+earlier form of the switch); ``prefill_from_capacity`` off = the floor and the constants.
 
 Why D and f, not U alone: a request is in
 the report's running count only from the next report on, so if R counted it only while its
@@ -102,7 +127,10 @@ class WaitModel:
     wait_scale_s: float = 0.5
     kv_output_allowance_tokens: float = 128.0  # KV tokens per unreported request's output
     # T from the node's reported prefill capacity (RouterConfig.prefill_from_capacity)
-    prefill_from_capacity: bool = False
+    prefill_from_capacity: bool = True
+    # With it, a running request costs this many of the node's measured decode steps
+    # (LoadSample.step_s) instead of decode_s_per_request / w; 0 = keep the constant.
+    decode_steps_per_request: float = 1.0
 
 
 def expected_wait_s(c: Candidate, m: WaitModel) -> float:
@@ -117,14 +145,17 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
     f = max(c.peer_factor, 1.0)
     delta = c.unreported_requests if c.decode_delta is None else c.decode_delta
     running = max(r.num_running + f * delta, 0.0)
-    rest = m.kv_penalty_s * k / (1.0 - k) + m.decode_s_per_request * running
     queued = r.pending_prefill_tokens + f * c.unreported_prompt_tokens
+    kv = m.kv_penalty_s * k / (1.0 - k)
     if m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
-        # T = the node's capacity, which already holds its speed: w must not divide it again.
+        # T = the node's capacity and (when measured) the decode step its own: both hold the
+        # node's speed already, so w divides only the KV term (and a constant decode term).
         tps = max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
-        return queued / tps + rest / weight
+        if r.step_s > 0 and m.decode_steps_per_request > 0:
+            return queued / tps + kv / weight + m.decode_steps_per_request * r.step_s * running
+        return queued / tps + (kv + m.decode_s_per_request * running) / weight
     tps = max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
-    return (queued / tps + rest) / weight
+    return (queued / tps + kv + m.decode_s_per_request * running) / weight
 
 
 def effective_kv_usage(c: Candidate, m: WaitModel) -> float:

@@ -61,6 +61,6 @@ def test_bool_fields_from_env_and_flags() -> None:
     for text, want in (("1", True), ("true", True), ("off", False), ("false", False)):
         cfg = RouterConfig.load(env={"GPUMESH_ROUTER_PREFILL_FROM_CAPACITY": text})
         assert cfg.prefill_from_capacity is want, text
-    assert RouterConfig.load().prefill_from_capacity is False
+    assert RouterConfig.load().prefill_from_capacity is True
     with pytest.raises(ValueError, match="prefill_from_capacity must be true or false"):
         RouterConfig.load(env={"GPUMESH_ROUTER_PREFILL_FROM_CAPACITY": "maybe"})

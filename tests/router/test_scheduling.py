@@ -78,11 +78,12 @@ def test_expected_wait_divides_prompt_tokens_by_reported_prefill_capacity(
     assert expected_wait_s(c, replace(WM, prefill_from_capacity=True)) == pytest.approx(expected)
 
 
-def test_reported_prefill_capacity_is_ignored_unless_enabled() -> None:
-    # The default (prefill_from_capacity off): the floor decides T, the weight divides all.
-    assert not WM.prefill_from_capacity
-    assert expected_wait_s(cand(pending=1000, capacity=500), WM) == pytest.approx(1.0)
-    assert expected_wait_s(cand(pending=1000, capacity=8000, kv=0.5, weight=2.0), WM) == \
+def test_reported_prefill_capacity_is_ignored_when_switched_off() -> None:
+    # prefill_from_capacity on by default; off, the floor decides T and the weight divides all.
+    assert WM.prefill_from_capacity
+    off = replace(WM, prefill_from_capacity=False)
+    assert expected_wait_s(cand(pending=1000, capacity=500), off) == pytest.approx(1.0)
+    assert expected_wait_s(cand(pending=1000, capacity=8000, kv=0.5, weight=2.0), off) == \
         pytest.approx((1.0 + 0.25) / 2)
 
 

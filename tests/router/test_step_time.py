@@ -1,0 +1,182 @@
+"""The decode term in each node's own measured step time (router/scheduling/scorers.py).
+
+With the prefill capacity as T, a running request costs ``decode_steps_per_request`` (1) of the
+node's measured decode step (the running count averaged over reports / generation_tokens_per_s,
+derived in ``Registry.heartbeat``) instead of the constant ``decode_s_per_request`` per unit of declared
+weight; a node that never had a measurable step falls back to the constant.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from router.config import RouterConfig
+from router.registry import (
+    STEP_AVERAGE_S,
+    AccountSample,
+    ModelSpec,
+    NodeRegistration,
+    Registry,
+)
+from router.scheduling import (
+    Candidate,
+    LoadSample,
+    NodeState,
+    RequestInfo,
+    WaitModel,
+    build_profile,
+    default_filters,
+    expected_wait_s,
+    select,
+)
+
+RID = "r1"
+# Measured terms on (capacity T, step-time decode term), KV off so the decode term shows.
+WM = WaitModel(reference_prompt_tokens_per_s=8000.0, kv_penalty_s=0.0,
+               decode_s_per_request=0.002, prefill_from_capacity=True,
+               decode_steps_per_request=1.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def registry(*nodes: tuple[str, float]) -> tuple[Registry, Clock]:
+    clock = Clock()
+    r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, clock=clock)
+    for i, (node_id, weight) in enumerate(nodes, 1):
+        r.register(NodeRegistration(node_id, f"{node_id}:1",
+                                    (ModelSpec("m", capacity_weight=weight),), "i1"), i)
+    return r, clock
+
+
+def beat(r: Registry, node_id: str, stream: int, seq: int, *, running: int = 0,
+         gen: float = 0.0, capacity: float = 50_000.0) -> None:
+    assert r.heartbeat(node_id, stream, seq, 0,
+                       LoadSample(num_running=running, generation_tokens_per_s=gen,
+                                  prefill_capacity_tokens_per_s=capacity),
+                       accounts=[(RID, AccountSample(0, 0, 0, 0, 0))])
+
+
+def settle(r: Registry, clock: Clock, node_id: str, stream: int, seq: int, **kw: float) -> None:
+    """A report long after the last one: the running average is then the reported count."""
+    clock.t += 100.0
+    beat(r, node_id, stream, seq, **kw)  # type: ignore[arg-type]
+
+
+def candidate(r: Registry, node_id: str) -> Candidate:
+    found = [c for c in r.candidates("m") if c.node_id == node_id]
+    assert len(found) == 1
+    return found[0]
+
+
+def report(r: Registry, node_id: str) -> LoadSample:
+    c = candidate(r, node_id)
+    assert c.report is not None
+    return c.report
+
+
+def test_registry_derives_the_step_time_and_keeps_it_while_the_node_is_idle() -> None:
+    r, clock = registry(("a", 1.0))
+    beat(r, "a", 1, 1)                                    # never busy: not measured
+    assert report(r, "a").step_s == 0.0
+    settle(r, clock, "a", 1, 2, running=20, gen=2000.0)   # 20 tokens a step, 2000/s: 10 ms
+    assert report(r, "a").step_s == pytest.approx(0.010)
+    settle(r, clock, "a", 1, 3, running=0, gen=0.0)       # idle: the last measurement holds
+    assert report(r, "a").step_s == pytest.approx(0.010)
+    settle(r, clock, "a", 1, 4, running=10, gen=2000.0)   # re-measured: 5 ms
+    assert report(r, "a").step_s == pytest.approx(0.005)
+
+
+def test_step_time_uses_the_running_count_averaged_like_the_rate() -> None:
+    """The rate is a few seconds' average, so a momentary jump in the running count must not
+    read as a slower step: the count is averaged over reports (time constant 2 s) first."""
+    r, clock = registry(("a", 1.0))
+    settle(r, clock, "a", 1, 1, running=4, gen=400.0)     # steady: 10 ms
+    assert report(r, "a").step_s == pytest.approx(0.010)
+    clock.t += 0.25
+    beat(r, "a", 1, 2, running=20, gen=400.0)             # 5x the count 250 ms later
+    w = 1 - math.exp(-0.25 / STEP_AVERAGE_S)
+    assert report(r, "a").step_s == pytest.approx((4 + w * 16) / 400.0)   # ~14 ms, not 50
+
+
+def test_faster_measured_step_gets_the_lower_wait_for_the_same_running_count() -> None:
+    """Same declared weight, same running count, same capacity: only the measured step
+    differs (5 ms vs 20 ms), and the faster node is cheaper and is picked. With the constant
+    decode term the two tied."""
+    r, clock = registry(("fast", 1.0), ("slow", 1.0))
+    settle(r, clock, "fast", 1, 1, running=20, gen=4000.0)
+    beat(r, "slow", 2, 1, running=20, gen=1000.0)
+    fast, slow = candidate(r, "fast"), candidate(r, "slow")
+    assert expected_wait_s(fast, WM) == pytest.approx(0.005 * 20)
+    assert expected_wait_s(slow, WM) == pytest.approx(0.020 * 20)
+    profile = build_profile("weighted_least_load", {"expected_wait": 1.0}, WM)
+    picks = {select(profile, r.candidates("m"), RequestInfo("m", 32), random.Random(s),
+                    default_filters(0.92)).node_id for s in range(20)}
+    assert picks == {"fast"}
+
+
+def test_measured_step_holds_the_speed_so_weight_does_not_divide_it() -> None:
+    r, clock = registry(("a", 2.0))
+    settle(r, clock, "a", 1, 1, running=10, gen=1000.0)   # 10 ms steps
+    assert expected_wait_s(candidate(r, "a"), WM) == pytest.approx(0.010 * 10)
+
+
+def cand(*, running: int, step_s: float = 0.0, capacity: float = 0.0, weight: float = 1.0,
+         pending: int = 0, tps: float = 0.0) -> Candidate:
+    load = LoadSample(num_running=running, pending_prefill_tokens=pending,
+                      prompt_tokens_per_s=tps, prefill_capacity_tokens_per_s=capacity,
+                      step_s=step_s)
+    return Candidate(node_id="n", address="n:1", state=NodeState.HEALTHY,
+                     capacity_weight=weight, max_concurrency=0, report=load, report_age_s=0.1,
+                     kv_cache_usage=0.0, router_in_flight=running,
+                     outstanding_prompt_tokens=0, outstanding_requests=0,
+                     unreported_prompt_tokens=0, unreported_requests=0)
+
+
+@pytest.mark.parametrize("c, expected", [
+    # capacity and a measured step: 800 / 40,000 s + one 10 ms step per running request
+    (cand(running=10, step_s=0.010, capacity=40_000.0, pending=800), 0.02 + 0.1),
+    # capacity, never a measured step (never busy): the constant per unit of weight
+    (cand(running=10, capacity=40_000.0, weight=2.0), 0.002 * 10 / 2),
+    # no capacity (a foreign node, a vLLM node before its first prefill): the floor formula,
+    # a measured step notwithstanding
+    (cand(running=10, step_s=0.010, pending=800, weight=2.0), (0.1 + 0.002 * 10) / 2),
+    (cand(running=10, step_s=0.010, pending=800, tps=16_000.0), 0.05 + 0.002 * 10),
+])
+def test_fallbacks_without_a_capacity_or_a_measured_step(c: Candidate, expected: float) -> None:
+    assert expected_wait_s(c, WM) == pytest.approx(expected)
+
+
+def test_zero_steps_per_request_keeps_the_constant_decode_term() -> None:
+    c = cand(running=10, step_s=0.010, capacity=40_000.0, weight=2.0)
+    assert expected_wait_s(c, replace(WM, decode_steps_per_request=0.0)) == \
+        pytest.approx(0.002 * 10 / 2)
+
+
+def test_without_prefill_from_capacity_the_step_time_is_not_used() -> None:
+    c = cand(running=10, step_s=0.010, capacity=40_000.0, pending=800)
+    assert expected_wait_s(c, replace(WM, prefill_from_capacity=False)) == \
+        pytest.approx(0.1 + 0.002 * 10)
+
+
+def test_wait_model_defaults_are_the_router_config_defaults() -> None:
+    cfg, wm = RouterConfig(router_id="x"), WaitModel()
+    assert wm.prefill_from_capacity is cfg.prefill_from_capacity
+    assert wm.decode_steps_per_request == cfg.decode_steps_per_request
+    assert wm.decode_s_per_request == cfg.decode_s_per_request
+
+
+def test_decode_steps_per_request_from_env_and_refused_below_zero() -> None:
+    cfg = RouterConfig.load(env={"GPUMESH_ROUTER_DECODE_STEPS_PER_REQUEST": "0.25"})
+    assert cfg.decode_steps_per_request == 0.25
+    with pytest.raises(ValueError, match="decode_steps_per_request"):
+        RouterConfig(router_id="x", decode_steps_per_request=-1.0)
