@@ -156,6 +156,7 @@ class RouterSpec:
     name: str
     policy: str = "weighted_least_load"
     members: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)   # on top of Env.router_env
 
 
 @dataclass
@@ -179,6 +180,9 @@ class Env:
     sim_scale_intervals: bool = False
     policy: str = "weighted_least_load"   # the data-parallel phases' router policy
     router_env: dict[str, str] = field(default_factory=dict)  # extra env for every router
+    # dp05/dp7: a second data-parallel router "r2b" with this env on top, fronting the same
+    # two nodes, benched interleaved with r2 (an A/B of router settings on the same nodes)
+    router_env_b: dict[str, str] = field(default_factory=dict)
     # vLLM nodes: extra AsyncEngineArgs on top of the bench's (e.g. stream_interval=4)
     engine_args: dict[str, Any] = field(default_factory=dict)
     # Load processes round-robin over a multi-worker router's processes (bench --spread-workers)
@@ -294,6 +298,7 @@ class Group:
                 renv.update(GPUMESH_ROUTER_FRESHNESS_S=str(1.5 * t),
                             GPUMESH_ROUTER_LEASE_TTL_S=str(3.0 * t))
             renv.update(env.router_env)
+            renv.update(r.env)
             c = Child(r.name, args, env.logs, renv)
             self.children.append(c)
             self.commands.append(c.command())
@@ -743,12 +748,16 @@ def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[NodeSpec], li
     (policy ``env.policy``) fronting A and B. Returns (A, B, nodes, routers)."""
     a, b = f"a{shape.replace('.', '')}", f"b{shape.replace('.', '')}"
     two = gpus >= 2
-    nodes = [NodeSpec(a, shape, "0", 0.85, routers=("r1", "r2") if two else ("r1",))]
+    dp = ("r2", "r2b") if env.router_env_b else ("r2",)
+    nodes = [NodeSpec(a, shape, "0", 0.85, routers=("r1", *dp) if two else ("r1",))]
     routers = [RouterSpec("r1", members=(a,))]
     if two:
         # After A serves: B then finds vLLM's compile cache warm instead of racing A to fill it.
-        nodes.append(NodeSpec(b, shape, "1", 0.85, routers=("r2",), after=a))
+        nodes.append(NodeSpec(b, shape, "1", 0.85, routers=dp, after=a))
         routers.append(RouterSpec("r2", policy=env.policy, members=(a, b)))
+        if env.router_env_b:
+            routers.append(RouterSpec("r2b", policy=env.policy, members=(a, b),
+                                      env=dict(env.router_env_b)))
     return a, b, nodes, routers
 
 
@@ -830,6 +839,11 @@ def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2,
                     bench(env, phase=phase, setup=f"2 GPUs data parallel, router{tag} #{k}",
                           shape=shape, target=g.addr["r2"], concurrency=2 * c1,
                           poll=g.addr["r2"], extra=y, placement=pl)
+                    if env.router_env_b:
+                        bench(env, phase=phase, shape=shape, target=g.addr["r2b"],
+                              setup=f"2 GPUs data parallel, router B{tag} #{k}",
+                              concurrency=2 * c1, poll=g.addr["r2b"],
+                              extra={**y, "router_env_b": env.router_env_b}, placement=pl)
                     if env.workers > 1 and not env.spread_workers:
                         bench(env, phase=phase, shape=shape, target=g.addr["r2"],
                               setup=f"2 GPUs data parallel, router, spread over workers{tag} #{k}",
@@ -952,6 +966,7 @@ def cmd_run(a: argparse.Namespace) -> int:
               raw_tool=a.raw_tool, sim_scale_intervals=a.sim_scale_intervals,
               policy=a.policy,
               router_env=dict(kv.split("=", 1) for kv in a.router_env),
+              router_env_b=dict(kv.split("=", 1) for kv in a.router_env_b),
               engine_args=dict(_engine_arg(kv) for kv in a.engine_arg),
               spread_workers=a.spread_workers, pin=a.pin, prompt=a.prompt, output=a.output)
     prev = out / "results.json"
@@ -963,6 +978,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                                              "phases": a.phases, "workers": a.workers,
                                              "procs": a.procs,
                                              "engine_args": env.engine_args,
+                                             "router_env_b": env.router_env_b,
                                              "spread_workers": env.spread_workers,
                                              "pin": env.pin, "prompt": env.prompt,
                                              "output": env.output})
@@ -1253,6 +1269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--rounds", type=int, default=2, help="dp05/dp7: interleaved rounds")
     r.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment of every router (e.g. GPUMESH_ROUTER_...); repeats")
+    r.add_argument("--router-env-b", action="append", default=[], metavar="NAME=VALUE",
+                   help="dp05/dp7: also a router B with this env (repeatable) on the same nodes, "
+                        "benched interleaved with the first, e.g. "
+                        "GPUMESH_ROUTER_PREFILL_FROM_CAPACITY=0")
     r.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="extra vLLM engine argument of every vLLM node (the node TOML's "
                         "[engine_args]; VALUE is JSON, else a string), e.g. stream_interval=4; "
