@@ -589,6 +589,14 @@ class Registry:
         self._ledgers: dict[str, NodeLedger] = {}
         self._index = _Index()
         self._gone_models: dict[str, float] = {}
+        # Per model, from the latest node that measured them, per unit of its capacity weight:
+        # its decode step x weight and its prefill capacity / weight. A node with no
+        # measurement of its own yet (never busy; a vLLM node reports no capacity before its
+        # first prefill) is scored with these scaled by its weight, not with the floor and
+        # the constant: those differ ~10x from a real node's terms, so of two idle nodes, one
+        # measured and one not, a burst would all go to the unmeasured one (seen with two
+        # vLLM nodes: 8 of 8). (step x weight, capacity / weight) per model name.
+        self._speed_ref: dict[str, tuple[float, float]] = {}
         self._listeners: list[Callable[[frozenset[str]], None]] = []
         self._removal_listeners: list[Callable[[NodeEntry], None]] = []
 
@@ -642,6 +650,14 @@ class Registry:
         self.peers.observe(node_id, accounts)
         self._ledgers[node_id].on_report(ours)
         load, running_avg = _with_step_time(load, entry.report, now)
+        if load.step_s > 0 or load.prefill_capacity_tokens_per_s > 0:
+            for m in entry.registration.models:
+                step, cap = self._speed_ref.get(m.name, (0.0, 0.0))
+                w = max(m.capacity_weight, 1e-9)
+                self._speed_ref[m.name] = (
+                    load.step_s * w if load.step_s > 0 else step,
+                    load.prefill_capacity_tokens_per_s / w
+                    if load.prefill_capacity_tokens_per_s > 0 else cap)
         report = Report(seq, sent_unix_ms, now, load, ours, gpus, accounts, running_avg)
         was_draining = self._draining(entry)
         self._nodes[node_id] = replace(entry, report=report, last_seen=now)
@@ -825,12 +841,14 @@ class Registry:
         valid_until = min(lease_end, ledger.next_expiry)
         if fresh and state is NodeState.HEALTHY and report is not None:
             valid_until = min(valid_until, report.received_at + self.freshness_s)
+        load = report.load if fresh and report is not None else None
+        if load is not None and (load.step_s <= 0 or load.prefill_capacity_tokens_per_s <= 0):
+            load = self._with_model_speed(load, s.spec)
         c = Candidate(
             node_id=e.node_id, address=e.registration.address, state=state,
             capacity_weight=s.spec.capacity_weight,
             max_concurrency=e.registration.max_concurrency or self.max_concurrency_default,
-            report=report.load if fresh and report is not None else None,
-            report_age_s=age,
+            report=load, report_age_s=age,
             kv_cache_usage=report.load.kv_cache_usage if report is not None else 0.0,
             router_in_flight=ledger.in_flight,
             outstanding_prompt_tokens=ledger.pending_tokens,
@@ -839,6 +857,18 @@ class Registry:
             decode_delta=ledger.decode_delta(), peer_factor=self.peers.factor)
         s.cand, s.valid_until, s.version = c, valid_until, ledger.version
         return c
+
+    def _with_model_speed(self, load: LoadSample, spec: ModelSpec) -> LoadSample:
+        """``load`` with the model's reference step / capacity (``_speed_ref``) scaled by
+        this node's weight where the node has not measured its own."""
+        step, cap = self._speed_ref.get(spec.name, (0.0, 0.0))
+        w = max(spec.capacity_weight, 1e-9)
+        fill: dict[str, float] = {}
+        if load.step_s <= 0 and step > 0:
+            fill["step_s"] = step / w
+        if load.prefill_capacity_tokens_per_s <= 0 and cap > 0:
+            fill["prefill_capacity_tokens_per_s"] = cap * w
+        return replace(load, **fill) if fill else load
 
     def charge(self, node_id: str, tokens: int, *, blind: bool = False, hold_s: float = 0.0,
                slot_until_finish: bool = True) -> Credit:

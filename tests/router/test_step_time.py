@@ -180,3 +180,32 @@ def test_decode_steps_per_request_from_env_and_refused_below_zero() -> None:
     assert cfg.decode_steps_per_request == 0.25
     with pytest.raises(ValueError, match="decode_steps_per_request"):
         RouterConfig(router_id="x", decode_steps_per_request=-1.0)
+
+
+def test_a_node_never_busy_takes_the_models_measured_speed_scaled_by_weight() -> None:
+    """Two idle nodes, one measured (10 ms steps, 50k prompt tokens/s) and one never busy (a
+    vLLM node reports no capacity before its first prefill): the unmeasured one is scored with
+    the measured step and capacity (per its weight), not the floor and the 2 ms constant, so a
+    burst does not all go to it (seen with two real vLLM nodes: 8 of 8 onto the unmeasured)."""
+    r, clock = registry(("a", 1.0), ("b", 1.0), ("c", 2.0))
+    beat(r, "b", 2, 1, capacity=0.0)
+    beat(r, "c", 3, 1, capacity=0.0)
+    assert report(r, "b").step_s == 0.0                       # nothing measured yet anywhere
+    assert report(r, "b").prefill_capacity_tokens_per_s == 0.0
+    settle(r, clock, "a", 1, 1, running=20, gen=2000.0)       # a: 10 ms steps
+    settle(r, clock, "a", 1, 2, running=0, gen=0.0)           # and idle again
+    beat(r, "b", 2, 2, capacity=0.0)
+    beat(r, "c", 3, 2, capacity=0.0)
+    assert report(r, "b").step_s == pytest.approx(0.010)
+    assert report(r, "b").prefill_capacity_tokens_per_s == pytest.approx(50_000.0)
+    assert report(r, "c").step_s == pytest.approx(0.005)      # declared twice as fast
+    assert report(r, "c").prefill_capacity_tokens_per_s == pytest.approx(100_000.0)
+    a, b = candidate(r, "a"), candidate(r, "b")
+    for pending in (0, 3):
+        assert expected_wait_s(replace(a, unreported_requests=pending,
+                                       unreported_prompt_tokens=32 * pending), WM) == \
+            pytest.approx(expected_wait_s(replace(b, unreported_requests=pending,
+                                                  unreported_prompt_tokens=32 * pending), WM))
+    settle(r, clock, "b", 2, 3, running=10, gen=2000.0, capacity=20_000.0)   # b's own: 5 ms
+    assert report(r, "b").step_s == pytest.approx(0.005)
+    assert report(r, "b").prefill_capacity_tokens_per_s == pytest.approx(20_000.0)
