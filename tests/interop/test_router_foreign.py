@@ -106,7 +106,10 @@ async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
             await asyncio.sleep(0.1)
         (node,) = seen
         assert node.kind == "vllm-grpc" and node.state == cpb.NODE_STATE_HEALTHY
-        assert node.load.num_running >= 1 and node.router_in_flight == 3
+        # At least one of the three is still running when the worker's report shows it (on a
+        # loaded 2-core machine the report can come after two of them finished: seen once in
+        # CI as router_in_flight 1, num_running 1).
+        assert node.load.num_running >= 1 and 1 <= node.router_in_flight <= 3
         assert node.load.kv_cache_usage > 0
         table = fleet_table(await fleet_stub.GetFleet(cpb.GetFleetRequest(), timeout=5))
         row = next(line for line in table.splitlines() if line.startswith("stock-vllm"))
