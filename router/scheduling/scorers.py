@@ -15,7 +15,10 @@ For node n with a fresh report (age <= freshness window)::
     S    = n's measured decode step time: its num_running, averaged over reports (time
            constant 2 s, about the age of the rate's window), / generation_tokens_per_s
            (each running request samples one token a step; ``LoadSample.step_s``, derived
-           by the registry); an idle node keeps its last one; 0 = never measured
+           by the registry); an idle node keeps its last one; a node that never measured
+           its own (nor its capacity) takes the model's latest measured step x weight /
+           its weight (capacity / weight x its weight) at candidate build
+           (``Registry._with_model_speed``); 0 = none measured for the model yet
     K    = n's reported kv_capacity_tokens (0 = unknown)
     k    = min(kv_cache_usage + f * (C + U * kv_output_allowance_tokens) / K, kv_usage_cap)
            (the KV the router's own unreported requests will take; without K, k is the
@@ -36,7 +39,7 @@ For node n with a fresh report (age <= freshness window)::
     with T the reported capacity and S measured (every term in n's own seconds; w divides
     only the KV term, whose constant is per unit of weight):
     wait = (P + f * C) / T  +  kv_penalty_s * k / (1 - k) / w  +  decode_steps_per_request * S * R
-    with T the reported capacity, S not measured (a node that was never busy):
+    with T the reported capacity, S not measured (no node of the model measured one yet):
     wait = (P + f * C) / T  +  (kv_penalty_s * k / (1 - k)  +  decode_s_per_request * R) / w
     with T the floor (no capacity reported: foreign nodes, a vLLM node before its first
     prefill; or ``prefill_from_capacity`` off), the constants throughout:
