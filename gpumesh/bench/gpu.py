@@ -1042,6 +1042,69 @@ def _setup_key(rec: dict[str, Any]) -> str:
     return "1gpu"
 
 
+# The raw reference's workload (seed_table.py): 32 prompt tokens, 256 output tokens.
+REFERENCE_WORKLOAD = ("fixed:32", "fixed:256")
+
+
+def _workload(rec: dict[str, Any]) -> tuple[str, str]:
+    """(prompt, output) length specs of a record; older records without them ran the
+    reference's workload."""
+    return (str(rec.get("prompt") or REFERENCE_WORKLOAD[0]),
+            str(rec.get("output") or REFERENCE_WORKLOAD[1]))
+
+
+def _workload_label(rec: dict[str, Any]) -> str:
+    wl = _workload(rec)
+    return "reference" if wl == REFERENCE_WORKLOAD else f"{wl[0]} -> {wl[1]}"
+
+
+def _by_workload(records: list[dict[str, Any]]
+                 ) -> dict[tuple[str, tuple[str, str]], list[dict[str, Any]]]:
+    out: dict[tuple[str, tuple[str, str]], list[dict[str, Any]]] = {}
+    for r in records:
+        if r["phase"] in ("p05", "p7"):
+            out.setdefault((r["shape"], _workload(r)), []).append(r)
+    return out
+
+
+def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
+    """The interleaved data-parallel rounds (dp05/dp7, ab05/ab7): every bench of a round,
+    with its done QPS as a multiple of the client's own split in the same round (records are
+    deduplicated first, so one (phase, workload, round) is one call's)."""
+    rows = [r for r in records if r["phase"] in ("dp05", "dp7", "ab05", "ab7")
+            and "data parallel" in r["setup"]]
+    if not rows:
+        return []
+    splits: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rows:
+        if "client splits" in r["setup"]:
+            splits[(r["phase"], r["shape"], _workload(r), r.get("round", 0),
+                    r.get("pinned", False))] = r
+    lines = [("Interleaved data-parallel rounds (same nodes, benches in the order run; `x split` ="
+             " done QPS / the client's own split of the same round; router B = the router with "
+             "`--router-env-b`):"), "",
+             ("| phase | workload | setup | C | QPS | done QPS | x split | p50 s | p99 s |"
+             " TTFT p50 s | TPOT p50 ms | in flight abs(A-B) p50 / max | running per node |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sp = splits.get((r["phase"], r["shape"], _workload(r), r.get("round", 0),
+                         r.get("pinned", False)))
+        xs = (_f(r["done_qps"] / sp["done_qps"]) if sp and r.get("done_qps") and sp.get("done_qps")
+              else "-")
+        im = r.get("imbalance") or {}
+        imb = (f"{im['in_flight_diff_p50']:.0f} / {im['in_flight_diff_max']:.0f}"
+               if "in_flight_diff_p50" in im else "-")
+        run = " / ".join(f"{n} {_f(v.get('running_mean'), 0)}"
+                         for n, v in sorted((r.get("fleet") or {}).items()))
+        tpot = r.get("tpot_p50")
+        lines.append(f"| {r['phase']} | {_workload_label(r)} | {r['setup']} | {r['concurrency']} | "
+                     f"{_f(r['qps'], 1)} | {_f(r.get('done_qps'), 1)} | {xs} | "
+                     f"{_f(r['lat_p50'])} | {_f(r.get('lat_p99'))} | {_f(r.get('ttft_p50'), 3)} | "
+                     f"{_f(tpot * 1000 if tpot else None)} | {imb} | {run or '-'} |")
+    lines.append("")
+    return lines
+
+
 def _f(x: Any, nd: int = 2) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -1063,13 +1126,16 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw")]
     raw_in = {(r["shape"], _setup_key(r)): r for r in records if r["phase"] == "raw"}
     if main:
-        lines += [("| shape | setup | C | QPS | done QPS | p50 s | p99 s | TTFT p50 s | TPOT p50 ms |"
-                  " raw vLLM ref QPS / p50 | x raw ref | x raw (session) | x seed QPS | errors |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [("| shape | setup | C | workload | QPS | done QPS | p50 s | p99 s | TTFT p50 s |"
+                   " TPOT p50 ms | raw vLLM ref QPS / p50 | x raw ref | x raw (session) |"
+                   " x seed QPS | errors |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in main:
             key = _setup_key(r)
             ref = RAW_REFERENCE.get((r["shape"], key))
-            same_c = r["concurrency"] == RAW_CONCURRENCY.get(r["shape"])
+            # the references' ratios only where the workload and the concurrency are theirs
+            same_c = (r["concurrency"] == RAW_CONCURRENCY.get(r["shape"])
+                      and _workload(r) == REFERENCE_WORKLOAD)
             xref = _f(r["qps"] / ref[0]) if ref and same_c and r["phase"] != "share" else "-"
             ses = raw_in.get((r["shape"], key))
             xses = (_f(r["qps"] / ses["qps"]) if ses and same_c and r["phase"] != "raw"
@@ -1078,34 +1144,44 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             xseed = _f(r["qps"] / seed[0], 1) if seed and same_c else "-"
             tpot = r.get("tpot_p50")
             lines.append(
-                f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {_f(r['qps'], 1)} | "
+                f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {_workload_label(r)} | "
+                f"{_f(r['qps'], 1)} | "
                 f"{_f(r.get('done_qps'), 1)} | {_f(r['lat_p50'])} | {_f(r.get('lat_p99'))} | "
                 f"{_f(r.get('ttft_p50'), 3)} | {_f(tpot * 1000 if tpot else None)} | "
                 f"{f'{ref[0]:g} / {ref[1]:g}' if ref and same_c else '-'} | {xref} | {xses} | "
                 f"{xseed} | {r.get('errors', 0)} |")
         lines.append("")
-        # data parallel at equal p50: DP at 2C vs one GPU at C
-        for shape in ("0.5b", "7b"):
-            one = [r for r in records if r["shape"] == shape and r["setup"] == "1 GPU, through router"]
+        # data parallel at equal p50: DP at 2C vs one GPU at C, each workload on its own
+        for (shape, wl), rs in _by_workload(records).items():
             c2 = 2 * RAW_CONCURRENCY[shape]
-            dp = [r for r in records if r["shape"] == shape and r["concurrency"] == c2
+            ones = [r for r in rs if r["setup"] == "1 GPU, through router"]
+            directs = [r for r in rs if r["setup"] == "1 GPU, direct to node"]
+            dp = [r for r in rs if r["concurrency"] == c2
                   and r["setup"] == "2 GPUs data parallel, router"]
-            dd = [r for r in records if r["shape"] == shape and r["concurrency"] == c2
+            dd = [r for r in rs if r["concurrency"] == c2
                   and r["setup"] == "2 GPUs data parallel, direct (client splits)"]
-            if one and dp:
-                o, d = one[-1], dp[-1]
-                lines.append(f"- {shape}: data parallel through the router at C={d['concurrency']} "
-                             f"gives {d['qps']:.1f} QPS at p50 {d['lat_p50']:.2f} s vs one GPU "
-                             f"through the router at C={o['concurrency']}: {o['qps']:.1f} QPS at "
-                             f"p50 {o['lat_p50']:.2f} s -> **{d['qps'] / max(o['qps'], 1e-9):.2f}x** "
-                             f"(target >= 1.9x at equal p50).")
-                if dd:
-                    x = dd[-1]
-                    lines.append(f"  Without the router (the client splits {c2} streams over the "
-                                 f"two nodes): {x['qps']:.1f} QPS at p50 {x['lat_p50']:.2f} s "
-                                 f"({x['qps'] / max(o['qps'], 1e-9):.2f}x one GPU); the router "
-                                 f"gives {d['qps'] / max(x['qps'], 1e-9):.2f}x of that.")
+            if not (ones and dp):
+                continue
+            o, d = ones[-1], dp[-1]
+            tag = "" if wl == REFERENCE_WORKLOAD else f" (workload {wl[0]} -> {wl[1]})"
+            lines.append(f"- {shape}{tag}: data parallel through the router at "
+                         f"C={d['concurrency']} gives {d['qps']:.1f} QPS at p50 "
+                         f"{d['lat_p50']:.2f} s vs one GPU through the router at "
+                         f"C={o['concurrency']}: {o['qps']:.1f} QPS at p50 {o['lat_p50']:.2f} s "
+                         f"-> **{d['qps'] / max(o['qps'], 1e-9):.2f}x** "
+                         f"(target >= 1.9x at equal p50).")
+            if directs:
+                x = directs[-1]
+                lines.append(f"  Against one GPU direct to the node ({x['qps']:.1f} QPS at p50 "
+                             f"{x['lat_p50']:.2f} s): {d['qps'] / max(x['qps'], 1e-9):.2f}x.")
+            if dd:
+                x = dd[-1]
+                lines.append(f"  Without the router (the client splits {c2} streams over the "
+                             f"two nodes): {x['qps']:.1f} QPS at p50 {x['lat_p50']:.2f} s "
+                             f"({x['qps'] / max(o['qps'], 1e-9):.2f}x one GPU); the router "
+                             f"gives {d['qps'] / max(x['qps'], 1e-9):.2f}x of that.")
         lines.append("")
+    lines += _interleaved_markdown(records)
     for uph, where in (("unequal", "both nodes on GPU 0"), ("unequal2", "one GPU each")):
         une = [r for r in records if r["phase"] == uph]
         if not une:
@@ -1189,7 +1265,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     ax.barh(range(len(ys)), ys, color=["#888" if r["phase"] == "raw" else "#37a" for r in main])
     for i, r in enumerate(main):
         ref = RAW_REFERENCE.get((r["shape"], _setup_key(r)))
-        if ref and r["concurrency"] == RAW_CONCURRENCY[r["shape"]] and r["phase"] != "share":
+        if (ref and r["concurrency"] == RAW_CONCURRENCY[r["shape"]] and r["phase"] != "share"
+                and _workload(r) == REFERENCE_WORKLOAD):
             ax.plot([ref[0]], [i], "k|", markersize=14)
         ax.text(r["qps"], i, f" {r['qps']:.0f} QPS, p50 {r['lat_p50']:.2f}s", va="center", fontsize=7)
     ax.set_yticks(range(len(ys)), labels, fontsize=7)

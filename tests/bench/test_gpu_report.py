@@ -62,3 +62,41 @@ def test_report_states_the_dp_ratio_and_the_routers_share_of_the_client_split() 
     assert "**1.50x** (target >= 1.9x at equal p50)" in md
     assert "120.0 QPS at p50 1.50 s (2.00x one GPU); the router gives 0.75x of that" in md
     assert "| 0.5b | 1 GPU, through router | 128 | node a05b front end 1.00 | 3.00 |" in md
+
+
+def test_report_compares_with_the_raw_reference_only_on_its_workload() -> None:
+    ref = _rec("1 GPU, through router", 128, 64.0, 1.5)
+    other = {**_rec("1 GPU, direct to node", 128, 64.0, 1.5), "output": "uniform:128:384"}
+    md = report_markdown([ref, other], {})
+    # 64 / the reference's 128 QPS on the reference's workload; nothing against it otherwise
+    assert ("| 0.5b | 1 GPU, through router | 128 | reference | 64.0 | 64.0 | 1.50 | 1.50 | "
+            "0.100 | 5.00 | 128 / 0.92 | 0.50 |") in md
+    assert ("| 0.5b | 1 GPU, direct to node | 128 | fixed:32 -> uniform:128:384 | 64.0 | 64.0 | "
+            "1.50 | 1.50 | 0.100 | 5.00 | - | - | - | - | 0 |") in md
+
+
+def test_report_keeps_each_workloads_dp_ratio_to_its_own_one_gpu_rows() -> None:
+    uni = {"output": "uniform:128:384"}
+    recs = [_rec("1 GPU, through router", 128, 60.0, 1.5),
+            _rec("2 GPUs data parallel, router", 256, 90.0, 2.0),
+            {**_rec("1 GPU, through router", 128, 50.0, 1.5), **uni},
+            {**_rec("1 GPU, direct to node", 128, 40.0, 1.4), **uni},
+            {**_rec("2 GPUs data parallel, router", 256, 100.0, 1.6), **uni}]
+    md = report_markdown(recs, {})
+    assert "- 0.5b: data parallel" in md and "-> **1.50x**" in md
+    assert "- 0.5b (workload fixed:32 -> uniform:128:384): data parallel" in md
+    assert "-> **2.00x**" in md
+    assert "Against one GPU direct to the node (40.0 QPS at p50 1.40 s): 2.50x." in md
+
+
+def test_report_tables_interleaved_rounds_against_the_same_rounds_split() -> None:
+    def dp(setup: str, k: int, done: float) -> dict[str, object]:
+        r = _rec(f"2 GPUs data parallel, {setup} #{k}", 256, done, 1.5, phase="dp05")
+        return {**r, "round": k, "imbalance": {"in_flight_diff_p50": 4.0, "in_flight_diff_max": 9},
+                "fleet": {"a": {"running_mean": 120.0}, "b": {"running_mean": 118.0}}}
+    recs = [dp("router", 0, 90.0), dp("direct (client splits)", 0, 100.0),
+            dp("router", 1, 110.0), dp("direct (client splits)", 1, 100.0)]
+    md = report_markdown(recs, {})
+    assert ("| dp05 | reference | 2 GPUs data parallel, router #0 | 256 | 90.0 | 90.0 | 0.90 | "
+            "1.50 | 1.50 | 0.100 | 5.00 | 4 / 9 | a 120 / b 118 |") in md
+    assert "| dp05 | reference | 2 GPUs data parallel, router #1 | 256 | 110.0 | 110.0 | 1.10 |" in md
