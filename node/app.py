@@ -94,6 +94,7 @@ class NodeServer:
             prompt_tokens_per_s=eng.prompt_tokens_per_s,
             kv_capacity_tokens=max(0, eng.kv_capacity_tokens),
             prefill_capacity_tokens_per_s=max(0.0, eng.prefill_capacity_tokens_per_s),
+            decode_step_s=max(0.0, eng.decode_step_s),
             in_flight=ledger.in_flight, draining=self.state.draining,
             gpus=[cpb.GpuStats(index=g.index, utilization=g.utilization,
                                memory_used_bytes=g.memory_used_bytes,

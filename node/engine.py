@@ -90,6 +90,9 @@ class EngineLoad:
     # Prompt tokens/s the engine can prefill when busy (capacity, per wall-clock second; not
     # the observed, arrival-limited prompt_tokens_per_s); 0 = unknown.
     prefill_capacity_tokens_per_s: float = 0.0
+    # Mean wall-clock seconds of the engine's recent steps while it had running requests (its
+    # decode step time); 0 = not measured yet.
+    decode_step_s: float = 0.0
 
 
 class EngineError(Exception):

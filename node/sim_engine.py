@@ -30,7 +30,9 @@ Model of the GPU (one asyncio task per engine runs continuous-batching steps):
 
 Units: ``load()`` rates (``generation_tokens_per_s``, ``prompt_tokens_per_s``) are per
 WALL-CLOCK second, i.e. simulated rates divided by ``time_scale``, so the router's formulas see
-the wall-clock behaviour they act on. :attr:`SimEngine.stats` reports simulated seconds.
+the wall-clock behaviour they act on; ``decode_step_s`` is the mean wall-clock length (the
+simulated step x ``time_scale``) of the steps of the last second. :attr:`SimEngine.stats`
+reports simulated seconds.
 
 Prefill capacity (``load().prefill_capacity_tokens_per_s``): what a step that spends its whole
 ``max_num_batched_tokens`` budget B on prefill does, from the step model above::
@@ -332,6 +334,9 @@ class SimEngine:
         self._finished = 0
         self._aborted = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (wall t, gen, prefill)
+        # (wall t, wall-clock step length) of the steps of the last second: decode_step_s
+        self._step_log: deque[tuple[float, float]] = deque()
+        self._step_log_sum = 0.0
 
     # --- Engine protocol ---------------------------------------------------------------
 
@@ -403,6 +408,7 @@ class SimEngine:
             prompt_tokens_per_s=prompt_rate,
             kv_capacity_tokens=self._total_blocks * self._block,
             prefill_capacity_tokens_per_s=self._prefill_capacity,
+            decode_step_s=self.decode_step_s(),
         )
 
     async def shutdown(self) -> None:
@@ -641,8 +647,22 @@ class SimEngine:
                 await asyncio.sleep(0)
             self._apply(scheduled)
             now = loop.time()
+            self._log_step(now, dt * scale if scale > 0 else dt)
             if not self._samples or now - self._samples[-1][0] >= 0.25:
                 self._sample(now)
+
+    def _log_step(self, now: float, wall_s: float) -> None:
+        log = self._step_log
+        log.append((now, wall_s))
+        self._step_log_sum += wall_s
+        while len(log) > 1 and log[0][0] < now - 1.0:
+            self._step_log_sum -= log.popleft()[1]
+
+    def decode_step_s(self) -> float:
+        """Mean wall-clock length of the steps of the last second (the last busy second
+        while idle); per simulated second when ``time_scale`` is 0; 0 before the first step."""
+        n = len(self._step_log)
+        return max(self._step_log_sum, 0.0) / n if n else 0.0
 
     # --- rates -------------------------------------------------------------------------
 

@@ -99,6 +99,14 @@ class _LoadStatLogger:
     outlier ages out). Decode steps and idle gaps inside a span only lower a sample, so it is
     a lower bound of what the engine can prefill, and far closer to it than the observed
     prompt rate, which follows arrivals. 0 until a span with prefill has ended. O(1) per call.
+
+    Decode step time (``EngineLoad.decode_step_s``): the engine core sends its stats after
+    every step, with or without request outputs, so each ``record`` call with scheduler
+    stats ends one step, and the interval since the previous call is that step's length
+    when the previous step left requests running (otherwise the engine sat idle in between).
+    The figure is the mean of the intervals of the last ``step_window_s`` seconds; the
+    output handler's bursts (queued steps recorded back to back after one long interval)
+    cancel out in the mean. It keeps its value while idle; 0 until one step is timed.
     """
 
     def __init__(
@@ -109,8 +117,15 @@ class _LoadStatLogger:
         capacity_span_s: float = 0.05,
         capacity_window_s: float = 10.0,
         capacity_windows: int = 6,
+        step_window_s: float = 1.0,
     ) -> None:
         self._clock = clock
+        # decode step time: (t, interval) of the timed steps of the last step_window_s
+        self._step_window = step_window_s
+        self._step_last_t: float | None = None
+        self._steps: deque[tuple[float, float]] = deque()
+        self._step_sum = 0.0
+        self._step_s = 0.0
         self._window = rate_window_s
         # prefill capacity: the open span, the open window's best sample, older windows' best
         self._cap_span_s = capacity_span_s
@@ -149,6 +164,7 @@ class _LoadStatLogger:
     ) -> None:
         self.records += 1
         if scheduler_stats is not None:
+            self._observe_step(self._clock())
             self._running = int(getattr(scheduler_stats, "num_running_reqs", 0))
             self._waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0)) + int(
                 getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
@@ -168,6 +184,23 @@ class _LoadStatLogger:
                 self._prompt_sum += prompt
             self._observe_capacity(now, prompt)
             self._expire(now)
+
+    def _observe_step(self, now: float) -> None:
+        """One engine step ended at ``now`` (before ``_running`` takes this step's count)."""
+        last = self._step_last_t
+        self._step_last_t = now
+        if last is not None and self._running > 0:
+            self._steps.append((now, now - last))
+            self._step_sum += now - last
+        horizon = now - self._step_window
+        while len(self._steps) > 1 and self._steps[0][0] < horizon:
+            self._step_sum -= self._steps.popleft()[1]
+        if self._steps:
+            self._step_s = max(self._step_sum, 0.0) / len(self._steps)
+
+    @property
+    def decode_step_s(self) -> float:
+        return self._step_s
 
     def _observe_capacity(self, now: float, prompt: int) -> None:
         last = self._cap_last_t
@@ -252,6 +285,7 @@ class _LoadStatLogger:
             prompt_tokens_per_s=self._prompt_sum / self._window,
             kv_capacity_tokens=self.kv_capacity_tokens,
             prefill_capacity_tokens_per_s=self.prefill_capacity_tokens_per_s,
+            decode_step_s=self.decode_step_s,
         )
 
 
@@ -506,6 +540,7 @@ class VllmEngine:
                 gpus=self._gpu_sampler.latest,
                 kv_capacity_tokens=snap.kv_capacity_tokens,
                 prefill_capacity_tokens_per_s=snap.prefill_capacity_tokens_per_s,
+                decode_step_s=snap.decode_step_s,
             )
         return snap
 

@@ -60,6 +60,7 @@ class RouterServer:
                                  max_concurrency_default=config.max_concurrency_default,
                                  known_model_retention_s=config.known_model_retention_s,
                                  peer_share_half_life_s=config.peer_share_half_life_s,
+                                 step_from_report=config.step_from_report,
                                  clock=clock)
         self.channels = NodeChannels(config.keepalive_time_ms,
                                      close_grace_s=config.request_timeout_s)

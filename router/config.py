@@ -64,6 +64,10 @@ class RouterConfig:
     # decode steps (average running / generation tokens/s, scorers.py) in place of
     # decode_s_per_request / weight; 0 = keep the constant. Dimensionless: no time scaling.
     decode_steps_per_request: float = 1.0
+    # The decode step: the node's own measurement (LoadReport.decode_step_s, timed between the
+    # engine's steps) where it reports one; off, or from a node without it: inferred as
+    # average running / generation tokens/s.
+    step_from_report: bool = True
     # c in c * k / (1 - k). 0.05 s: the policy benchmark (docs/benchmarks.md section 1) found
     # 0.25 s burst onto the lowest-k node on lognormal lengths and 0.05 s no worse on bimodal.
     kv_penalty_s: float = 0.05

@@ -107,11 +107,13 @@ class AccountSample:
 STEP_AVERAGE_S = 2.0
 
 
-def _with_step_time(load: LoadSample, previous: Report | None,
-                    now: float) -> tuple[LoadSample, float]:
+def _with_step_time(load: LoadSample, previous: Report | None, now: float,
+                    from_report: bool = True) -> tuple[LoadSample, float]:
     """``load`` with ``step_s``, the node's decode step time, and the new running average.
 
-    Each running request samples one token a step, so step = running / generation rate.
+    The node's own timing (``decode_step_s``, the mean interval between its engine's recent
+    steps) where it reports one and ``from_report``; otherwise inferred: each running request
+    samples one token a step, so step = running / generation rate.
     The rate is an average over the node's last few seconds while num_running is the count
     at the report: their ratio swings several-fold when a node runs a few requests (one
     simulated node at ~3 running read 4-35 ms against a 7 ms step), so the running count is
@@ -125,7 +127,10 @@ def _with_step_time(load: LoadSample, previous: Report | None,
         avg = previous.running_avg + w * (load.num_running - previous.running_avg)
         prev_step = previous.load.step_s
     g = load.generation_tokens_per_s
-    step = avg / g if g > 0 and avg > 0 else prev_step
+    if from_report and load.decode_step_s > 0:
+        step = load.decode_step_s
+    else:
+        step = avg / g if g > 0 and avg > 0 else prev_step
     return (load if step == load.step_s else replace(load, step_s=step)), avg
 
 
@@ -575,9 +580,10 @@ class _Index:
 class Registry:
     def __init__(self, router_id: str, *, lease_ttl_s: float, freshness_s: float,
                  max_concurrency_default: int = 0, known_model_retention_s: float = 60.0,
-                 peer_share_half_life_s: float = 10.0,
+                 peer_share_half_life_s: float = 10.0, step_from_report: bool = True,
                  clock: Clock = time.monotonic) -> None:
         self.router_id = router_id
+        self.step_from_report = step_from_report   # RouterConfig.step_from_report
         self.lease_ttl_s = lease_ttl_s
         self.freshness_s = freshness_s
         self.max_concurrency_default = max_concurrency_default
@@ -649,7 +655,7 @@ class Registry:
         ours = next((a for rid, a in accounts if rid == self.router_id), None)
         self.peers.observe(node_id, accounts)
         self._ledgers[node_id].on_report(ours)
-        load, running_avg = _with_step_time(load, entry.report, now)
+        load, running_avg = _with_step_time(load, entry.report, now, self.step_from_report)
         if load.step_s > 0 or load.prefill_capacity_tokens_per_s > 0:
             for m in entry.registration.models:
                 step, cap = self._speed_ref.get(m.name, (0.0, 0.0))

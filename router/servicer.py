@@ -204,7 +204,8 @@ def load_from_proto(r: control_pb2.LoadReport) -> LoadSample:
         generation_tokens_per_s=r.generation_tokens_per_s,
         prompt_tokens_per_s=r.prompt_tokens_per_s, in_flight=r.in_flight, draining=r.draining,
         kv_capacity_tokens=r.kv_capacity_tokens,
-        prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s)
+        prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
+        decode_step_s=r.decode_step_s)
 
 
 class ControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
@@ -298,6 +299,7 @@ def _load_to_proto(report: Report | None) -> control_pb2.LoadReport:
         draining=l.draining, prompt_tokens_per_s=l.prompt_tokens_per_s,
         kv_capacity_tokens=l.kv_capacity_tokens,
         prefill_capacity_tokens_per_s=l.prefill_capacity_tokens_per_s,
+        decode_step_s=l.decode_step_s,
         gpus=[control_pb2.GpuStats(index=g.index, utilization=g.utilization,
                                    memory_used_bytes=g.memory_used_bytes,
                                    memory_total_bytes=g.memory_total_bytes)

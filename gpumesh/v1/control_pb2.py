@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from gpumesh.v1 import inference_pb2 as gpumesh_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gpumesh/v1/control.proto\x12\ngpumesh.v1\x1a\x1agpumesh/v1/inference.proto\"\x7f\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_weight\x18\x05 \x01(\x01\"\xaa\x01\n\x0cRegistration\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\'\n\x06models\x18\x03 \x03(\x0b\x32\x17.gpumesh.v1.ServedModel\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x11\n\tgpu_model\x18\x06 \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x07 \x01(\r\"e\n\x08GpuStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0butilization\x18\x02 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\"\xd4\x01\n\rRouterAccount\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11\x61\x64mitted_requests\x18\x02 \x01(\x04\x12\x1e\n\x16\x61\x64mitted_prompt_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14\x66irst_token_requests\x18\x04 \x01(\x04\x12!\n\x19\x66irst_token_prompt_tokens\x18\x05 \x01(\x04\x12\x1e\n\x11\x66inished_requests\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x14\n\x12_finished_requests\"\x8b\x03\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\"\n\x04gpus\x18\x08 \x03(\x0b\x32\x14.gpumesh.v1.GpuStats\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x32\n\x0frouter_accounts\x18\n \x03(\x0b\x32\x19.gpumesh.v1.RouterAccount\x12\x1b\n\x13prompt_tokens_per_s\x18\x0b \x01(\x01\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x04\x12%\n\x1dprefill_capacity_tokens_per_s\x18\r \x01(\x01\"T\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ms\x18\x02 \x01(\x03\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.gpumesh.v1.LoadReport\" \n\x0e\x44\x65registration\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa9\x01\n\x0bNodeMessage\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x18.gpumesh.v1.RegistrationH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.gpumesh.v1.HeartbeatH\x00\x12\x34\n\x0e\x64\x65registration\x18\x03 \x01(\x0b\x32\x1a.gpumesh.v1.DeregistrationH\x00\x42\x06\n\x04kind\"m\n\x0bRouterHello\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x16\n\x0epeer_addresses\x18\x02 \x03(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1c\n\nDrainOrder\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x93\x01\n\rRouterMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.gpumesh.v1.RouterHelloH\x00\x12\'\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x18.gpumesh.v1.HeartbeatAckH\x00\x12\'\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x16.gpumesh.v1.DrainOrderH\x00\x42\x06\n\x04kind\"\x11\n\x0fGetFleetRequest\"\x8c\x02\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.gpumesh.v1.NodeState\x12\'\n\x06models\x18\x04 \x03(\x0b\x32\x17.gpumesh.v1.ServedModel\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.gpumesh.v1.LoadReport\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x18\n\x10router_in_flight\x18\x07 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\x11\n\tgpu_model\x18\t \x01(\t\x12\x0c\n\x04kind\x18\n \x01(\t\"v\n\x10GetFleetResponse\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12%\n\x05nodes\x18\x03 \x03(\x0b\x32\x16.gpumesh.v1.NodeStatus\x12\x18\n\x10worker_addresses\x18\x04 \x03(\t\"U\n\x0bPickRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.gpumesh.v1.GenerateRequest\x12\x18\n\x10\x65xclude_node_ids\x18\x02 \x03(\t\"h\n\x0cPickResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x04 \x01(\x03\x12\r\n\x05model\x18\x05 \x01(\t*n\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12NODE_STATE_HEALTHY\x10\x01\x12\x14\n\x10NODE_STATE_STALE\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x32Q\n\x0c\x43ontrolPlane\x12\x41\n\x07\x43onnect\x12\x17.gpumesh.v1.NodeMessage\x1a\x19.gpumesh.v1.RouterMessage(\x01\x30\x01\x32\x8a\x01\n\x06Router\x12\x45\n\x08GetFleet\x12\x1b.gpumesh.v1.GetFleetRequest\x1a\x1c.gpumesh.v1.GetFleetResponse\x12\x39\n\x04Pick\x12\x17.gpumesh.v1.PickRequest\x1a\x18.gpumesh.v1.PickResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gpumesh/v1/control.proto\x12\ngpumesh.v1\x1a\x1agpumesh/v1/inference.proto\"\x7f\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_weight\x18\x05 \x01(\x01\"\xaa\x01\n\x0cRegistration\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\'\n\x06models\x18\x03 \x03(\x0b\x32\x17.gpumesh.v1.ServedModel\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x11\n\tgpu_model\x18\x06 \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x07 \x01(\r\"e\n\x08GpuStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0butilization\x18\x02 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\"\xd4\x01\n\rRouterAccount\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11\x61\x64mitted_requests\x18\x02 \x01(\x04\x12\x1e\n\x16\x61\x64mitted_prompt_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14\x66irst_token_requests\x18\x04 \x01(\x04\x12!\n\x19\x66irst_token_prompt_tokens\x18\x05 \x01(\x04\x12\x1e\n\x11\x66inished_requests\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x14\n\x12_finished_requests\"\xa2\x03\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\"\n\x04gpus\x18\x08 \x03(\x0b\x32\x14.gpumesh.v1.GpuStats\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x32\n\x0frouter_accounts\x18\n \x03(\x0b\x32\x19.gpumesh.v1.RouterAccount\x12\x1b\n\x13prompt_tokens_per_s\x18\x0b \x01(\x01\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x04\x12%\n\x1dprefill_capacity_tokens_per_s\x18\r \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0e \x01(\x01\"T\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ms\x18\x02 \x01(\x03\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.gpumesh.v1.LoadReport\" \n\x0e\x44\x65registration\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa9\x01\n\x0bNodeMessage\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x18.gpumesh.v1.RegistrationH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.gpumesh.v1.HeartbeatH\x00\x12\x34\n\x0e\x64\x65registration\x18\x03 \x01(\x0b\x32\x1a.gpumesh.v1.DeregistrationH\x00\x42\x06\n\x04kind\"m\n\x0bRouterHello\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x16\n\x0epeer_addresses\x18\x02 \x03(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1c\n\nDrainOrder\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x93\x01\n\rRouterMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.gpumesh.v1.RouterHelloH\x00\x12\'\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x18.gpumesh.v1.HeartbeatAckH\x00\x12\'\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x16.gpumesh.v1.DrainOrderH\x00\x42\x06\n\x04kind\"\x11\n\x0fGetFleetRequest\"\x8c\x02\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.gpumesh.v1.NodeState\x12\'\n\x06models\x18\x04 \x03(\x0b\x32\x17.gpumesh.v1.ServedModel\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.gpumesh.v1.LoadReport\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x18\n\x10router_in_flight\x18\x07 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\x11\n\tgpu_model\x18\t \x01(\t\x12\x0c\n\x04kind\x18\n \x01(\t\"v\n\x10GetFleetResponse\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12%\n\x05nodes\x18\x03 \x03(\x0b\x32\x16.gpumesh.v1.NodeStatus\x12\x18\n\x10worker_addresses\x18\x04 \x03(\t\"U\n\x0bPickRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.gpumesh.v1.GenerateRequest\x12\x18\n\x10\x65xclude_node_ids\x18\x02 \x03(\t\"h\n\x0cPickResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x04 \x01(\x03\x12\r\n\x05model\x18\x05 \x01(\t*n\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12NODE_STATE_HEALTHY\x10\x01\x12\x14\n\x10NODE_STATE_STALE\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x32Q\n\x0c\x43ontrolPlane\x12\x41\n\x07\x43onnect\x12\x17.gpumesh.v1.NodeMessage\x1a\x19.gpumesh.v1.RouterMessage(\x01\x30\x01\x32\x8a\x01\n\x06Router\x12\x45\n\x08GetFleet\x12\x1b.gpumesh.v1.GetFleetRequest\x1a\x1c.gpumesh.v1.GetFleetResponse\x12\x39\n\x04Pick\x12\x17.gpumesh.v1.PickRequest\x1a\x18.gpumesh.v1.PickResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpumesh.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODESTATE']._serialized_start=2301
-  _globals['_NODESTATE']._serialized_end=2411
+  _globals['_NODESTATE']._serialized_start=2324
+  _globals['_NODESTATE']._serialized_end=2434
   _globals['_SERVEDMODEL']._serialized_start=68
   _globals['_SERVEDMODEL']._serialized_end=195
   _globals['_REGISTRATION']._serialized_start=198
@@ -43,33 +43,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTERACCOUNT']._serialized_start=474
   _globals['_ROUTERACCOUNT']._serialized_end=686
   _globals['_LOADREPORT']._serialized_start=689
-  _globals['_LOADREPORT']._serialized_end=1084
-  _globals['_HEARTBEAT']._serialized_start=1086
-  _globals['_HEARTBEAT']._serialized_end=1170
-  _globals['_DEREGISTRATION']._serialized_start=1172
-  _globals['_DEREGISTRATION']._serialized_end=1204
-  _globals['_NODEMESSAGE']._serialized_start=1207
-  _globals['_NODEMESSAGE']._serialized_end=1376
-  _globals['_ROUTERHELLO']._serialized_start=1378
-  _globals['_ROUTERHELLO']._serialized_end=1487
-  _globals['_HEARTBEATACK']._serialized_start=1489
-  _globals['_HEARTBEATACK']._serialized_end=1516
-  _globals['_DRAINORDER']._serialized_start=1518
-  _globals['_DRAINORDER']._serialized_end=1546
-  _globals['_ROUTERMESSAGE']._serialized_start=1549
-  _globals['_ROUTERMESSAGE']._serialized_end=1696
-  _globals['_GETFLEETREQUEST']._serialized_start=1698
-  _globals['_GETFLEETREQUEST']._serialized_end=1715
-  _globals['_NODESTATUS']._serialized_start=1718
-  _globals['_NODESTATUS']._serialized_end=1986
-  _globals['_GETFLEETRESPONSE']._serialized_start=1988
-  _globals['_GETFLEETRESPONSE']._serialized_end=2106
-  _globals['_PICKREQUEST']._serialized_start=2108
-  _globals['_PICKREQUEST']._serialized_end=2193
-  _globals['_PICKRESPONSE']._serialized_start=2195
-  _globals['_PICKRESPONSE']._serialized_end=2299
-  _globals['_CONTROLPLANE']._serialized_start=2413
-  _globals['_CONTROLPLANE']._serialized_end=2494
-  _globals['_ROUTER']._serialized_start=2497
-  _globals['_ROUTER']._serialized_end=2635
+  _globals['_LOADREPORT']._serialized_end=1107
+  _globals['_HEARTBEAT']._serialized_start=1109
+  _globals['_HEARTBEAT']._serialized_end=1193
+  _globals['_DEREGISTRATION']._serialized_start=1195
+  _globals['_DEREGISTRATION']._serialized_end=1227
+  _globals['_NODEMESSAGE']._serialized_start=1230
+  _globals['_NODEMESSAGE']._serialized_end=1399
+  _globals['_ROUTERHELLO']._serialized_start=1401
+  _globals['_ROUTERHELLO']._serialized_end=1510
+  _globals['_HEARTBEATACK']._serialized_start=1512
+  _globals['_HEARTBEATACK']._serialized_end=1539
+  _globals['_DRAINORDER']._serialized_start=1541
+  _globals['_DRAINORDER']._serialized_end=1569
+  _globals['_ROUTERMESSAGE']._serialized_start=1572
+  _globals['_ROUTERMESSAGE']._serialized_end=1719
+  _globals['_GETFLEETREQUEST']._serialized_start=1721
+  _globals['_GETFLEETREQUEST']._serialized_end=1738
+  _globals['_NODESTATUS']._serialized_start=1741
+  _globals['_NODESTATUS']._serialized_end=2009
+  _globals['_GETFLEETRESPONSE']._serialized_start=2011
+  _globals['_GETFLEETRESPONSE']._serialized_end=2129
+  _globals['_PICKREQUEST']._serialized_start=2131
+  _globals['_PICKREQUEST']._serialized_end=2216
+  _globals['_PICKRESPONSE']._serialized_start=2218
+  _globals['_PICKRESPONSE']._serialized_end=2322
+  _globals['_CONTROLPLANE']._serialized_start=2436
+  _globals['_CONTROLPLANE']._serialized_end=2517
+  _globals['_ROUTER']._serialized_start=2520
+  _globals['_ROUTER']._serialized_end=2658
 # @@protoc_insertion_point(module_scope)

@@ -12,10 +12,11 @@ For node n with a fresh report (age <= freshness window)::
     T    = max(n's prefill_capacity_tokens_per_s, n's prompt_tokens_per_s) when n reports a
            capacity (> 0) and ``prefill_from_capacity`` is on (the default, below); else
            max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback)
-    S    = n's measured decode step time: its num_running, averaged over reports (time
-           constant 2 s, about the age of the rate's window), / generation_tokens_per_s
-           (each running request samples one token a step; ``LoadSample.step_s``, derived
-           by the registry); an idle node keeps its last one; a node that never measured
+    S    = n's measured decode step time (``LoadSample.step_s``, set by the registry): the
+           step n reports (decode_step_s, its engine's timed steps) or, from a node that
+           reports none, its num_running averaged over reports (time constant 2 s, about
+           the age of the rate's window) / generation_tokens_per_s (each running request
+           samples one token a step); an idle node keeps its last one; a node that never measured
            its own (nor its capacity) takes the model's latest measured step x weight /
            its weight (capacity / weight x its weight) at candidate build
            (``Registry._with_model_speed``); 0 = none measured for the model yet

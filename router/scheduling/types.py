@@ -36,9 +36,10 @@ class LoadSample:
     draining: bool = False
     kv_capacity_tokens: int = 0          # 0 = unknown (KV usage then moves only with reports)
     prefill_capacity_tokens_per_s: float = 0.0  # 0 = unknown (T falls back to the floor)
-    # Router-derived, not reported: the node's decode step time in seconds, its num_running
-    # averaged over reports / generation_tokens_per_s, carried over reports without a rate
-    # (registry._with_step_time); 0 = never measured.
+    decode_step_s: float = 0.0           # as reported (the node's timed steps); 0 = unknown
+    # What the scorer uses, set by the registry (registry._with_step_time): the node's decode
+    # step time in seconds, decode_step_s where reported, else its num_running averaged over
+    # reports / generation_tokens_per_s; carried over reports without one; 0 = never measured.
     step_s: float = 0.0
 
 

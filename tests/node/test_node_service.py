@@ -199,6 +199,8 @@ async def test_heartbeats_carry_real_engine_numbers(node, cp):
     assert max(h.load.kv_cache_usage for h in during) > 0
     assert max(h.load.generation_tokens_per_s for h in during) > 0
     assert max(h.load.prefill_capacity_tokens_per_s for h in during) > 0
+    # Timed steps of the tiny model on a CPU core: well above 0, well under a second.
+    assert 0 < max(h.load.decode_step_s for h in during) < 1.0
     seqs = [h.seq for h in plane.heartbeats(NODE_ID)]
     assert all(b > a for a, b in zip(seqs, seqs[1:]))
     # Busy heartbeats come at the configured 0.1 s pace (well under the 0.5 s idle pace).

@@ -368,3 +368,18 @@ async def test_load_reports_prefill_capacity_from_the_step_model() -> None:
         assert 0 < after.prompt_tokens_per_s < before / 100
     finally:
         await eng.shutdown()
+
+
+async def test_load_reports_the_decode_step_in_wall_clock_seconds() -> None:
+    # 5 ms simulated steps slowed 4x: 20 ms a step on the wall clock, whatever the batch.
+    cfg = SimEngineConfig(step_a_ms=5.0, step_b_decode_ms=0.0, step_b_prefill_ms=0.0,
+                          time_scale=4.0)
+    eng = await started(cfg)
+    try:
+        assert eng.load().decode_step_s == 0.0            # no step yet
+        await asyncio.gather(*(collect(eng, req(f"r{i}", max_tokens=10, ignore_eos=True))
+                               for i in range(3)))
+        assert eng.load().decode_step_s == pytest.approx(0.020)
+        assert eng.load().decode_step_s == pytest.approx(0.020)   # kept while idle
+    finally:
+        await eng.shutdown()

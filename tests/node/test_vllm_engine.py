@@ -195,6 +195,39 @@ def test_stat_adapter_measures_prefill_capacity_over_spans_of_steps() -> None:
     assert s.snapshot().prefill_capacity_tokens_per_s == pytest.approx(3000 / 0.06)
 
 
+
+def test_stat_adapter_times_the_engine_steps_while_requests_run() -> None:
+    now = [100.0]
+    s = _LoadStatLogger(clock=lambda: now[0], step_window_s=1.0)
+
+    def step(dt: float, running: int) -> None:
+        now[0] += dt
+        s.record(_sched(running, 0, 0.1), _iter(running))
+
+    assert s.snapshot().decode_step_s == 0.0
+    step(0.0, 8)                           # the first call: its step's start is unknown
+    assert s.snapshot().decode_step_s == 0.0
+    for _ in range(5):
+        step(0.010, 8)                     # 10 ms steps
+    assert s.snapshot().decode_step_s == pytest.approx(0.010)
+    step(0.010, 0)                         # the last request finished in this step
+    step(30.0, 4)                          # 30 s idle before the next step: not a step
+    assert s.snapshot().decode_step_s == pytest.approx(0.010)
+    # The output handler catching up: one 50 ms interval, then 4 steps recorded at once:
+    # 5 steps in 50 ms, 10 ms each (the mean over the window, not the last interval).
+    for _ in range(10):
+        step(0.020, 4)                     # the window (1 s) now holds 20 ms steps only
+    assert s.snapshot().decode_step_s == pytest.approx(0.020)
+    step(0.010, 0)                         # idle for 2 s: the window then holds the burst
+    step(2.0, 4)
+    step(0.050, 4)
+    for _ in range(4):
+        step(0.0, 4)
+    assert s.snapshot().decode_step_s == pytest.approx(0.010)
+    # Scheduler stats absent (vLLM sends them every step; a call without them is not a step).
+    s.record(None, _iter(1))
+    assert s.snapshot().decode_step_s == pytest.approx(0.010)
+
 # -- GPU sampler (no GPU here) ------------------------------------------------------------
 
 

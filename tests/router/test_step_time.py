@@ -49,9 +49,10 @@ class Clock:
         return self.t
 
 
-def registry(*nodes: tuple[str, float]) -> tuple[Registry, Clock]:
+def registry(*nodes: tuple[str, float], from_report: bool = True) -> tuple[Registry, Clock]:
     clock = Clock()
-    r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, clock=clock)
+    r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, step_from_report=from_report,
+                 clock=clock)
     for i, (node_id, weight) in enumerate(nodes, 1):
         r.register(NodeRegistration(node_id, f"{node_id}:1",
                                     (ModelSpec("m", capacity_weight=weight),), "i1"), i)
@@ -59,10 +60,11 @@ def registry(*nodes: tuple[str, float]) -> tuple[Registry, Clock]:
 
 
 def beat(r: Registry, node_id: str, stream: int, seq: int, *, running: int = 0,
-         gen: float = 0.0, capacity: float = 50_000.0) -> None:
+         gen: float = 0.0, capacity: float = 50_000.0, reported: float = 0.0) -> None:
     assert r.heartbeat(node_id, stream, seq, 0,
                        LoadSample(num_running=running, generation_tokens_per_s=gen,
-                                  prefill_capacity_tokens_per_s=capacity),
+                                  prefill_capacity_tokens_per_s=capacity,
+                                  decode_step_s=reported),
                        accounts=[(RID, AccountSample(0, 0, 0, 0, 0))])
 
 
@@ -94,6 +96,30 @@ def test_registry_derives_the_step_time_and_keeps_it_while_the_node_is_idle() ->
     assert report(r, "a").step_s == pytest.approx(0.010)
     settle(r, clock, "a", 1, 4, running=10, gen=2000.0)   # re-measured: 5 ms
     assert report(r, "a").step_s == pytest.approx(0.005)
+
+
+def test_a_reported_step_time_is_used_as_reported() -> None:
+    """A node that times its own steps (LoadReport.decode_step_s) is taken at its word, in
+    place of average running / rate (which would read 20 ms here, and swings when a wave of
+    requests moves the count and the rate at different moments)."""
+    r, clock = registry(("a", 1.0))
+    settle(r, clock, "a", 1, 1, running=20, gen=1000.0, reported=0.008)
+    assert report(r, "a").step_s == pytest.approx(0.008)
+    clock.t += 0.25
+    beat(r, "a", 1, 2, running=200, gen=1000.0, reported=0.009)   # no lag, no averaging
+    assert report(r, "a").step_s == pytest.approx(0.009)
+    clock.t += 0.25
+    beat(r, "a", 1, 3, running=0, gen=0.0)       # an older node's report: inferred / kept
+    assert report(r, "a").step_s == pytest.approx(0.009)
+    # Off (RouterConfig.step_from_report): inferred from the same reports.
+    r2, clock2 = registry(("a", 1.0), from_report=False)
+    settle(r2, clock2, "a", 1, 1, running=20, gen=1000.0, reported=0.008)
+    assert report(r2, "a").step_s == pytest.approx(0.020)
+
+
+def test_step_from_report_is_a_router_setting() -> None:
+    assert RouterConfig().step_from_report is True
+    assert RouterConfig.load(env={"GPUMESH_ROUTER_STEP_FROM_REPORT": "0"}).step_from_report is False
 
 
 def test_step_time_uses_the_running_count_averaged_like_the_rate() -> None:
