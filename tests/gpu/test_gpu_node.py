@@ -135,6 +135,8 @@ async def test_heartbeats_show_kv_throughput_and_gpu_under_load(gpu_mesh) -> Non
     assert max(n.load.kv_cache_usage for n in seen) > 0.0
     assert max(n.load.num_running for n in seen) > 0
     assert max(n.load.generation_tokens_per_s for n in seen) > 1000  # a GPU, not a CPU
+    # The node's timed decode step: a 0.5B step on an H200 is a few ms (docs/benchmarks-gpu.md)
+    assert 0 < max(n.load.decode_step_s for n in seen) < 0.2
     gpus = [g for n in seen for g in n.load.gpus]
     assert gpus, "no pynvml GPU samples in the heartbeats"
     assert max(g.utilization for g in gpus) > 0.0
@@ -149,6 +151,7 @@ async def test_heartbeats_show_kv_throughput_and_gpu_under_load(gpu_mesh) -> Non
         (Path(art) / "gpu_status_under_load.txt").write_text(
             status_text + f"\npeak KV {peak.load.kv_cache_usage:.3f}, "
             f"running {peak.load.num_running}, gen tok/s {peak.load.generation_tokens_per_s:.0f}, "
+            f"decode step {peak.load.decode_step_s * 1000:.2f} ms, "
             f"gpus {[(g.index, g.utilization, g.memory_used_bytes) for g in peak.load.gpus]}\n")
 
 
