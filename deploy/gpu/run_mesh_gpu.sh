@@ -2,7 +2,8 @@
 # Device side: the whole GPU measurement of the mesh in one `run` call (from the repo root).
 #
 #   bash deploy/gpu/run_mesh_gpu.sh [PHASES]        PHASES: comma list, default all
-#     raw,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7   (see gpumesh/bench/gpu.py)
+#     raw,raw7,rawdp05,eng05,eng7,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7
+#     (see gpumesh/bench/gpu.py; eng05/eng7: the node's engine in a closed loop without gRPC)
 #
 # 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe; skipped when this warm machine
 #    has it) and the extras (.gpukit/extra, deploy/gpu/pack_extra.sh) into /tmp/site;

@@ -11,6 +11,8 @@
   gpumesh bench overhead [--parts direct,modes,workers,tracing,decision] [--repeats R]
   gpumesh bench scaling [--sizes 1,2,4,8,16,64] [--vllm]
   gpumesh bench vs-smg [--concurrency 8,32] [--repeats R]
+  gpumesh bench engine-loop --config NODE.toml --concurrency C [--warmup S] [--seconds S]
+                            [--prompt DIST] [--output DIST] [--json OUT]
 
 DIST: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX] | bimodal:SHORT:LONG:P_LONG
 (see gpumesh.bench.workload). With --trace, arrivals come from the trace (--rate rescales
@@ -127,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     nc = sub.add_parser("node-cpu", help="node-process CPU per output token, nodes interleaved")
     nodecpu.add_arguments(nc)
+    from gpumesh.bench import engine_loop
+
+    el = sub.add_parser("engine-loop", help="closed loop on a node's own engine, in process, "
+                                            "no gRPC (the node's engine vs raw vLLM)")
+    engine_loop.add_arguments(el)
     return p
 
 
@@ -264,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return {"overhead": overhead.main, "scaling": scaling.main,
                 "vs-smg": vs_smg.main}[a.cmd](a)
+    if a.cmd == "engine-loop":
+        from gpumesh.bench import engine_loop
+
+        return engine_loop.main(a)
     if a.cmd == "node-cpu":
         from gpumesh.bench import nodecpu
 

@@ -13,6 +13,12 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
   session, 0.5B, one GPU, concurrency 128 (the README's method, for an in-session ratio).
   ``raw7``: 7B at 256, one GPU, then (two GPUs) data parallel: two engines at once, 128 each
   (seed_table.sh's method); ``rawdp05``: the same for 0.5B at 128.
+- ``eng05`` / ``eng7``: the node's own engine without gRPC (``gpumesh bench engine-loop``:
+  the node TOML a node of that shape gets here, engine built by the node's code, a closed loop
+  on its ``generate`` in the same process) at the raw phases' concurrency: one GPU, then (two
+  GPUs) two loops at once, C/2 each, as one data-parallel row (phase ``eng`` in the results).
+  Raw vs engine loop = the node's engine configuration; engine loop vs the node direct = the
+  node's serving path (servicer, coalescing, gRPC).
 - ``p05``: 0.5B. Node A on GPU 0 and (two GPUs or more) node B on GPU 1, 0.85 of memory each;
   router R1 fronts A alone, R2 fronts A and B. Benches: A direct and R1 at concurrency 128
   (one GPU), R2 at 128 and 256 (data parallel; 256 = 128 per GPU, the equal-latency point),
@@ -591,6 +597,7 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     parallel without a router, the measure of what the router costs at that load)."""
     from gpumesh.bench.cli import StreamSpec, run_multi
     from gpumesh.bench.loadgen import LoadConfig
+    from gpumesh.bench.stats import window_metrics
     from gpumesh.bench.workload import LengthDist, WorkloadSpec
 
     prompt, output = prompt or env.prompt, output or env.output
@@ -621,23 +628,14 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
                                                spec, p[2]), parts))
     res = [r for run in runs for r in run.results]
     ok = [r for r in res if r.status == "OK"]
-    inwin = [r for r in ok if r.start_s >= warm and r.start_s + r.latency_s <= warm + win]
-    done = [r for r in ok if warm <= r.start_s + r.latency_s <= warm + win]
     nodes: dict[str, int] = {}
-    for r in inwin:
-        nodes[r.node_id or "?"] = nodes.get(r.node_id or "?", 0) + 1
+    for r in ok:
+        if r.start_s >= warm and r.start_s + r.latency_s <= warm + win:
+            nodes[r.node_id or "?"] = nodes.get(r.node_id or "?", 0) + 1
     rec: dict[str, Any] = {
         "phase": phase, "setup": setup, "shape": shape, "target": target, "concurrency": concurrency,
         "prompt": prompt, "output": output, "procs": procs, "warmup_s": warm, "window_s": win,
-        "requests": len(res), "errors": len(res) - len(ok),
-        "error_kinds": sorted({f"{r.status}: {r.error[:80]}" for r in res if r.status != "OK"})[:5],
-        "completed": len(inwin), "qps": round(len(inwin) / win, 2), "done_qps": round(len(done) / win, 2),
-        "out_tok_s": round(sum(r.output_tokens for r in done) / win, 1),
-        "lat_p50": _pct([r.latency_s for r in inwin], 50), "lat_p99": _pct([r.latency_s for r in inwin], 99),
-        "ttft_p50": _pct([r.ttft_s for r in inwin if r.ttft_s is not None], 50),
-        "ttft_p99": _pct([r.ttft_s for r in inwin if r.ttft_s is not None], 99),
-        "tpot_p50": _pct([t for r in inwin if (t := r.tpot_s) is not None], 50),
-        "out_tokens_p50": _pct([r.output_tokens for r in inwin], 50),
+        **window_metrics(res, warm, win),
         "node_share": nodes, "command": cmd, "started": t_start, "engine": env.engine,
         "cpu_cores": cpu.cores}
     if env.engine == "vllm" and env.engine_args:
@@ -659,9 +657,6 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         env.save()
         raise RuntimeError(f"{setup}: {len(res) - len(ok)} of {len(res)} requests failed: "
                            f"{rec['error_kinds']}")
-    for k in ("lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50"):
-        if isinstance(rec[k], float) and not math.isnan(rec[k]):
-            rec[k] = round(rec[k], 4)
     env.records.append(rec)
     env.save()
     print(f"[gpu-bench] {phase:8} {setup:28} c={concurrency:<4} qps={rec['qps']:7.1f} "
@@ -741,6 +736,115 @@ def phase_raw(env: Env, shape: str = "0.5b", dp: bool = False) -> None:
         print(f"[gpu-bench] raw      {shape} {setup:36} c={rec['concurrency']:<4} "
               f"qps={rec['qps']:7.1f} p50={rec['lat_p50']:.3f}s", flush=True)
         env.save()
+
+
+ENG_SETUPS = ("engine loop, 1 GPU (node's engine, no gRPC)",
+              "engine loop, 2 GPUs data parallel (node's engine, no gRPC)")
+
+
+def _max(xs: Sequence[Any]) -> Any:
+    vs = [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
+    return max(vs) if vs else None
+
+
+def phase_eng(env: Env, shape: str, gpus: int) -> None:
+    """The node's own engine in a closed loop in one process, without gRPC
+    (``gpumesh bench engine-loop``, gpumesh.bench.engine_loop), on the node TOML a node of this
+    shape gets in the other phases (same engine arguments, ``--engine-arg`` included), at the
+    raw reference's concurrency C: one loop on GPU 0, then (two GPUs or more) two loops at
+    once on GPUs 0 and 1, C/2 each, starting their load together, recorded as one row the way
+    ``phase_raw`` combines its data-parallel pair (QPS and tokens/s summed, latency percentiles
+    the worse of the two). Raw vs these rows is the node's engine configuration; these rows vs
+    the node direct is the node's serving path (servicer, coalescing, gRPC)."""
+    c = RAW_CONCURRENCY[shape]
+    tag = shape.replace(".", "")
+    runs = [(ENG_SETUPS[0], [("0", c)])]
+    if gpus >= 2:
+        runs.append((ENG_SETUPS[1], [("0", c // 2), ("1", c // 2)]))
+    for setup, parts in runs:
+        n = len(parts)
+        sync = env.logs / f"eng-{tag}-{n}gpu-sync"
+        if sync.exists():
+            for f in sync.iterdir():
+                f.unlink()
+        children: list[tuple[Child, Path]] = []
+        cmds: list[str] = []
+        for g, conc in parts:
+            spec = NodeSpec(f"eng{tag}-{n}gpu-{g}", shape, g, 0.85)
+            cfg = env.logs / f"{spec.name}.toml"
+            cfg.write_text(node_toml(env, spec))
+            out = env.logs / f"{spec.name}.json"
+            out.unlink(missing_ok=True)
+            args = ["bench", "engine-loop", "--config", str(cfg), "--concurrency", str(conc),
+                    "--warmup", f"{env.warmup_s:g}", "--seconds", f"{env.window_s:g}",
+                    "--prompt", env.prompt, "--output", env.output, "--json", str(out)]
+            if n > 1:
+                args += ["--sync-dir", str(sync), "--sync-count", str(n)]
+            child_env = {"CUDA_VISIBLE_DEVICES": g} if env.engine == "vllm" else {}
+            ch = Child(spec.name, args, env.logs, child_env)
+            children.append((ch, out))
+            cmds.append(ch.command() + f"   # {cfg.name}: "
+                        + node_toml(env, spec).replace("\n", "; "))
+        env.meta.setdefault("commands", {})[f"eng{tag}-{n}gpu"] = cmds
+        # Until every loop has exited or written its record 20 s ago (a process that hangs in
+        # its exit after a CUDA engine's shutdown must not cost the budget), or one has died
+        # without a record (its partner would wait for it at the sync barrier).
+        deadline = time.monotonic() + 300
+        written: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            for ch, out in children:
+                if ch.name not in written and out.exists():
+                    written[ch.name] = now
+            alive = [ch for ch, _ in children if ch.alive()]
+            if all(now - written.get(ch.name, now) > 20 for ch in alive):
+                break
+            if any(not ch.alive() and not out.exists() for ch, out in children):
+                break
+            time.sleep(0.5)
+        for ch, _ in children:
+            if ch.alive():
+                print(f"[gpu-bench] eng {shape} {setup}: {ch.name} "
+                      + ("had not exited 20 s after its record" if ch.name in written
+                         else "timed out or waited for a failed partner") + ": stopped",
+                      flush=True)
+        for ch, _ in children:
+            ch.stop()
+        if env.engine == "vllm":
+            wait_gpus_free()
+        rows = [json.loads(out.read_text()) for _, out in children if out.exists()]
+        if len(rows) != n:
+            raise RuntimeError(f"eng {shape} {setup}: {n - len(rows)} of {n} loops gave no "
+                               "result\n" + "\n".join(ch.tail(1500) for ch, _ in children))
+        rec: dict[str, Any] = {
+            "phase": "eng", "setup": setup, "shape": shape,
+            "concurrency": sum(r["concurrency"] for r in rows),
+            "prompt": env.prompt, "output": env.output,
+            "warmup_s": env.warmup_s, "window_s": env.window_s,
+            "requests": sum(r["requests"] for r in rows),
+            "errors": sum(r["errors"] for r in rows),
+            "completed": sum(r["completed"] for r in rows),
+            "qps": round(sum(r["qps"] for r in rows), 2),
+            "done_qps": round(sum(r["done_qps"] for r in rows), 2),
+            "out_tok_s": round(sum(r["out_tok_s"] for r in rows), 1),
+            **{k: _max([r.get(k) for r in rows])
+               for k in ("lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50")},
+            "engine_load": {f"gpu{g}": r.get("engine_load") for (g, _), r in zip(parts, rows)},
+            "cpu_cores": {f"loop gpu{g} {k}": v for (g, _), r in zip(parts, rows)
+                          for k, v in (r.get("cpu_cores") or {}).items()},
+            "kv_tokens": rows[0].get("kv_tokens"), "init_s": [r.get("init_s") for r in rows],
+            "command": " & ".join(ch.command() for ch, _ in children),
+            "engine": env.engine, "parts": rows}
+        if env.engine == "vllm" and env.engine_args:
+            rec["engine_args"] = env.engine_args
+        env.records.append(rec)
+        env.save()
+        run = " / ".join(f"{_f((r.get('engine_load') or {}).get('running_mean'), 0)}"
+                         for r in rows)
+        print(f"[gpu-bench] eng      {shape} {setup:58} c={rec['concurrency']:<4} "
+              f"qps={rec['qps']:7.1f} done_qps={rec['done_qps']:7.1f} "
+              f"p50={_f(rec['lat_p50'], 3)}s tpot50={_f((rec['tpot_p50'] or 0) * 1000)}ms "
+              f"running {run} errors={rec['errors']}", flush=True)
 
 
 def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[NodeSpec], list[RouterSpec]]:
@@ -985,9 +1089,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     env.save()
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
+    # eng05/eng7: one engine start, then two at once (raw7, a phase of that shape, took 155 s).
     need = {"raw": 90, "raw7": 200, "rawdp05": 150, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
             "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120,
-            "dp7": 330}
+            "dp7": 330, "eng05": 160, "eng7": 200}
     failed = []
     for ph in [p for p in a.phases.split(",") if p]:
         left = budget_end - time.monotonic()
@@ -1014,7 +1119,9 @@ def cmd_run(a: argparse.Namespace) -> int:
              "dp05": lambda: phase_ab(env, "0.5b", gpus, "dp05", rounds=a.rounds,
                                       dp_only=True),
              "dp7": lambda: phase_ab(env, "7b", gpus, "dp7", rounds=a.rounds,
-                                     dp_only=True)}[ph]()
+                                     dp_only=True),
+             "eng05": lambda: phase_eng(env, "0.5b", gpus),
+             "eng7": lambda: phase_eng(env, "7b", gpus)}[ph]()
         except Exception as e:  # noqa: BLE001 - one phase failing must not cost the others
             print(f"[gpu-bench] {ph}: FAILED: {type(e).__name__}: {e}"[:4000], flush=True)
             failed.append(ph)
@@ -1123,7 +1230,7 @@ def dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     records = dedupe(records)
     lines: list[str] = []
-    main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw")]
+    main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw", "eng")]
     raw_in = {(r["shape"], _setup_key(r)): r for r in records if r["phase"] == "raw"}
     if main:
         lines += [("| shape | setup | C | workload | QPS | done QPS | p50 s | p99 s | TTFT p50 s |"
@@ -1256,13 +1363,13 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = dedupe(records)
-    main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw")]
+    main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw", "eng")]
     sw = [r for r in records if r["phase"] == "sweep" and r["output"] != "fixed:1"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     ax = axes[0]
     labels = [f"{r['shape']} {r['setup']} C={r['concurrency']}" for r in main]
     ys = [r["qps"] for r in main]
-    ax.barh(range(len(ys)), ys, color=["#888" if r["phase"] == "raw" else "#37a" for r in main])
+    ax.barh(range(len(ys)), ys, color=[{"raw": "#888", "eng": "#b73"}.get(r["phase"], "#37a") for r in main])
     for i, r in enumerate(main):
         ref = RAW_REFERENCE.get((r["shape"], _setup_key(r)))
         if (ref and r["concurrency"] == RAW_CONCURRENCY[r["shape"]] and r["phase"] != "share"

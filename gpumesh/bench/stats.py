@@ -8,6 +8,9 @@ Pure functions (no I/O). Times in the summary are milliseconds, rates per wall-c
   gRPC status name.
 - Goodput: successful requests with TTFT <= ``slo.ttft_ms`` and TPOT <= ``slo.tpot_ms`` (a
   request with one output token has no TPOT and passes that half), per second of the window.
+
+``window_metrics`` is the other method: the raw-vLLM reference's fixed window after a warm-up
+(seconds, not milliseconds), used by the GPU bench and the engine loop.
 """
 
 from __future__ import annotations
@@ -82,4 +85,44 @@ def summarize(results: Sequence[RequestResult], slo: SLO | None = None) -> dict[
         "goodput_fraction": good / n if n else 0.0,
         "node_share": {k: v / len(ok) for k, v in sorted(nodes.items())},
         "node_requests": dict(sorted(nodes.items())),
+    }
+
+
+def window_metrics(results: Sequence[RequestResult], warmup_s: float,
+                   window_s: float) -> dict[str, Any]:
+    """Metrics over the window ``[warmup_s, warmup_s + window_s]`` (offsets of ``start_s``),
+    computed as the raw-vLLM reference tool computes them (.gpukit/tools/seed_table.py).
+
+    - ``completed``, ``qps``: successful requests that started in the window and finished
+      inside it, and their count per second of the window (this undercounts the completion
+      rate by about latency / window);
+    - ``done_qps``, ``out_tok_s``: successful requests that finished in the window (wherever
+      they started), and their output tokens, per second of the window;
+    - ``lat_*``, ``ttft_*``, ``tpot_p50``, ``out_tokens_p50`` (seconds, tokens): percentiles
+      over the ``completed`` requests (NaN when there are none), rounded to 0.1 ms;
+    - ``requests``, ``errors``, ``error_kinds``: every result given, the failed ones, and up to
+      five distinct "STATUS: message" strings.
+    """
+    ok = [r for r in results if r.status == "OK"]
+    lo, hi = warmup_s, warmup_s + window_s
+    inwin = [r for r in ok if r.start_s >= lo and r.start_s + r.latency_s <= hi]
+    done = [r for r in ok if lo <= r.start_s + r.latency_s <= hi]
+
+    def pct(xs: Sequence[float], p: float) -> float:
+        v = percentile(xs, p)
+        return v if math.isnan(v) else round(v, 4)
+
+    ttft = [r.ttft_s for r in inwin if r.ttft_s is not None]
+    return {
+        "requests": len(results), "errors": len(results) - len(ok),
+        "error_kinds": sorted({f"{r.status}: {r.error[:80]}" for r in results
+                               if r.status != "OK"})[:5],
+        "completed": len(inwin), "qps": round(len(inwin) / window_s, 2),
+        "done_qps": round(len(done) / window_s, 2),
+        "out_tok_s": round(sum(r.output_tokens for r in done) / window_s, 1),
+        "lat_p50": pct([r.latency_s for r in inwin], 50),
+        "lat_p99": pct([r.latency_s for r in inwin], 99),
+        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct([t for r in inwin if (t := r.tpot_s) is not None], 50),
+        "out_tokens_p50": pct([r.output_tokens for r in inwin], 50),
     }

@@ -10,7 +10,7 @@ import pytest
 
 from gpumesh.bench.loadgen import RequestResult
 from gpumesh.bench.report import markdown_table
-from gpumesh.bench.stats import SLO, percentile, summarize
+from gpumesh.bench.stats import SLO, percentile, summarize, window_metrics
 
 
 def test_percentile_matches_numpy_linear() -> None:
@@ -63,3 +63,22 @@ def test_summary_and_goodput() -> None:
 def test_empty() -> None:
     s = summarize([])
     assert s["requests"] == 0 and s["req_per_s"] == 0.0 and math.isnan(s["latency_ms"]["p99"])
+
+
+def test_window_metrics_count_like_the_raw_reference() -> None:
+    # warm-up 1 s, window [1, 5]
+    rows = [
+        r(0, 0.2, 1.0, 0.1, 11),    # started in the warm-up, ended in the window: done only
+        r(1, 1.0, 2.0, 0.2, 21),    # in the window: completed and done
+        r(2, 2.0, 1.0, 0.1, 11),    # completed and done
+        r(3, 4.5, 1.0, 0.1, 11),    # ends after the window: neither
+        r(4, 2.0, 0.1, None, 0, status="UNAVAILABLE"),
+    ]
+    m = window_metrics(rows, 1.0, 4.0)
+    assert m["requests"] == 5 and m["errors"] == 1 and m["error_kinds"] == ["UNAVAILABLE: "]
+    assert m["completed"] == 2 and m["qps"] == 0.5 and m["done_qps"] == 0.75
+    assert m["out_tok_s"] == round(43 / 4, 1)  # the done requests' tokens
+    assert m["lat_p50"] == 1.5 and m["ttft_p50"] == 0.15
+    assert m["tpot_p50"] == pytest.approx(0.09)   # (0.09 + 0.09) / 2
+    assert m["out_tokens_p50"] == 16.0
+    assert math.isnan(window_metrics([], 1.0, 4.0)["lat_p50"])
