@@ -447,6 +447,7 @@ class FleetSampler:
                         "t": round(t, 1), "node": n.node_id, "running": ld.num_running,
                         "waiting": ld.num_waiting, "kv": round(ld.kv_cache_usage, 4),
                         "tok_s": round(ld.generation_tokens_per_s), "in_flight": ld.in_flight,
+                        "step_s": ld.decode_step_s,
                         "gpus": [(g.index, round(g.utilization, 2), g.memory_used_bytes,
                                g.memory_total_bytes) for g in ld.gpus], "gpu_model": n.gpu_model})
             if self._status_at is not None and not self.status_text and t >= self._status_at:
@@ -465,7 +466,11 @@ class FleetSampler:
             out[node] = {
                 "kv_mean": _mean([s["kv"] for s in ss]), "kv_max": max(s["kv"] for s in ss),
                 "running_mean": _mean([s["running"] for s in ss]),
+                # the node servicer's requests: in_flight - running - waiting is what sits in
+                # the node process outside the engine (arriving, or streaming its last tokens)
+                "in_flight_mean": _mean([s["in_flight"] for s in ss]),
                 "waiting_max": max(s["waiting"] for s in ss),
+                "step_ms_mean": _mean([s.get("step_s", 0.0) * 1000 for s in ss]),
                 "tok_s_mean": _mean([s["tok_s"] for s in ss]),
                 "gpu_util_mean": _mean(util) if util else math.nan,
                 "gpu_mem_gib": max(mem) / 2**30 if mem else math.nan,
@@ -1191,7 +1196,8 @@ def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
              " done QPS / the client's own split of the same round; router B = the router with "
              "`--router-env-b`):"), "",
              ("| phase | workload | setup | C | QPS | done QPS | x split | p50 s | p99 s |"
-             " TTFT p50 s | TPOT p50 ms | in flight abs(A-B) p50 / max | running per node |"),
+             " TTFT p50 s | TPOT p50 ms | in flight abs(A-B) p50 / max |"
+             " running (in flight) per node |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sp = splits.get((r["phase"], r["shape"], _workload(r), r.get("round", 0),
@@ -1202,6 +1208,7 @@ def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
         imb = (f"{im['in_flight_diff_p50']:.0f} / {im['in_flight_diff_max']:.0f}"
                if "in_flight_diff_p50" in im else "-")
         run = " / ".join(f"{n} {_f(v.get('running_mean'), 0)}"
+                         + (f" ({_f(v['in_flight_mean'], 0)})" if "in_flight_mean" in v else "")
                          for n, v in sorted((r.get("fleet") or {}).items()))
         tpot = r.get("tpot_p50")
         lines.append(f"| {r['phase']} | {_workload_label(r)} | {r['setup']} | {r['concurrency']} | "
@@ -1333,11 +1340,13 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   if r["phase"] in ("p05", "p7", "share", "tp05", "tp7")]
     if fleet_rows:
         lines += ["Heartbeats during the window (as the router saw them):", "",
-                  "| shape | setup | C | node | KV mean / max | running mean | gen tok/s mean | GPU util mean | GPU mem GiB | GPU |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| shape | setup | C | node | KV mean / max | running mean | in flight mean | decode step ms | gen tok/s mean | GPU util mean | GPU mem GiB | GPU |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r, n, v in fleet_rows:
+            # older records have neither the node's in-flight mean nor its decode step
             lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {n} | "
                          f"{_f(v['kv_mean'], 3)} / {_f(v['kv_max'], 3)} | {_f(v['running_mean'], 0)} | "
+                         f"{_f(v.get('in_flight_mean'), 0)} | {_f(v.get('step_ms_mean') or None)} | "
                          f"{_f(v['tok_s_mean'], 0)} | {_f(v['gpu_util_mean'] * 100, 0)}% | "
                          f"{_f(v['gpu_mem_gib'], 1)} | {v.get('gpu_model', '')} |")
         lines.append("")

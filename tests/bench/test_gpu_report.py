@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from gpumesh.bench.gpu import CpuSampler, report_markdown
 
 
@@ -96,7 +98,24 @@ def test_report_tables_interleaved_rounds_against_the_same_rounds_split() -> Non
                 "fleet": {"a": {"running_mean": 120.0}, "b": {"running_mean": 118.0}}}
     recs = [dp("router", 0, 90.0), dp("direct (client splits)", 0, 100.0),
             dp("router", 1, 110.0), dp("direct (client splits)", 1, 100.0)]
+    # newer records also hold each node's in-flight mean (the node servicer's requests)
+    recs[2]["fleet"] = {"a": {"running_mean": 100.0, "in_flight_mean": 126.0},
+                        "b": {"running_mean": 101.0, "in_flight_mean": 128.4}}
     md = report_markdown(recs, {})
     assert ("| dp05 | reference | 2 GPUs data parallel, router #0 | 256 | 90.0 | 90.0 | 0.90 | "
             "1.50 | 1.50 | 0.100 | 5.00 | 4 / 9 | a 120 / b 118 |") in md
-    assert "| dp05 | reference | 2 GPUs data parallel, router #1 | 256 | 110.0 | 110.0 | 1.10 |" in md
+    assert ("| dp05 | reference | 2 GPUs data parallel, router #1 | 256 | 110.0 | 110.0 | 1.10 | "
+            "1.50 | 1.50 | 0.100 | 5.00 | 4 / 9 | a 100 (126) / b 101 (128) |") in md
+
+
+def test_fleet_sampler_summary_keeps_in_flight_and_the_decode_step() -> None:
+    from gpumesh.bench.gpu import FleetSampler
+
+    fs = FleetSampler("127.0.0.1:1", None, None)   # never started: samples set by hand
+    base = {"node": "a", "waiting": 0, "kv": 0.1, "tok_s": 1000, "gpus": [], "gpu_model": ""}
+    fs.samples = [{**base, "t": 1.0, "running": 100, "in_flight": 120, "step_s": 0.010},
+                  {**base, "t": 2.0, "running": 110, "in_flight": 126, "step_s": 0.012},
+                  {**base, "t": 9.0, "running": 0, "in_flight": 0, "step_s": 0.0}]  # outside
+    (a,) = fs.summary(0.5, 2.5).values()
+    assert a["running_mean"] == 105 and a["in_flight_mean"] == 123
+    assert a["step_ms_mean"] == pytest.approx(11.0)
