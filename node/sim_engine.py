@@ -31,7 +31,7 @@ Model of the GPU (one asyncio task per engine runs continuous-batching steps):
 Units: ``load()`` rates (``generation_tokens_per_s``, ``prompt_tokens_per_s``) are per
 WALL-CLOCK second, i.e. simulated rates divided by ``time_scale``, so the router's formulas see
 the wall-clock behaviour they act on; ``decode_step_s`` is the mean wall-clock length (the
-simulated step x ``time_scale``) of the steps of the last second. :attr:`SimEngine.stats`
+simulated step x ``time_scale``) of the steps of the last 3 s. :attr:`SimEngine.stats`
 reports simulated seconds.
 
 Prefill capacity (``load().prefill_capacity_tokens_per_s``): what a step that spends its whole
@@ -117,6 +117,10 @@ from node.engine import (
 )
 
 log = logging.getLogger(__name__)
+# Window of decode_step_s (wall seconds): the mean length of the steps that ended in it.
+# 3 s, as a vLLM node's (node.vllm_engine._LoadStatLogger): long enough to span a wave of
+# requests that start and finish together, so equal nodes report equal steps.
+STEP_WINDOW_S = 3.0
 
 VOCAB_SIZE = 32_000
 EOS_TOKEN_ID = VOCAB_SIZE  # outside the sampled range, so it is never drawn by accident
@@ -334,7 +338,7 @@ class SimEngine:
         self._finished = 0
         self._aborted = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (wall t, gen, prefill)
-        # (wall t, wall-clock step length) of the steps of the last second: decode_step_s
+        # (wall t, wall-clock step length) of the steps of the last STEP_WINDOW_S
         self._step_log: deque[tuple[float, float]] = deque()
         self._step_log_sum = 0.0
 
@@ -655,12 +659,12 @@ class SimEngine:
         log = self._step_log
         log.append((now, wall_s))
         self._step_log_sum += wall_s
-        while len(log) > 1 and log[0][0] < now - 1.0:
+        while len(log) > 1 and log[0][0] < now - STEP_WINDOW_S:
             self._step_log_sum -= log.popleft()[1]
 
     def decode_step_s(self) -> float:
-        """Mean wall-clock length of the steps of the last second (the last busy second
-        while idle); per simulated second when ``time_scale`` is 0; 0 before the first step."""
+        """Mean wall-clock length of the steps of the last ``STEP_WINDOW_S`` (the last busy
+        window while idle); per simulated second when ``time_scale`` is 0; 0 before a step."""
         n = len(self._step_log)
         return max(self._step_log_sum, 0.0) / n if n else 0.0
 

@@ -104,9 +104,11 @@ class _LoadStatLogger:
     every step, with or without request outputs, so each ``record`` call with scheduler
     stats ends one step, and the interval since the previous call is that step's length
     when the previous step left requests running (otherwise the engine sat idle in between).
-    The figure is the mean of the intervals of the last ``step_window_s`` seconds; the
-    output handler's bursts (queued steps recorded back to back after one long interval)
-    cancel out in the mean. It keeps its value while idle; 0 until one step is timed.
+    The figure is the mean of the intervals of the last ``step_window_s`` seconds (3 s: a
+    wave of requests that start and finish together fits in it, so equal nodes report equal
+    steps); the output handler's bursts (queued steps recorded back to back after one long
+    interval) cancel out in the mean. It keeps its value while idle; 0 until one step is
+    timed.
     """
 
     def __init__(
@@ -117,7 +119,7 @@ class _LoadStatLogger:
         capacity_span_s: float = 0.05,
         capacity_window_s: float = 10.0,
         capacity_windows: int = 6,
-        step_window_s: float = 1.0,
+        step_window_s: float = 3.0,
     ) -> None:
         self._clock = clock
         # decode step time: (t, interval) of the timed steps of the last step_window_s
