@@ -187,7 +187,10 @@ async def test_heartbeats_carry_real_engine_numbers(node, cp):
     assert regs and regs[0].models[0].name == "tiny" and regs[0].engine == "vllm"
     assert regs[0].models[0].max_context_length == 512
     t0 = time.monotonic()
-    reqs = [build_request(f"load {i}", model="tiny", max_tokens=200, ignore_eos=True)
+    # 450 tokens each (~1.5 s on a CPU core): long enough that the four overlap and several
+    # busy heartbeats see them even when the node's requests reach the engine staggered on a
+    # loaded machine (with 200 tokens a fresh-clone CI run saw at most 1 running).
+    reqs = [build_request(f"load {i}", model="tiny", max_tokens=450, ignore_eos=True)
             for i in range(4)]
     await asyncio.gather(*(stub(node).Generate(r, timeout=120) for r in reqs))
     await asyncio.sleep(0.6)
