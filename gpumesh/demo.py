@@ -105,11 +105,18 @@ async def run_demo(args: argparse.Namespace) -> int:
             print(f"[demo] served by {result.node_id}: {usage.prompt_tokens} prompt tokens, "
                   f"{usage.completion_tokens} completion tokens (random weights: gibberish is "
                   f"expected)", file=sys.stderr)
-            # Show the fleet once a heartbeat has carried the finished request's figures.
-            deadline = time.monotonic() + 3.0
+            # Show the fleet once a heartbeat has carried the finished request's figures: the
+            # serving node's generation rate (a 3 s window) and decode step, nothing in flight.
+            # A report from before the request also has nothing in flight, and a short request
+            # can end between two heartbeats (1 s apart when idle), so wait for the rate.
+            deadline = time.monotonic() + 5.0
             while True:
                 fleet = await client.fleet()
-                if all(n.load.in_flight == 0 for n in fleet.nodes) or time.monotonic() > deadline:
+                served = [n for n in fleet.nodes if n.node_id == result.node_id]
+                if (all(n.load.in_flight == 0 for n in fleet.nodes)
+                        and all(n.load.generation_tokens_per_s > 0 for n in served)):
+                    break
+                if time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.2)
             print(fleet_table(fleet))
