@@ -64,6 +64,8 @@ from typing import Any
 from gpumesh.bench.loadgen import RequestResult
 from gpumesh.bench.stats import window_metrics
 from gpumesh.bench.workload import (
+    REFERENCE_OUTPUT,
+    REFERENCE_PROMPT,
     BenchRequest,
     LengthDist,
     WorkloadSpec,
@@ -75,9 +77,6 @@ from node.engine import Engine, EngineError, EngineRequest, Sampling
 log = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.25
-# The raw reference's workload (seed_table.py): 32 prompt tokens, 256 output tokens.
-REFERENCE_PROMPT = LengthDist("fixed", 32)
-REFERENCE_OUTPUT = LengthDist("fixed", 256)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 import grpc
 
+from gpumesh.bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
+
 if TYPE_CHECKING:
     from gpumesh.bench.affinity import Placement
 
@@ -198,8 +200,8 @@ class Env:
     pin: str = "off"
     # The reference's workload by default; another output length mix (e.g. uniform:128:384)
     # keeps a closed loop's streams from finishing in lock-step waves
-    prompt: str = "fixed:32"
-    output: str = "fixed:256"
+    prompt: str = str(REFERENCE_PROMPT)
+    output: str = str(REFERENCE_OUTPUT)
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -1154,8 +1156,8 @@ def _setup_key(rec: dict[str, Any]) -> str:
     return "1gpu"
 
 
-# The raw reference's workload (seed_table.py): 32 prompt tokens, 256 output tokens.
-REFERENCE_WORKLOAD = ("fixed:32", "fixed:256")
+# The raw reference's workload as (prompt, output) length specs (gpumesh.bench.workload).
+REFERENCE_WORKLOAD = (str(REFERENCE_PROMPT), str(REFERENCE_OUTPUT))
 
 
 def _workload(rec: dict[str, Any]) -> tuple[str, str]:
@@ -1477,9 +1479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="dp05/dp7: node process trees on physical cores of their own near their "
                         "GPUs, routers and load on the rest (gpumesh.bench.affinity); both: each "
                         "setup unpinned then pinned")
-    r.add_argument("--prompt", default="fixed:32",
+    r.add_argument("--prompt", default=str(REFERENCE_PROMPT),
                    help="prompt tokens of the main benches (gpumesh bench's length syntax)")
-    r.add_argument("--output", default="fixed:256",
+    r.add_argument("--output", default=str(REFERENCE_OUTPUT),
                    help="output tokens of the main benches; the reference's fixed:256 makes a "
                         "closed loop's streams finish in lock-step waves, uniform:128:384 does not")
     r.add_argument("--raw-tool", default="")

@@ -81,6 +81,12 @@ class LengthDist:
         return max(1, round(v))
 
 
+# The raw-vLLM reference's workload (shared/gpu/seed_table.py): 32 prompt tokens and 256 output
+# tokens a request. The GPU bench compares with the reference's figures only on it.
+REFERENCE_PROMPT = LengthDist("fixed", 32)
+REFERENCE_OUTPUT = LengthDist("fixed", 256)
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     index: int
