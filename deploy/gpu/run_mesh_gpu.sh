@@ -5,8 +5,9 @@
 #     raw,raw7,rawdp05,eng05,eng7,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7
 #     (see gpumesh/bench/gpu.py; eng05/eng7: the node's engine in a closed loop without gRPC)
 #
-# 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe; skipped when this warm machine
-#    has it) and the extras (.gpukit/extra, deploy/gpu/pack_extra.sh) into /tmp/site;
+# 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe slimmed by deploy/gpu/slim_kit.sh;
+#    skipped when this warm machine has it) and the extras (.gpukit/extra,
+#    deploy/gpu/pack_extra.sh) into /tmp/site;
 # 2. runs the GPU test module tests/gpu (pytest -m gpu) unless GPU_TEST=0;
 # 3. runs `python -m gpumesh.bench.gpu run --phases PHASES` (routers with --workers,
 #    load from gpumesh bench's multi-process generator), within BUDGET seconds in all;

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Here (no network needed): make the carried vLLM kit (.gpukit/one/site.tar.xz, built by
+# ../shared/gpu/prepare_kit.sh) small enough that the tree, the kit, the tools and the extras
+# (deploy/gpu/pack_extra.sh) fit one `run` call, then print the call's size.
+#
+# Why: a call carries 64 MiB. Measured here as one tar of what travels (~0.5-1 KB per file on
+# top of its bytes: a call was once refused while the bytes alone were ~100 KB under the
+# limit). With the kit as built (59.4 MiB), the extras (5.0 MiB) and the tree (1.3 MB in
+# ~150 files) the tar came to 67,112,960 bytes, 4 KB over (end of the fifth GPU session; the
+# calls of that session had ~50 KB less tree). This drops mistral_common's two Tekken tokenizer
+# tables (34 MB unpacked, ~2.9 MB packed), read only by MistralTokenizer.v3(is_tekken=True),
+# i.e. never for the Qwen-shaped models the GPU bench serves; nothing else in the kit changes.
+#   bash ../shared/gpu/prepare_kit.sh && bash deploy/gpu/slim_kit.sh && bash deploy/gpu/pack_extra.sh
+# Idempotent (a slimmed kit is stamped in .gpukit/one/SLIM); ~7 min on 2 cores (xz -9e).
+set -euo pipefail
+ROOT=$(git rev-parse --show-toplevel)
+cd "$ROOT"
+K=.gpukit/one
+LIMIT=$((64 * 1024 * 1024))
+call_size() {  # the tree and the carried kit as one tar, the way a call's files travel
+  { git ls-files; git ls-files -o --exclude-standard
+    find .gpukit/one .gpukit/tools .gpukit/extra -type f 2>/dev/null; } \
+    | tar -T - -cf - 2>/dev/null | wc -c
+}
+[ -f $K/site.tar.xz ] || { echo "no $K/site.tar.xz: run ../shared/gpu/prepare_kit.sh first"; exit 1; }
+sum=$(sha256sum $K/site.tar.xz | cut -c1-16)
+if [ -f $K/SLIM ] && [ "$(cat $K/SLIM)" = "$sum" ]; then
+  echo "kit already slim ($sum)"
+else
+  echo "slimming $K/site.tar.xz ($(stat -c %s $K/site.tar.xz) bytes)..."
+  xz -dc -T0 $K/site.tar.xz \
+    | tar --delete -f - ./mistral_common/data/tekken_240718.json ./mistral_common/data/tekken_240911.json \
+    | xz -9e -T0 > $K/site.tar.xz.new
+  # the slimmed archive must still hold vLLM and the tokenizer package, and not the tables
+  listing=$(xz -dc -T0 $K/site.tar.xz.new | tar -tf -)
+  grep -qx './vllm/__init__.py' <<<"$listing" && grep -qx './mistral_common/__init__.py' <<<"$listing" \
+    && ! grep -q 'tekken_2407\|tekken_2409' <<<"$listing" \
+    || { echo "ERROR: slimmed archive is not as expected; kit left as it was"; rm -f $K/site.tar.xz.new; exit 1; }
+  mv $K/site.tar.xz.new $K/site.tar.xz
+  (cd $K && sha256sum site.tar.xz C_sm90.so.xz > SHA256SUMS)
+  sha256sum $K/site.tar.xz | cut -c1-16 > $K/SLIM
+  echo "slim: $(stat -c %s $K/site.tar.xz) bytes"
+fi
+size=$(call_size)
+echo "one call carries $size of $LIMIT bytes ($(( (LIMIT - size) / 1024 )) KiB to spare)"
+[ "$size" -le "$LIMIT" ] || { echo "ERROR: over the call limit"; exit 1; }
