@@ -198,7 +198,8 @@ async def test_heartbeats_carry_real_engine_numbers(node, cp):
               if t > t0 and m.WhichOneof("kind") == "heartbeat"
               and m.heartbeat.load.in_flight]
     assert during, "no heartbeat while requests ran"
-    assert max(h.load.num_running for h in during) >= 2
+    seen = [(h.load.num_running, h.load.num_waiting, h.load.in_flight) for h in during]
+    assert max(h.load.num_running for h in during) >= 2, seen   # (running, waiting, in flight)
     assert max(h.load.kv_cache_usage for h in during) > 0
     assert max(h.load.generation_tokens_per_s for h in during) > 0
     assert max(h.load.prefill_capacity_tokens_per_s for h in during) > 0
