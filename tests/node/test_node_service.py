@@ -187,19 +187,36 @@ async def test_heartbeats_carry_real_engine_numbers(node, cp):
     assert regs and regs[0].models[0].name == "tiny" and regs[0].engine == "vllm"
     assert regs[0].models[0].max_context_length == 512
     t0 = time.monotonic()
-    # 450 tokens each (~1.5 s on a CPU core): long enough that the four overlap and several
-    # busy heartbeats see them even when the node's requests reach the engine staggered on a
-    # loaded machine (with 200 tokens a fresh-clone CI run saw at most 1 running).
+    # Four streams of 450 tokens (~1.5 s each on a CPU core). From the moment every one has
+    # sent its first chunk until the first one ends, all four are in the engine together, so
+    # the heartbeats sent in between must show several running. (Waiting for unary calls to
+    # end and then looking for any busy heartbeat with two running failed in 2 of 5
+    # fresh-clone CI runs; on 2 cores the node process, beside its engine core and worker,
+    # can send no heartbeat for 0.4 s while the engine runs.)
     reqs = [build_request(f"load {i}", model="tiny", max_tokens=450, ignore_eos=True)
             for i in range(4)]
-    await asyncio.gather(*(stub(node).Generate(r, timeout=120) for r in reqs))
+    calls = [stub(node).GenerateStream(r, timeout=120) for r in reqs]
+    firsts = await asyncio.wait_for(asyncio.gather(*(c.read() for c in calls)), 60)
+    assert all(f is not grpc.aio.EOF for f in firsts)
+    t_all = time.monotonic()
+
+    async def drain(c) -> float:
+        while await c.read() is not grpc.aio.EOF:
+            pass
+        return time.monotonic()
+
+    ends = await asyncio.wait_for(asyncio.gather(*(drain(c) for c in calls)), 60)
+    t_first_end = min(ends)
+    overlap = [m.heartbeat for t, m in plane.received
+               if t_all < t < t_first_end and m.WhichOneof("kind") == "heartbeat"]
     await asyncio.sleep(0.6)
     during = [m.heartbeat for t, m in plane.received
               if t > t0 and m.WhichOneof("kind") == "heartbeat"
               and m.heartbeat.load.in_flight]
     assert during, "no heartbeat while requests ran"
-    seen = [(h.load.num_running, h.load.num_waiting, h.load.in_flight) for h in during]
-    assert max(h.load.num_running for h in during) >= 2, seen   # (running, waiting, in flight)
+    seen = [(h.load.num_running, h.load.num_waiting, h.load.in_flight) for h in overlap]
+    assert seen, f"no heartbeat in the {t_first_end - t_all:.2f} s all four streams ran"
+    assert max(r for r, _, _ in seen) >= 2, seen   # (running, waiting, in flight)
     assert max(h.load.kv_cache_usage for h in during) > 0
     assert max(h.load.generation_tokens_per_s for h in during) > 0
     assert max(h.load.prefill_capacity_tokens_per_s for h in during) > 0
