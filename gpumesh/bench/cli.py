@@ -176,14 +176,23 @@ def _child(cfg: LoadConfig, spec: StreamSpec, total: int, k: int, n: int,
     return [dataclasses.asdict(r) for r in run.results], run.wall_s
 
 
-def run_multi(cfg: LoadConfig, spec: StreamSpec, procs: int) -> RunResult:
-    """Run ``procs`` load-generator processes and merge their results (one start instant)."""
+def start_instant(procs: int) -> float:
+    """When ``procs`` load processes, spawned now, have all connected (a ``time.time()``)."""
+    return time.time() + 2.0 + 0.2 * procs
+
+
+def run_multi(cfg: LoadConfig, spec: StreamSpec, procs: int,
+              start_at: float | None = None) -> RunResult:
+    """Run ``procs`` load-generator processes and merge their results (one start instant:
+    ``start_at``, a ``time.time()``; by default ``start_instant(procs)``, or at once for one
+    process). Results' ``start_s`` count from it."""
     if procs <= 1:
         return asyncio.run(run_load(cfg, _proc_requests(spec, cfg.num_requests, 0, 1),
-                                    progress_prefix="[bench] "))
+                                    start_at=start_at, progress_prefix="[bench] "))
     if cfg.concurrency and cfg.concurrency < procs:
         raise ValueError("--concurrency must be >= --procs")
-    start_at = time.time() + 2.0 + 0.2 * procs  # after every process has connected
+    if start_at is None:
+        start_at = start_instant(procs)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as ex:
         futs = [ex.submit(_child, cfg, spec, cfg.num_requests, k, procs, start_at)

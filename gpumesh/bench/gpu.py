@@ -420,8 +420,13 @@ def wait_gpus_free(timeout_s: float = 20.0) -> None:
 class FleetSampler:
     """Polls a router's GetFleet once a second in a thread (the bench runs in processes)."""
 
-    def __init__(self, router: str, status_at_s: float | None, out: Path | None) -> None:
+    def __init__(self, router: str, status_at_s: float | None, out: Path | None,
+                 origin: float | None = None) -> None:
+        """``origin``: the ``time.time()`` that sample times count from (the load's start
+        instant, so ``summary(warm, warm + window)`` is the load's own window); None: from
+        entering the context."""
         self.router = router
+        self._origin = origin
         self.samples: list[dict[str, Any]] = []
         self.status_text = ""
         self._status_at = status_at_s
@@ -430,7 +435,8 @@ class FleetSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> Self:
-        self._t0 = time.monotonic()
+        if self._origin is None:
+            self._origin = time.time()
         self._thread.start()
         return self
 
@@ -439,8 +445,9 @@ class FleetSampler:
         self._thread.join(10)
 
     def _run(self) -> None:
+        assert self._origin is not None
         while not self._stop.wait(1.0):
-            t = time.monotonic() - self._t0
+            t = time.time() - self._origin
             with contextlib.suppress(grpc.RpcError):
                 f = fleet_once(self.router)
                 for n in f.nodes:
@@ -602,7 +609,7 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     ``split``: instead of ``target``, these nodes directly, the concurrency and the load
     processes divided evenly between them (a client that spreads its own streams: data
     parallel without a router, the measure of what the router costs at that load)."""
-    from gpumesh.bench.cli import StreamSpec, run_multi
+    from gpumesh.bench.cli import StreamSpec, run_multi, start_instant
     from gpumesh.bench.loadgen import LoadConfig
     from gpumesh.bench.stats import window_metrics
     from gpumesh.bench.workload import LengthDist, WorkloadSpec
@@ -622,17 +629,19 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
                      f"--prompt {prompt} --output {output} --procs {n} --timeout 180"
                      + (" --spread-workers" if spread else "")
                      for t, c, n in parts)
-    sampler = FleetSampler(poll, warm + win / 2 if status else None, None) if poll else None
     t_start = time.time()
-    # run_multi starts its processes' clocks 2 + 0.2 * procs s after it is called.
-    t0 = t_start + 2.0 + 0.2 * parts[0][2]
+    # One start instant for every part (the split's halves start together); the load's clock,
+    # the fleet sampler's and the CPU sampler's all count from it.
+    t0 = start_instant(max(n for _, _, n in parts))
+    sampler = FleetSampler(poll, warm + win / 2 if status else None, None, origin=t0) \
+        if poll else None
     cpu = CpuSampler(t0 + warm, t0 + warm + win)
     with (placement.applied() if placement is not None else contextlib.nullcontext(),
           sampler if sampler is not None else contextlib.nullcontext(), cpu,
           concurrent.futures.ThreadPoolExecutor(len(parts)) as ex):
         runs = list(ex.map(lambda p: run_multi(dataclasses.replace(cfg, target=p[0],
                                                                     concurrency=p[1]),
-                                               spec, p[2]), parts))
+                                               spec, p[2], start_at=t0), parts))
     res = [r for run in runs for r in run.results]
     ok = [r for r in res if r.status == "OK"]
     nodes: dict[str, int] = {}
@@ -653,6 +662,10 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         rec["cpu_sets"] = placement.describe()
     if sampler is not None:
         rec["fleet"] = sampler.summary(warm, warm + win)
+        # every poll, compact, from 2 s before the load's start (t counts from it)
+        rec["fleet_polls"] = [[s["t"], s["node"], s["running"], s["waiting"], s["in_flight"],
+                               s["tok_s"], round(s["step_s"] * 1000, 2)]
+                              for s in sampler.samples if s["t"] >= -2.0]
         imb = sampler.imbalance(warm, warm + win)
         if imb:
             rec["imbalance"] = imb

@@ -1,0 +1,51 @@
+"""The GPU benchmark end to end on simulated nodes (``--engine sim``): real node and router
+processes, real load processes. Checks the bench's own bookkeeping, not any speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpumesh.bench import gpu
+
+pytestmark = [pytest.mark.slow]
+
+
+def test_fleet_polls_share_the_loads_clock(tmp_path: Path) -> None:
+    # Warm-up 4 s (past the node's 3 s rate window), 6 s measured. The fleet table of a bench
+    # must describe the load's own window: the load processes start 2 + 0.2 x procs s after
+    # the bench is called, and the fleet sampler used to count from the call, so its "window"
+    # began 3.6 s early here (before the first request) and its node rates and in-flight
+    # means took in the ramp.
+    out = tmp_path / "out"
+    rc = gpu.main(["run", "--engine", "sim", "--phases", "dp05", "--rounds", "1",
+                   "--workers", "1", "--procs", "8", "--warmup", "4", "--seconds", "6",
+                   "--sim-time-scale", "4", "--output", "uniform:64:192",
+                   "--model-root", str(tmp_path / "models"), "--budget", "300",
+                   "--out", str(out)])
+    assert rc == 0
+    recs = json.loads((out / "results.json").read_text())["records"]
+    assert {r["setup"] for r in recs} == {"2 GPUs data parallel, router #0",
+                                          "2 GPUs data parallel, direct (client splits) #0"}
+    for r in recs:
+        c, warm, win = r["concurrency"], r["warmup_s"], r["window_s"]
+        polls = r["fleet_polls"]   # [t, node, running, waiting, in flight, tok/s, step ms]
+        assert {p[1] for p in polls} == {"a05b", "b05b"}, r["setup"]
+        by_t: dict[float, int] = {}
+        for p in polls:
+            by_t[p[0]] = by_t.get(p[0], 0) + p[4]
+        # Polls count from the load's first request: nothing in flight before it, most of the
+        # closed loop's streams within a poll and a heartbeat after it.
+        assert min(by_t) < -0.5 and all(f == 0 for t, f in by_t.items() if t < -0.5), by_t
+        first = min(t for t, f in by_t.items() if f >= 0.5 * c)
+        assert 0 <= first <= 2.5, by_t
+        assert any(warm <= t <= warm + win for t in by_t), by_t
+        fleet = r["fleet"]
+        if "split" in r["setup"]:
+            # without the router's hop (CPU-bound on 2 cores) every stream sits in a node
+            assert sum(v["in_flight_mean"] for v in fleet.values()) >= 0.8 * c, fleet
+        # the nodes' own generation rates add up to what the clients received
+        node_tok = sum(v["tok_s_mean"] for v in fleet.values())
+        assert 0.7 * r["out_tok_s"] <= node_tok <= 1.3 * r["out_tok_s"], (node_tok, r["out_tok_s"])
