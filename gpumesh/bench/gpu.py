@@ -63,7 +63,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
-import gzip
 import json
 import math
 import os
@@ -81,22 +80,17 @@ from typing import TYPE_CHECKING, Any, Self
 
 import grpc
 
+from gpumesh.bench.gpu_report import (
+    RAW_CONCURRENCY,
+    cmd_report,
+    fmt,
+    plot,
+    report_markdown,
+)
 from gpumesh.bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
 
 if TYPE_CHECKING:
     from gpumesh.bench.affinity import Placement
-
-# Raw vLLM 0.26.0 on H200 (shared/gpu/README.md, seed_table.sh, 2026-11-29, nvidia-h200-x2):
-# (shape, setup) -> (QPS, p50 latency s, TTFT p50 s or None), input 32, output 256, ignore_eos.
-RAW_REFERENCE: dict[tuple[str, str], tuple[float, float, float | None]] = {
-    ("0.5b", "1gpu"): (128.0, 0.92, None), ("0.5b", "dp2"): (161.0, 0.72, None),
-    ("0.5b", "tp2"): (145.0, 0.84, None),
-    ("7b", "1gpu"): (60.0, 3.19, 1.65), ("7b", "dp2"): (137.0, 1.63, 0.09),
-    ("7b", "tp2"): (85.0, 2.41, None),
-}
-RAW_CONCURRENCY = {"0.5b": 128, "7b": 256}
-# The seed's table (older GPUs): setup -> (QPS, p50 latency s).
-SEED_TABLE = {"1gpu": (20.0, 1.2), "dp2": (38.0, 1.3), "tp2": (22.0, 1.8)}
 
 SERVED = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
@@ -859,11 +853,11 @@ def phase_eng(env: Env, shape: str, gpus: int) -> None:
             rec["engine_args"] = env.engine_args
         env.records.append(rec)
         env.save()
-        run = " / ".join(f"{_f((r.get('engine_load') or {}).get('running_mean'), 0)}"
+        run = " / ".join(f"{fmt((r.get('engine_load') or {}).get('running_mean'), 0)}"
                          for r in rows)
         print(f"[gpu-bench] eng      {shape} {setup:58} c={rec['concurrency']:<4} "
               f"qps={rec['qps']:7.1f} done_qps={rec['done_qps']:7.1f} "
-              f"p50={_f(rec['lat_p50'], 3)}s tpot50={_f((rec['tpot_p50'] or 0) * 1000)}ms "
+              f"p50={fmt(rec['lat_p50'], 3)}s tpot50={fmt((rec['tpot_p50'] or 0) * 1000)}ms "
               f"running {run} errors={rec['errors']}", flush=True)
 
 
@@ -1156,292 +1150,6 @@ def cmd_run(a: argparse.Namespace) -> int:
         plot(env.records, out / "plots.png")
     print(md)
     return 1 if failed else 0
-
-
-# --- report -------------------------------------------------------------------------------------
-
-def _setup_key(rec: dict[str, Any]) -> str:
-    s = rec["setup"]
-    if "data parallel" in s:
-        return "dp2"
-    if "tensor parallel" in s:
-        return "tp2"
-    return "1gpu"
-
-
-# The raw reference's workload as (prompt, output) length specs (gpumesh.bench.workload).
-REFERENCE_WORKLOAD = (str(REFERENCE_PROMPT), str(REFERENCE_OUTPUT))
-
-
-def _workload(rec: dict[str, Any]) -> tuple[str, str]:
-    """(prompt, output) length specs of a record; older records without them ran the
-    reference's workload."""
-    return (str(rec.get("prompt") or REFERENCE_WORKLOAD[0]),
-            str(rec.get("output") or REFERENCE_WORKLOAD[1]))
-
-
-def _workload_label(rec: dict[str, Any]) -> str:
-    wl = _workload(rec)
-    return "reference" if wl == REFERENCE_WORKLOAD else f"{wl[0]} -> {wl[1]}"
-
-
-def _by_workload(records: list[dict[str, Any]]
-                 ) -> dict[tuple[str, tuple[str, str]], list[dict[str, Any]]]:
-    out: dict[tuple[str, tuple[str, str]], list[dict[str, Any]]] = {}
-    for r in records:
-        if r["phase"] in ("p05", "p7"):
-            out.setdefault((r["shape"], _workload(r)), []).append(r)
-    return out
-
-
-def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
-    """The interleaved data-parallel rounds (dp05/dp7, ab05/ab7): every bench of a round,
-    with its done QPS as a multiple of the client's own split in the same round (records are
-    deduplicated first, so one (phase, workload, round) is one call's)."""
-    rows = [r for r in records if r["phase"] in ("dp05", "dp7", "ab05", "ab7")
-            and "data parallel" in r["setup"]]
-    if not rows:
-        return []
-    splits: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for r in rows:
-        if "client splits" in r["setup"]:
-            splits[(r["phase"], r["shape"], _workload(r), r.get("round", 0),
-                    r.get("pinned", False))] = r
-    lines = [("Interleaved data-parallel rounds (same nodes, benches in the order run; `x split` ="
-             " done QPS / the client's own split of the same round; router B = the router with "
-             "`--router-env-b`):"), "",
-             ("| phase | workload | setup | C | QPS | done QPS | x split | p50 s | p99 s |"
-             " TTFT p50 s | TPOT p50 ms | in flight abs(A-B) p50 / max |"
-             " running (in flight) per node |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        sp = splits.get((r["phase"], r["shape"], _workload(r), r.get("round", 0),
-                         r.get("pinned", False)))
-        xs = (_f(r["done_qps"] / sp["done_qps"]) if sp and r.get("done_qps") and sp.get("done_qps")
-              else "-")
-        im = r.get("imbalance") or {}
-        imb = (f"{im['in_flight_diff_p50']:.0f} / {im['in_flight_diff_max']:.0f}"
-               if "in_flight_diff_p50" in im else "-")
-        run = " / ".join(f"{n} {_f(v.get('running_mean'), 0)}"
-                         + (f" ({_f(v['in_flight_mean'], 0)})" if "in_flight_mean" in v else "")
-                         for n, v in sorted((r.get("fleet") or {}).items()))
-        tpot = r.get("tpot_p50")
-        lines.append(f"| {r['phase']} | {_workload_label(r)} | {r['setup']} | {r['concurrency']} | "
-                     f"{_f(r['qps'], 1)} | {_f(r.get('done_qps'), 1)} | {xs} | "
-                     f"{_f(r['lat_p50'])} | {_f(r.get('lat_p99'))} | {_f(r.get('ttft_p50'), 3)} | "
-                     f"{_f(tpot * 1000 if tpot else None)} | {imb} | {run or '-'} |")
-    lines.append("")
-    return lines
-
-
-def _f(x: Any, nd: int = 2) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{x:.{nd}f}"
-
-
-def dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The last record of each (phase, setup, shape, C, prompt, output): a rerun replaces."""
-    last: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for r in records:
-        last[(r["phase"], r["setup"], r["shape"], r["concurrency"], r.get("prompt"),
-              r.get("output"))] = r
-    return list(last.values())
-
-
-def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    records = dedupe(records)
-    lines: list[str] = []
-    main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw", "eng")]
-    raw_in = {(r["shape"], _setup_key(r)): r for r in records if r["phase"] == "raw"}
-    if main:
-        lines += [("| shape | setup | C | workload | QPS | done QPS | p50 s | p99 s | TTFT p50 s |"
-                   " TPOT p50 ms | raw vLLM ref QPS / p50 | x raw ref | x raw (session) |"
-                   " x seed QPS | errors |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in main:
-            key = _setup_key(r)
-            ref = RAW_REFERENCE.get((r["shape"], key))
-            # the references' ratios only where the workload and the concurrency are theirs
-            same_c = (r["concurrency"] == RAW_CONCURRENCY.get(r["shape"])
-                      and _workload(r) == REFERENCE_WORKLOAD)
-            xref = _f(r["qps"] / ref[0]) if ref and same_c and r["phase"] != "share" else "-"
-            ses = raw_in.get((r["shape"], key))
-            xses = (_f(r["qps"] / ses["qps"]) if ses and same_c and r["phase"] != "raw"
-                    else "-")
-            seed = SEED_TABLE.get(key)
-            xseed = _f(r["qps"] / seed[0], 1) if seed and same_c else "-"
-            tpot = r.get("tpot_p50")
-            lines.append(
-                f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {_workload_label(r)} | "
-                f"{_f(r['qps'], 1)} | "
-                f"{_f(r.get('done_qps'), 1)} | {_f(r['lat_p50'])} | {_f(r.get('lat_p99'))} | "
-                f"{_f(r.get('ttft_p50'), 3)} | {_f(tpot * 1000 if tpot else None)} | "
-                f"{f'{ref[0]:g} / {ref[1]:g}' if ref and same_c else '-'} | {xref} | {xses} | "
-                f"{xseed} | {r.get('errors', 0)} |")
-        lines.append("")
-        # data parallel at equal p50: DP at 2C vs one GPU at C, each workload on its own
-        for (shape, wl), rs in _by_workload(records).items():
-            c2 = 2 * RAW_CONCURRENCY[shape]
-            ones = [r for r in rs if r["setup"] == "1 GPU, through router"]
-            directs = [r for r in rs if r["setup"] == "1 GPU, direct to node"]
-            dp = [r for r in rs if r["concurrency"] == c2
-                  and r["setup"] == "2 GPUs data parallel, router"]
-            dd = [r for r in rs if r["concurrency"] == c2
-                  and r["setup"] == "2 GPUs data parallel, direct (client splits)"]
-            if not (ones and dp):
-                continue
-            o, d = ones[-1], dp[-1]
-            tag = "" if wl == REFERENCE_WORKLOAD else f" (workload {wl[0]} -> {wl[1]})"
-            lines.append(f"- {shape}{tag}: data parallel through the router at "
-                         f"C={d['concurrency']} gives {d['qps']:.1f} QPS at p50 "
-                         f"{d['lat_p50']:.2f} s vs one GPU through the router at "
-                         f"C={o['concurrency']}: {o['qps']:.1f} QPS at p50 {o['lat_p50']:.2f} s "
-                         f"-> **{d['qps'] / max(o['qps'], 1e-9):.2f}x** "
-                         f"(target >= 1.9x at equal p50).")
-            if directs:
-                x = directs[-1]
-                lines.append(f"  Against one GPU direct to the node ({x['qps']:.1f} QPS at p50 "
-                             f"{x['lat_p50']:.2f} s): {d['qps'] / max(x['qps'], 1e-9):.2f}x.")
-            if dd:
-                x = dd[-1]
-                lines.append(f"  Without the router (the client splits {c2} streams over the "
-                             f"two nodes): {x['qps']:.1f} QPS at p50 {x['lat_p50']:.2f} s "
-                             f"({x['qps'] / max(o['qps'], 1e-9):.2f}x one GPU); the router "
-                             f"gives {d['qps'] / max(x['qps'], 1e-9):.2f}x of that.")
-        lines.append("")
-    lines += _interleaved_markdown(records)
-    for uph, where in (("unequal", "both nodes on GPU 0"), ("unequal2", "one GPU each")):
-        une = [r for r in records if r["phase"] == uph]
-        if not une:
-            continue
-        lines += [f"Policies on an unequal pair ({where}; `small` has a cut KV cache):", "",
-                  "| policy | C | QPS | done QPS | p50 s | p99 s | TTFT p50 s | TTFT p99 s | share big/small | KV max big/small |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in une:
-            sh = r.get("node_share", {})
-            fl = r.get("fleet", {})
-            kvs = "/".join(_f(fl.get(n, {}).get("kv_max"), 2) for n in ("big", "small"))
-            lines.append(f"| {r.get('policy')} | {r['concurrency']} | {_f(r['qps'], 1)} | "
-                         f"{_f(r.get('done_qps'), 1)} | {_f(r['lat_p50'])} | {_f(r['lat_p99'])} | "
-                         f"{_f(r['ttft_p50'], 3)} | {_f(r['ttft_p99'], 3)} | "
-                         f"{sh.get('big', 0)}/{sh.get('small', 0)} | {kvs} |")
-        lines.append("")
-    cpu_rows = [r for r in records if r.get("cpu_cores")]
-    if cpu_rows:
-        lines += [("Cores used during the window (CPU seconds / window s; `engine` = vLLM's "
-                   "engine core and workers, `front end` = the node process):"), "",
-                  "| shape | setup | C | cores by process group | machine |", "|---|---|---|---|---|"]
-        for r in cpu_rows:
-            cc = dict(r["cpu_cores"])
-            total = cc.pop("machine (all processes)", None)
-            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | "
-                         + ", ".join(f"{k} {v:.2f}" for k, v in cc.items() if v >= 0.05)
-                         + f" | {_f(total)} |")
-        lines.append("")
-    sw = [r for r in records if r["phase"] == "sweep"]
-    if sw:
-        lines += [("Sweep on one node, direct (decode: TPOT p50 = step time at batch ~C; "
-                  "prefill: TTFT p50 of one request):"), "",
-                  "| shape | probe | C | prompt | output | QPS | TTFT p50 ms | TPOT p50 ms | gen tok/s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in sw:
-            tp = r.get("tpot_p50")
-            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {r['prompt']} | "
-                         f"{r['output']} | {_f(r['qps'], 1)} | {_f(r['ttft_p50'] * 1000, 1)} | "
-                         f"{_f(tp * 1000 if tp else None)} | {_f(r.get('out_tok_s'), 0)} |")
-        lines.append("")
-    fleet_rows = [(r, n, v) for r in records for n, v in (r.get("fleet") or {}).items()
-                  if r["phase"] in ("p05", "p7", "share", "tp05", "tp7")]
-    if fleet_rows:
-        lines += ["Heartbeats during the window (as the router saw them):", "",
-                  "| shape | setup | C | node | KV mean / max | running mean | in flight mean | decode step ms | gen tok/s mean | GPU util mean | GPU mem GiB | GPU |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r, n, v in fleet_rows:
-            # older records have neither the node's in-flight mean nor its decode step
-            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {n} | "
-                         f"{_f(v['kv_mean'], 3)} / {_f(v['kv_max'], 3)} | {_f(v['running_mean'], 0)} | "
-                         f"{_f(v.get('in_flight_mean'), 0)} | {_f(v.get('step_ms_mean') or None)} | "
-                         f"{_f(v['tok_s_mean'], 0)} | {_f(v['gpu_util_mean'] * 100, 0)}% | "
-                         f"{_f(v['gpu_mem_gib'], 1)} | {v.get('gpu_model', '')} |")
-        lines.append("")
-    if meta.get("kv_tokens"):
-        lines.append("KV capacity logged by vLLM (tokens): " + ", ".join(
-            f"{k} {v:,}" for k, v in sorted(meta["kv_tokens"].items())))
-        lines.append("")
-    # A phase skipped by one call and run by a later call on the same results is not "not run".
-    ran = {r["phase"] for r in records} | ({"p05"} if any(r["phase"] == "sweep" for r in records)
-                                          else set())
-    not_run = sorted({p for p in meta.get("not_run", []) if p not in ran})
-    failed = [f for f in meta.get("failed", []) if f.split(":")[0] not in ran]
-    for k, v in (("not run", not_run), ("failed", failed)):
-        if v:
-            lines.append(f"**{k}**: " + "; ".join(v))
-    return "\n".join(lines) + "\n"
-
-
-def plot(records: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = dedupe(records)
-    main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw", "eng")]
-    sw = [r for r in records if r["phase"] == "sweep" and r["output"] != "fixed:1"]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
-    ax = axes[0]
-    labels = [f"{r['shape']} {r['setup']} C={r['concurrency']}" for r in main]
-    ys = [r["qps"] for r in main]
-    ax.barh(range(len(ys)), ys, color=[{"raw": "#888", "eng": "#b73"}.get(r["phase"], "#37a") for r in main])
-    for i, r in enumerate(main):
-        ref = RAW_REFERENCE.get((r["shape"], _setup_key(r)))
-        if (ref and r["concurrency"] == RAW_CONCURRENCY[r["shape"]] and r["phase"] != "share"
-                and _workload(r) == REFERENCE_WORKLOAD):
-            ax.plot([ref[0]], [i], "k|", markersize=14)
-        ax.text(r["qps"], i, f" {r['qps']:.0f} QPS, p50 {r['lat_p50']:.2f}s", va="center", fontsize=7)
-    ax.set_yticks(range(len(ys)), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("QPS (window method); | = raw vLLM reference")
-    ax.set_title("gpumesh on H200: QPS by setup")
-    ax = axes[1]
-    for shape in sorted({r["shape"] for r in sw}):
-        rs = sorted((r for r in sw if r["shape"] == shape), key=lambda r: r["concurrency"])
-        ax.plot([r["concurrency"] for r in rs], [r["tpot_p50"] * 1000 for r in rs], "o-",
-                label=f"{shape} measured (TPOT p50)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency (batch)")
-    ax.set_ylabel("ms per decode step")
-    ax.set_title("decode step time vs batch (direct to node)")
-    if sw:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
-def cmd_report(a: argparse.Namespace) -> int:
-    records: list[dict[str, Any]] = []
-    meta: dict[str, Any] = {}
-    for f in a.files:
-        # the archived results in docs/gpu are gzipped (they travel with every device call)
-        raw = Path(f).read_bytes()
-        doc = json.loads(gzip.decompress(raw) if f.endswith(".gz") else raw)
-        records += doc["records"]
-        for k, v in doc.get("meta", {}).items():
-            if isinstance(v, dict):
-                meta.setdefault(k, {}).update(v)
-            elif isinstance(v, list):
-                meta.setdefault(k, []).extend(v)
-            else:
-                meta[k] = v
-    md = report_markdown(records, meta)
-    if a.md:
-        Path(a.md).write_text(md)
-    if a.png:
-        plot(records, Path(a.png))
-    print(md)
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

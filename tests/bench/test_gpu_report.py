@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from gpumesh.bench.gpu import CpuSampler, report_markdown
+from gpumesh.bench.gpu import CpuSampler
+from gpumesh.bench.gpu_report import report_markdown
 
 
 def _procs() -> dict[int, tuple[int, list[str], float]]:
