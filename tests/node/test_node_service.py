@@ -147,15 +147,17 @@ async def test_cancel_aborts_in_engine(node, cp):
         got += 1
         if got == 3:
             break
-    t_cancel = time.monotonic()
+    t_cancel = time.time()
     call.cancel()
     # The engine's own running count (from vLLM's scheduler stats) drops back to 0, and the
-    # node's in-flight count too, long before 480 tokens could have been generated.
+    # node's in-flight count too, long before 480 tokens could have been generated. (Placed
+    # by the heartbeats' own send stamps: this process may read a backlog late.)
     seen_running = False
     for _ in range(100):
         await asyncio.sleep(0.1)
-        recent = [m.heartbeat.load for t, m in plane.received
-                  if t > t_cancel + 0.3 and m.WhichOneof("kind") == "heartbeat"]
+        recent = [m.heartbeat.load for _, m in plane.received
+                  if m.WhichOneof("kind") == "heartbeat"
+                  and m.heartbeat.sent_unix_ms > (t_cancel + 0.3) * 1000]
         seen_running = seen_running or any(h.load.num_running for h in plane.heartbeats(NODE_ID))
         if recent and recent[-1].num_running == 0 and recent[-1].in_flight == 0:
             break
@@ -170,11 +172,12 @@ async def test_deadline_aborts_in_engine(node, cp):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub(node).Generate(req, timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    t0 = time.monotonic()
+    t0 = time.time()
     for _ in range(100):
         await asyncio.sleep(0.1)
-        recent = [m.heartbeat.load for t, m in plane.received
-                  if t > t0 + 0.3 and m.WhichOneof("kind") == "heartbeat"]
+        recent = [m.heartbeat.load for _, m in plane.received
+                  if m.WhichOneof("kind") == "heartbeat"
+                  and m.heartbeat.sent_unix_ms > (t0 + 0.3) * 1000]
         if recent and recent[-1].num_running == 0 and recent[-1].in_flight == 0:
             return
     pytest.fail("engine still running after the deadline")
@@ -187,31 +190,43 @@ async def test_heartbeats_carry_real_engine_numbers(node, cp):
     assert regs and regs[0].models[0].name == "tiny" and regs[0].engine == "vllm"
     assert regs[0].models[0].max_context_length == 512
     t0 = time.time()
-    # Four streams of 450 tokens (~1.5 s each on a CPU core) run together in the engine for
-    # over a second, so the heartbeats the node sent meanwhile must show them. Heartbeats are
-    # placed by their own send stamp (the node's wall clock, taken with the load snapshot),
-    # never by when this process read them or by when the client saw chunks: on 2 cores this
-    # test process can be starved while the engine runs and then read every chunk and a
-    # backlog of heartbeats at once (CI saw a "window" of heartbeats all from when one stream
-    # ran alone; with CPU hogs the client saw the first chunks and the first end in the same
-    # instant).
-    reqs = [build_request(f"load {i}", model="tiny", max_tokens=450, ignore_eos=True)
-            for i in range(4)]
-    calls = [stub(node).GenerateStream(r, timeout=120) for r in reqs]
-
-    async def drain(c) -> int:
-        n = 0
-        async for chunk in c:
-            n += len(chunk.token_ids)
-        return n
-
-    assert await asyncio.wait_for(asyncio.gather(*(drain(c) for c in calls)), 120) == [450] * 4
-    t_end = time.time()
-
+    # Keep four 450-token streams going (a new one as one ends) until a heartbeat shows at
+    # least two running. Heartbeats are placed by their own send stamp (the node's wall clock,
+    # taken with the load snapshot), not by when this process read them. Why a closed loop and
+    # not four streams started together: on 2 cores this test process can get no CPU for 1-3 s
+    # (measured with a loop-lag monitor: the event loop stalled while the node kept sending
+    # heartbeats every 0.1 s), so four calls created at once can reach the node one by one,
+    # each after the last ended (CI saw one running throughout).
     def beats() -> list:
         return [m.heartbeat for _, m in plane.received
                 if m.WhichOneof("kind") == "heartbeat" and m.heartbeat.sent_unix_ms > t0 * 1000]
 
+    async def one(i: int) -> int:
+        n = 0
+        req = build_request(f"load {i}", model="tiny", max_tokens=450, ignore_eos=True)
+        async for chunk in stub(node).GenerateStream(req, timeout=120):
+            n += len(chunk.token_ids)
+        return n
+
+    streams: set[asyncio.Task[int]] = set()
+    started = 0
+    deadline = time.monotonic() + 90
+    try:
+        while not any(h.load.num_running >= 2 for h in beats()):
+            assert time.monotonic() < deadline, [(h.load.num_running, h.load.in_flight)
+                                                 for h in beats()]
+            while len(streams) < 4:
+                streams.add(asyncio.create_task(one(started)))
+                started += 1
+            done, streams = await asyncio.wait(streams, timeout=0.2)
+            assert all(t.result() == 450 for t in done)
+        if streams:   # let the rest end: the node is idle for the next test
+            done, streams = await asyncio.wait(streams, timeout=60)
+            assert not streams and all(t.result() == 450 for t in done)
+    finally:
+        for t in streams:
+            t.cancel()
+    t_end = time.time()
     # Wait for an idle heartbeat sent after the streams ended: every earlier one has arrived.
     for _ in range(100):
         if any(h.sent_unix_ms > t_end * 1000 and not h.load.in_flight for h in beats()):
@@ -220,9 +235,7 @@ async def test_heartbeats_carry_real_engine_numbers(node, cp):
     else:
         pytest.fail("no idle heartbeat after the streams ended")
     during = [h for h in beats() if h.load.in_flight]
-    seen = [(h.load.num_running, h.load.num_waiting, h.load.in_flight) for h in during]
-    assert max(f for _, _, f in seen) == 4, seen   # (running, waiting, in flight)
-    assert max(r for r, _, _ in seen) >= 2, seen
+    assert max(h.load.in_flight for h in during) >= 2
     assert max(h.load.kv_cache_usage for h in during) > 0
     assert max(h.load.generation_tokens_per_s for h in during) > 0
     assert max(h.load.prefill_capacity_tokens_per_s for h in during) > 0
