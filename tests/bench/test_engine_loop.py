@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.bench import gpu
+from gpumesh.bench import gpu, gpu_report
 from gpumesh.bench.engine_loop import LoopConfig, record, run_engine_loop, run_loop
 from gpumesh.bench.workload import LengthDist, WorkloadSpec, iter_requests
 from node.sim_engine import SimEngine, SimEngineConfig
@@ -193,8 +193,8 @@ def test_report_puts_engine_loop_rows_in_the_main_table_against_raw() -> None:
             "qps": 90.0, "done_qps": 95.0}
     engdp = {**base, "phase": "eng", "setup": gpu.ENG_SETUPS[1], "concurrency": 128,
              "qps": 120.0, "done_qps": 125.0}
-    assert [gpu._setup_key(r) for r in (raw1, rawdp, eng1, engdp)] == ["1gpu", "dp2", "1gpu", "dp2"]
-    md = gpu.report_markdown([raw1, rawdp, eng1, engdp], {})
+    assert [gpu_report._setup_key(r) for r in (raw1, rawdp, eng1, engdp)] == ["1gpu", "dp2", "1gpu", "dp2"]
+    md = gpu_report.report_markdown([raw1, rawdp, eng1, engdp], {})
     # x raw (session): 90 / 120 on one GPU, 120 / 160 data parallel; x raw ref: / 128, / 161
     assert (f"| 0.5b | {gpu.ENG_SETUPS[0]} | 128 | reference | 90.0 | 95.0 | 0.90 | 1.00 | 0.020 "
             "| 3.00 | 128 / 0.92 | 0.70 | 0.75 |") in md
