@@ -193,10 +193,10 @@ async def test_heartbeats_carry_real_engine_numbers(node, cp):
     # Keep four 450-token streams going (a new one as one ends) until a heartbeat shows at
     # least two running. Heartbeats are placed by their own send stamp (the node's wall clock,
     # taken with the load snapshot), not by when this process read them. Why a closed loop and
-    # not four streams started together: on 2 cores this test process can get no CPU for 1-3 s
-    # (measured with a loop-lag monitor: the event loop stalled while the node kept sending
-    # heartbeats every 0.1 s), so four calls created at once can reach the node one by one,
-    # each after the last ended (CI saw one running throughout).
+    # not four streams started together: on 2 cores this test process's event loop can stall
+    # for 1-3 s (a loop-lag monitor saw it, the main thread sitting in epoll, while the node
+    # kept sending heartbeats every 0.1 s), so four calls created at once can reach the node
+    # one by one, each after the last ended (CI saw one running throughout).
     def beats() -> list:
         return [m.heartbeat for _, m in plane.received
                 if m.WhichOneof("kind") == "heartbeat" and m.heartbeat.sent_unix_ms > t0 * 1000]
