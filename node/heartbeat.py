@@ -1,9 +1,9 @@
 """Heartbeats: the node's long-lived Connect stream to every router process.
 
 One task per router address keeps a stream open: Registration first, then a Heartbeat every
-``busy_interval_s`` while the node has work (in flight, running or waiting) and every
-``idle_interval_s`` otherwise. A broken stream is retried with jittered exponential backoff;
-the node keeps serving direct clients meanwhile. A router's RouterHello may list peer
+``busy_interval_s`` while the node has work (in flight, running or waiting), one at the first
+check after it went idle, and every ``idle_interval_s`` otherwise. A broken stream is retried
+with jittered exponential backoff; the node keeps serving direct clients meanwhile. A router's RouterHello may list peer
 processes (multi-worker routers): the node opens a stream to each of them too. A DrainOrder
 from any router starts the node's drain. ``wake()`` sends the next heartbeat at once (used
 when draining starts).
@@ -69,14 +69,19 @@ class HeartbeatClient:
     async def _messages(self, stop: asyncio.Event) -> AsyncIterator[cpb.NodeMessage]:
         yield cpb.NodeMessage(registration=self._registration())
         last_sent = -1e9
+        was_busy = False
         loop = asyncio.get_running_loop()
         while not stop.is_set():
-            # Check every busy interval; send when busy, when the idle interval has passed, or
-            # when woken (drain). A node that turns busy is reported within one busy interval.
+            # Check every busy interval; send when busy, on the first check after the node
+            # went idle, when the idle interval has passed, or when woken (drain). A node that
+            # turns busy or idle is reported within one busy interval (an idle node's last
+            # busy report would otherwise stand for up to the idle interval, and routers that
+            # did not see its requests end would count them until then).
             load = self._load()
-            busy = load.in_flight or load.num_running or load.num_waiting
+            busy = bool(load.in_flight or load.num_running or load.num_waiting)
             now = loop.time()
-            if busy or self._wake.is_set() or now - last_sent >= self._idle:
+            went_idle, was_busy = was_busy and not busy, busy
+            if busy or went_idle or self._wake.is_set() or now - last_sent >= self._idle:
                 self._wake.clear()
                 last_sent = now
                 yield cpb.NodeMessage(heartbeat=cpb.Heartbeat(
