@@ -3,10 +3,10 @@
 One task per router address keeps a stream open: Registration first, then a Heartbeat every
 ``busy_interval_s`` while the node has work (in flight, running or waiting), one at the first
 check after it went idle, and every ``idle_interval_s`` otherwise. A broken stream is retried
-with jittered exponential backoff; the node keeps serving direct clients meanwhile. A router's RouterHello may list peer
-processes (multi-worker routers): the node opens a stream to each of them too. A DrainOrder
-from any router starts the node's drain. ``wake()`` sends the next heartbeat at once (used
-when draining starts).
+with jittered exponential backoff; the node keeps serving direct clients meanwhile. A
+router's RouterHello may list peer processes (multi-worker routers): the node opens a stream
+to each of them too. A DrainOrder from any router starts the node's drain. ``wake()`` sends
+the next heartbeat at once (used when draining starts).
 """
 
 from __future__ import annotations
