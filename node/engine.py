@@ -8,6 +8,7 @@ the same code path.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -93,6 +94,31 @@ class EngineLoad:
     # Mean wall-clock seconds of the engine's recent steps while it had running requests (its
     # decode step time); 0 = not measured yet.
     decode_step_s: float = 0.0
+
+
+class WindowMean:
+    """The mean of the values added in the last ``window_s`` seconds, the newest always kept
+    (so an engine that stopped stepping keeps its last figure). Both engines time their
+    decode steps with it. O(1) amortised per call; 0.0 before the first value."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window = window_s
+        self._items: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+
+    def add(self, t: float, value: float) -> None:
+        self._items.append((t, value))
+        self._sum += value
+        self.expire(t)
+
+    def expire(self, now: float) -> None:
+        items, horizon = self._items, now - self._window
+        while len(items) > 1 and items[0][0] < horizon:
+            self._sum -= items.popleft()[1]
+
+    @property
+    def mean(self) -> float:
+        return max(self._sum, 0.0) / len(self._items) if self._items else 0.0
 
 
 class EngineError(Exception):

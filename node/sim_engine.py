@@ -114,6 +114,7 @@ from node.engine import (
     Finish,
     ModelSpec,
     PromptTooLong,
+    WindowMean,
 )
 
 log = logging.getLogger(__name__)
@@ -338,9 +339,8 @@ class SimEngine:
         self._finished = 0
         self._aborted = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (wall t, gen, prefill)
-        # (wall t, wall-clock step length) of the steps of the last STEP_WINDOW_S
-        self._step_log: deque[tuple[float, float]] = deque()
-        self._step_log_sum = 0.0
+        # the wall-clock lengths of the steps of the last STEP_WINDOW_S
+        self._step_log = WindowMean(STEP_WINDOW_S)
 
     # --- Engine protocol ---------------------------------------------------------------
 
@@ -651,22 +651,14 @@ class SimEngine:
                 await asyncio.sleep(0)
             self._apply(scheduled)
             now = loop.time()
-            self._log_step(now, dt * scale if scale > 0 else dt)
+            self._step_log.add(now, dt * scale if scale > 0 else dt)
             if not self._samples or now - self._samples[-1][0] >= 0.25:
                 self._sample(now)
-
-    def _log_step(self, now: float, wall_s: float) -> None:
-        log = self._step_log
-        log.append((now, wall_s))
-        self._step_log_sum += wall_s
-        while len(log) > 1 and log[0][0] < now - STEP_WINDOW_S:
-            self._step_log_sum -= log.popleft()[1]
 
     def decode_step_s(self) -> float:
         """Mean wall-clock length of the steps of the last ``STEP_WINDOW_S`` (the last busy
         window while idle); per simulated second when ``time_scale`` is 0; 0 before a step."""
-        n = len(self._step_log)
-        return max(self._step_log_sum, 0.0) / n if n else 0.0
+        return self._step_log.mean
 
     # --- rates -------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from node.engine import (
     InvalidRequest,
     ModelSpec,
     PromptTooLong,
+    WindowMean,
 )
 
 if TYPE_CHECKING:
@@ -122,12 +123,9 @@ class _LoadStatLogger:
         step_window_s: float = 3.0,
     ) -> None:
         self._clock = clock
-        # decode step time: (t, interval) of the timed steps of the last step_window_s
-        self._step_window = step_window_s
+        # decode step time: the timed steps of the last step_window_s
         self._step_last_t: float | None = None
-        self._steps: deque[tuple[float, float]] = deque()
-        self._step_sum = 0.0
-        self._step_s = 0.0
+        self._steps = WindowMean(step_window_s)
         self._window = rate_window_s
         # prefill capacity: the open span, the open window's best sample, older windows' best
         self._cap_span_s = capacity_span_s
@@ -192,17 +190,13 @@ class _LoadStatLogger:
         last = self._step_last_t
         self._step_last_t = now
         if last is not None and self._running > 0:
-            self._steps.append((now, now - last))
-            self._step_sum += now - last
-        horizon = now - self._step_window
-        while len(self._steps) > 1 and self._steps[0][0] < horizon:
-            self._step_sum -= self._steps.popleft()[1]
-        if self._steps:
-            self._step_s = max(self._step_sum, 0.0) / len(self._steps)
+            self._steps.add(now, now - last)
+        else:
+            self._steps.expire(now)
 
     @property
     def decode_step_s(self) -> float:
-        return self._step_s
+        return self._steps.mean
 
     def _observe_capacity(self, now: float, prompt: int) -> None:
         last = self._cap_last_t
