@@ -414,7 +414,7 @@ def wait_gpus_free(timeout_s: float = 20.0) -> None:
 class FleetSampler:
     """Polls a router's GetFleet once a second in a thread (the bench runs in processes)."""
 
-    def __init__(self, router: str, status_at_s: float | None, out: Path | None,
+    def __init__(self, router: str, status_at_s: float | None,
                  origin: float | None = None) -> None:
         """``origin``: the ``time.time()`` that sample times count from (the load's start
         instant, so ``summary(warm, warm + window)`` is the load's own window); None: from
@@ -424,7 +424,6 @@ class FleetSampler:
         self.samples: list[dict[str, Any]] = []
         self.status_text = ""
         self._status_at = status_at_s
-        self._status_out = out
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -627,8 +626,7 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     # One start instant for every part (the split's halves start together); the load's clock,
     # the fleet sampler's and the CPU sampler's all count from it.
     t0 = start_instant(max(n for _, _, n in parts))
-    sampler = FleetSampler(poll, warm + win / 2 if status else None, None, origin=t0) \
-        if poll else None
+    sampler = FleetSampler(poll, warm + win / 2 if status else None, origin=t0) if poll else None
     cpu = CpuSampler(t0 + warm, t0 + warm + win)
     with (placement.applied() if placement is not None else contextlib.nullcontext(),
           sampler if sampler is not None else contextlib.nullcontext(), cpu,

@@ -112,7 +112,7 @@ def test_report_tables_interleaved_rounds_against_the_same_rounds_split() -> Non
 def test_fleet_sampler_summary_keeps_in_flight_and_the_decode_step() -> None:
     from gpumesh.bench.gpu import FleetSampler
 
-    fs = FleetSampler("127.0.0.1:1", None, None)   # never started: samples set by hand
+    fs = FleetSampler("127.0.0.1:1", None)   # never started: samples set by hand
     base = {"node": "a", "waiting": 0, "kv": 0.1, "tok_s": 1000, "gpus": [], "gpu_model": ""}
     fs.samples = [{**base, "t": 1.0, "running": 100, "in_flight": 120, "step_s": 0.010},
                   {**base, "t": 2.0, "running": 110, "in_flight": 126, "step_s": 0.012},
