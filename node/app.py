@@ -138,7 +138,8 @@ class NodeServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(
             self.engine, self.state,
-            CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk),
+            CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk,
+                           self.cfg.stream_messages_per_s),
             self.cfg.ticket_secret.encode(), self.cfg.require_ticket, self.telemetry),
             self.server)
         # vLLM's native gRPC (what SMG and vLLM clients speak) on the same port and ledger.

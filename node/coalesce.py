@@ -1,12 +1,20 @@
 """Coalesced token streams: fewer, larger messages so one router core carries many GPUs.
 
 Contract (issue 8): the first output goes out alone and at once (coalescing adds no TTFT);
-later outputs are merged until ``flush_interval_s`` has passed since the previous message was
+later outputs are merged until the flush interval has passed since the previous message was
 sent or ``max_tokens`` tokens are pending, whichever is first; the final output (with a finish
 reason) is sent at once with whatever is pending. No token waits longer than one flush
 interval after it arrived, even if the engine stalls (a timer, not only the next output,
 triggers the flush). Engines yield text deltas that never split a multi-byte character, and
 joining deltas preserves that; stop strings were already removed by the engine.
+
+The flush interval is ``flush_interval_s``, widened under load when the policy has a message
+budget (``messages_per_s``, the node's default policy): with S streams in flight it is
+``max(flush_interval_s, S / messages_per_s)``, at most ``MAX_FLUSH_INTERVAL_S``, re-read at
+every message. A gRPC message costs the node's process far more than a token does (measured:
+docs/benchmarks.md, "Stream messages per node"), and that process is a GPU node's ceiling
+(docs/benchmarks-gpu.md), so a loaded node sends fewer, larger chunks; an idle one keeps the
+short interval.
 """
 
 from __future__ import annotations
@@ -19,17 +27,32 @@ from dataclasses import dataclass
 
 from node.engine import EngineOutput
 
+MAX_FLUSH_INTERVAL_S = 0.25   # the widest a message budget makes the interval
+
 
 @dataclass(frozen=True)
 class CoalescePolicy:
-    """flush_interval_s <= 0 or max_tokens <= 1 -> one message per engine output."""
+    """flush_interval_s <= 0 or max_tokens <= 1 -> one message per engine output.
+
+    ``messages_per_s`` > 0: the node's budget of stream messages per second over all its
+    streams; the interval widens to ``streams / messages_per_s`` when that is longer (see the
+    module docstring). 0: the interval is fixed (a client that set its own interval gets it).
+    """
 
     flush_interval_s: float = 0.02
     max_tokens: int = 64
+    messages_per_s: float = 0.0
 
     @property
     def per_token(self) -> bool:
         return self.flush_interval_s <= 0 or self.max_tokens <= 1
+
+    def interval(self, streams: int) -> float:
+        """The flush interval (s) with ``streams`` streams in flight on the node."""
+        if self.messages_per_s <= 0:
+            return self.flush_interval_s
+        return max(self.flush_interval_s,
+                   min(MAX_FLUSH_INTERVAL_S, streams / self.messages_per_s))
 
 
 def _merge(parts: list[EngineOutput]) -> EngineOutput:
@@ -42,8 +65,11 @@ def _merge(parts: list[EngineOutput]) -> EngineOutput:
 
 
 async def coalesce(outputs: AsyncIterator[EngineOutput], policy: CoalescePolicy,
-                   clock: Callable[[], float] = time.monotonic) -> AsyncIterator[EngineOutput]:
+                   clock: Callable[[], float] = time.monotonic,
+                   streams: Callable[[], int] = lambda: 1) -> AsyncIterator[EngineOutput]:
     """Re-chunks an engine's per-step outputs. Closing this generator closes ``outputs``.
+    ``streams``: how many streams the node has in flight now (read when the policy has a
+    message budget).
 
     A pump task drains the engine into a buffer; this generator sends the buffer once per
     flush interval (at once for the first tokens, the final output, the token cap, an error).
@@ -87,7 +113,7 @@ async def coalesce(outputs: AsyncIterator[EngineOutput], policy: CoalescePolicy,
                 wake.clear()
                 await wake.wait()
             if buf and st.sent_first and not urgent.is_set():
-                remaining = last_sent + policy.flush_interval_s - clock()
+                remaining = last_sent + policy.interval(streams()) - clock()
                 if remaining > 0:
                     # Tokens arriving meanwhile join this message; the first of them has then
                     # waited at most one flush interval.

@@ -51,6 +51,11 @@ class NodeConfig:
     heartbeat_idle_interval_s: float = 1.0
     reconnect_max_backoff_s: float = 5.0
     flush_interval_ms: int = 20           # coalescing default (0 = per token)
+    # The node's budget of stream messages per second over all its streams: with more streams
+    # in flight than budget x interval, the default interval widens to streams / budget
+    # (128 streams at 2000/s: 64 ms; at most 250 ms). A message costs the node's process far
+    # more than a token (docs/benchmarks.md, "Stream messages per node"). 0 = fixed interval.
+    stream_messages_per_s: float = 2000.0
     max_tokens_per_chunk: int = 64
     drain_timeout_s: float = 30.0
     ticket_secret: str = ""               # lookaside tickets; "" -> tickets refused
@@ -59,6 +64,8 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if not self.stream_messages_per_s >= 0:
+            raise ValueError(f"stream_messages_per_s must be >= 0, got {self.stream_messages_per_s}")
 
     def resolved_node_id(self, bound_port: int) -> str:
         return self.node_id or f"{socket.gethostname()}-{bound_port}".replace(".", "-")

@@ -95,6 +95,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._secret = ticket_secret
         self._require_ticket = require_ticket
 
+    def _streams(self) -> int:
+        return self._state.ledger.in_flight
+
     # --- validation ---------------------------------------------------------------------
     def _resolve_model(self, name: str) -> None:
         spec = self._engine.model
@@ -157,13 +160,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 f"context window of {limit} tokens")
         router_id, charged = self._dispatcher(req, context)
         so = req.stream_options
+        default = self._default_coalescing
         if so.per_token:
             policy = CoalescePolicy(0.0, 1)
+        elif so.flush_interval_ms:
+            # The client's own interval, kept as asked (no widening under load).
+            policy = CoalescePolicy(so.flush_interval_ms / 1000,
+                                    so.max_tokens_per_chunk or default.max_tokens)
         else:
-            policy = CoalescePolicy(
-                so.flush_interval_ms / 1000 if so.flush_interval_ms else
-                self._default_coalescing.flush_interval_s,
-                so.max_tokens_per_chunk or self._default_coalescing.max_tokens)
+            policy = CoalescePolicy(default.flush_interval_s,
+                                    so.max_tokens_per_chunk or default.max_tokens,
+                                    default.messages_per_s)
         request_id = req.request_id or uuid.uuid4().hex
         return Prepared(EngineRequest(request_id, tuple(ids), sampling), router_id, charged,
                         policy)
@@ -177,7 +184,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finished = False
         trace.admitted()
         try:
-            async for out in coalesce(self._engine.generate(req), coalescing):
+            async for out in coalesce(self._engine.generate(req), coalescing,
+                                      streams=self._streams):
                 if out.token_ids:
                     admission.first_token()
                 trace.output(out)

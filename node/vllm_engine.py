@@ -222,8 +222,7 @@ class _LoadStatLogger:
                 self._cap_past_best = max(self._cap_past)  # once per window: O(windows)
             self._cap_win_t0 = now
             self._cap_win_best = 0.0
-        if sample > self._cap_win_best:
-            self._cap_win_best = sample
+        self._cap_win_best = max(self._cap_win_best, sample)
 
     @property
     def prefill_capacity_tokens_per_s(self) -> float:

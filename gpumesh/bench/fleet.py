@@ -46,6 +46,8 @@ from typing import Any
 
 import grpc
 
+from node.config import NodeConfig
+
 log = logging.getLogger(__name__)
 
 NGINX = "/usr/sbin/nginx"
@@ -278,7 +280,11 @@ class Fleet:
         for k in range(0, len(self.nodes), self.nodes_per_proc):
             group = self.nodes[k:k + self.nodes_per_proc]
             spec = {"routers": routers, "model": self.model, "time_scale": self.time_scale,
-                    "flush_interval_ms": self.flush_interval_ms, "log_level": self.log_level,
+                    "flush_interval_ms": self.flush_interval_ms,
+                    # the message budget slowed with the simulation, as the interval is
+                    "stream_messages_per_s": (NodeConfig.stream_messages_per_s
+                                              / max(self.time_scale, 1.0)),
+                    "log_level": self.log_level,
                     "nodes": [{**asdict(n), "port": self.node_ports[n.node_id]} for n in group]}
             path = self._tmp / f"host{k}.json"
             path.write_text(json.dumps(spec), encoding="utf-8")
@@ -428,7 +434,6 @@ def _install_handlers() -> None:
 
 async def _host(spec: dict[str, Any]) -> None:
     from node.app import NodeServer, build_engine
-    from node.config import NodeConfig
 
     servers = []
     for n in spec["nodes"]:
@@ -437,7 +442,9 @@ async def _host(spec: dict[str, Any]) -> None:
         cfg = NodeConfig(node_id=n["node_id"], host="127.0.0.1", port=n["port"],
                          routers=tuple(spec["routers"]), engine="sim", model=spec["model"],
                          weight=float(n["weight"] if n.get("weight") is not None else n["speed"]),
-                         flush_interval_ms=int(spec["flush_interval_ms"]), drain_timeout_s=1.0,
+                         flush_interval_ms=int(spec["flush_interval_ms"]),
+                         stream_messages_per_s=float(spec["stream_messages_per_s"]),
+                         drain_timeout_s=1.0,
                          ticket_secret=os.environ.get("GPUMESH_TICKET_SECRET", ""), sim=sim)
         s = NodeServer(cfg, build_engine(cfg))
         await s.start()

@@ -88,6 +88,7 @@ from gpumesh.bench.gpu_report import (
     report_markdown,
 )
 from gpumesh.bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
+from node.config import NodeConfig
 
 if TYPE_CHECKING:
     from gpumesh.bench.affinity import Placement
@@ -247,7 +248,8 @@ def node_toml(env: Env, spec: NodeSpec) -> str:
         if env.sim_scale_intervals and env.sim_time_scale > 0:
             t = env.sim_time_scale
             top.update(heartbeat_busy_interval_s=0.25 * t, heartbeat_idle_interval_s=1.0 * t,
-                       flush_interval_ms=max(1, round(20 * t)))
+                       flush_interval_ms=max(1, round(20 * t)),
+                       stream_messages_per_s=NodeConfig.stream_messages_per_s / t)
     lines = [f"{k} = {_toml_value(v)}" for k, v in top.items()]
     for t, kv in tables.items():
         lines.append(f"[{t}]")

@@ -3,7 +3,7 @@ final flushed at once, a stalled engine never holds a token longer than one inte
 
 import asyncio
 
-from node.coalesce import CoalescePolicy, coalesce
+from node.coalesce import MAX_FLUSH_INTERVAL_S, CoalescePolicy, coalesce
 from node.engine import EngineOutput, Finish
 
 
@@ -126,3 +126,28 @@ async def test_cancelling_the_consumer_cancels_the_engine_iteration():
     except asyncio.CancelledError:
         pass
     assert cancelled.is_set()
+
+
+def test_a_message_budget_widens_the_interval_with_the_streams_in_flight():
+    fixed = CoalescePolicy(0.02, 64)
+    budget = CoalescePolicy(0.02, 64, messages_per_s=2000)
+    assert [fixed.interval(s) for s in (1, 128, 10_000)] == [0.02, 0.02, 0.02]
+    # 40 streams x 50 messages/s = the budget: the base interval holds up to there
+    assert [budget.interval(s) for s in (1, 40)] == [0.02, 0.02]
+    assert budget.interval(128) == 128 / 2000       # 64 ms
+    assert budget.interval(10_000) == MAX_FLUSH_INTERVAL_S
+    # a base interval above the cap is kept
+    assert CoalescePolicy(0.5, 64, messages_per_s=1).interval(10_000) == 0.5
+
+
+async def test_the_budget_sends_fewer_messages_when_many_streams_are_in_flight():
+    # An output every 5 ms for 0.4 s. Fixed 10 ms interval: ~40 messages. With a budget of 40
+    # messages/s and 4 streams in flight the interval is 0.1 s: about 5. (A stalled loop only
+    # merges more, so the bound cannot flake.)
+    steps = [(0.0, _tok(0))] + [(0.005, _tok(i)) for i in range(1, 80)] + [
+        (0.005, _tok(80, finish=Finish.STOP))]
+    got = await _collect(coalesce(_script(steps), CoalescePolicy(0.01, 1000, messages_per_s=40),
+                                  streams=lambda: 4))
+    assert len(got) <= 8, [len(o.token_ids) for _, o in got]
+    assert [t for _, o in got for t in o.token_ids] == list(range(81))
+    assert got[0][1].token_ids == (0,)  # the first token still goes out alone, at once

@@ -1,0 +1,76 @@
+"""The node's stream-message budget: with many streams in flight its default coalescing
+interval widens (fewer, larger messages), while a client that set its own interval, or asked
+for per-token messages, gets exactly that. Real loopback gRPC, a real NodeServer over the
+labelled simulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpumesh.client import MeshClient, build_request
+from node.app import NodeServer
+from node.coalesce import CoalescePolicy
+from node.config import NodeConfig, load_node_config
+from node.servicer import InferenceServicer, NodeState
+from node.sim_engine import SimEngine, SimEngineConfig
+
+
+class _Context:
+    def invocation_metadata(self):
+        return ()
+
+
+def test_the_budget_applies_to_the_default_interval_only():
+    servicer = InferenceServicer(SimEngine(SimEngineConfig(model_name="sim")), NodeState("n"),
+                                 CoalescePolicy(0.02, 64, messages_per_s=2000))
+
+    def policy(**options):
+        req = build_request([1, 2, 3], max_tokens=8)
+        for k, v in options.items():
+            setattr(req.stream_options, k, v)
+        return servicer._prepare(req, _Context()).coalescing
+
+    assert policy() == CoalescePolicy(0.02, 64, 2000)
+    assert policy(max_tokens_per_chunk=8) == CoalescePolicy(0.02, 8, 2000)
+    assert policy(flush_interval_ms=5) == CoalescePolicy(0.005, 64, 0.0)  # kept as asked
+    assert policy(per_token=True).per_token
+
+
+async def _messages(client: MeshClient, max_tokens: int) -> tuple[int, int]:
+    msgs = tokens = 0
+    async for chunk in client.stream(
+            build_request([1, 2, 3], max_tokens=max_tokens, ignore_eos=True), timeout=60):
+        msgs += 1
+        tokens += len(chunk.token_ids)
+    return msgs, tokens
+
+
+async def test_many_streams_get_fewer_larger_messages():
+    # 5 ms base interval, a budget of 20 messages/s: with 6 streams in flight the interval is
+    # 0.25 s (the cap). Each stream takes ~0.6 s (120 tokens, a simulated step of ~5 ms), so
+    # about 3-4 messages each, against ~120 at the base interval.
+    node = NodeServer(NodeConfig(engine="sim", port=0, node_id="budget", flush_interval_ms=5,
+                                 stream_messages_per_s=20),
+                      SimEngine(SimEngineConfig(model_name="sim", time_scale=2.0)))
+    await node.start()
+    try:
+        async with MeshClient(f"127.0.0.1:{node.port}") as client:
+            got = await asyncio.gather(*(_messages(client, 120) for _ in range(6)))
+    finally:
+        await node.stop()
+    assert all(tokens == 120 for _, tokens in got), got
+    assert max(msgs for msgs, _ in got) <= 12, got
+
+
+def test_the_budget_is_set_by_toml_or_env_and_validated(tmp_path):
+    toml = tmp_path / "node.toml"
+    toml.write_text('engine = "sim"\nstream_messages_per_s = 500\n')
+    assert load_node_config(toml, environ={}).stream_messages_per_s == 500
+    assert load_node_config(toml, environ={"GPUMESH_NODE_STREAM_MESSAGES_PER_S": "0"}
+                            ).stream_messages_per_s == 0
+    assert NodeConfig().stream_messages_per_s == 2000
+    toml.write_text('engine = "sim"\nstream_messages_per_s = -1\n')
+    with pytest.raises(ValueError, match="stream_messages_per_s must be >= 0"):
+        load_node_config(toml, environ={})
