@@ -188,6 +188,8 @@ class Env:
     router_env_b: dict[str, str] = field(default_factory=dict)
     # vLLM nodes: extra AsyncEngineArgs on top of the bench's (e.g. stream_interval=4)
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # Every node: top-level node TOML keys on top of the bench's (e.g. stream_messages_per_s=0)
+    node_options: dict[str, Any] = field(default_factory=dict)
     # Load processes round-robin over a multi-worker router's processes (bench --spread-workers)
     spread_workers: bool = False
     # Data-parallel phases: "off", "on" (every bench with node processes on physical cores of
@@ -250,6 +252,7 @@ def node_toml(env: Env, spec: NodeSpec) -> str:
             top.update(heartbeat_busy_interval_s=0.25 * t, heartbeat_idle_interval_s=1.0 * t,
                        flush_interval_ms=max(1, round(20 * t)),
                        stream_messages_per_s=NodeConfig.stream_messages_per_s / t)
+    top.update(env.node_options)
     lines = [f"{k} = {_toml_value(v)}" for k, v in top.items()]
     for t, kv in tables.items():
         lines.append(f"[{t}]")
@@ -650,6 +653,8 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         "cpu_cores": cpu.cores}
     if env.engine == "vllm" and env.engine_args:
         rec["engine_args"] = env.engine_args
+    if env.node_options:
+        rec["node_options"] = env.node_options
     if spread:
         rec["spread_workers"] = True
     if placement is not None:
@@ -851,6 +856,8 @@ def phase_eng(env: Env, shape: str, gpus: int) -> None:
             "engine": env.engine, "parts": rows}
         if env.engine == "vllm" and env.engine_args:
             rec["engine_args"] = env.engine_args
+        if env.node_options:
+            rec["node_options"] = env.node_options
         env.records.append(rec)
         env.save()
         run = " / ".join(f"{fmt((r.get('engine_load') or {}).get('running_mean'), 0)}"
@@ -1061,10 +1068,10 @@ def device_meta(engine: str) -> dict[str, Any]:
     return meta
 
 
-def _engine_arg(kv: str) -> tuple[str, Any]:
+def _engine_arg(kv: str, flag: str = "--engine-arg") -> tuple[str, Any]:
     name, sep, value = kv.partition("=")
     if not sep or not name:
-        raise SystemExit(f"--engine-arg {kv!r}: expected NAME=VALUE")
+        raise SystemExit(f"{flag} {kv!r}: expected NAME=VALUE")
     try:
         return name, json.loads(value)
     except json.JSONDecodeError:
@@ -1086,6 +1093,7 @@ def cmd_run(a: argparse.Namespace) -> int:
               router_env=dict(kv.split("=", 1) for kv in a.router_env),
               router_env_b=dict(kv.split("=", 1) for kv in a.router_env_b),
               engine_args=dict(_engine_arg(kv) for kv in a.engine_arg),
+              node_options=dict(_engine_arg(kv, "--node-option") for kv in a.node_option),
               spread_workers=a.spread_workers, pin=a.pin, prompt=a.prompt, output=a.output)
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
@@ -1096,6 +1104,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                                              "phases": a.phases, "workers": a.workers,
                                              "procs": a.procs,
                                              "engine_args": env.engine_args,
+                                             "node_options": env.node_options,
                                              "router_env_b": env.router_env_b,
                                              "spread_workers": env.spread_workers,
                                              "pin": env.pin, "prompt": env.prompt,
@@ -1193,6 +1202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="extra vLLM engine argument of every vLLM node (the node TOML's "
                         "[engine_args]; VALUE is JSON, else a string), e.g. stream_interval=4; "
                         "repeats")
+    r.add_argument("--node-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a top-level key of every node's TOML (node.config.NodeConfig; VALUE "
+                        "is JSON, else a string), e.g. stream_messages_per_s=0; repeats")
     r.add_argument("--spread-workers", action="store_true",
                    help="load processes round-robin over the router's workers' own ports "
                         "(gpumesh.client.spread_target) instead of one hashed connection each")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpumesh.bench import gpu
+from node.config import load_node_config
 
 pytestmark = [pytest.mark.slow]
 
@@ -24,9 +25,14 @@ def test_fleet_polls_share_the_loads_clock(tmp_path: Path) -> None:
                    "--workers", "1", "--procs", "8", "--warmup", "4", "--seconds", "6",
                    "--sim-time-scale", "4", "--output", "uniform:64:192",
                    "--model-root", str(tmp_path / "models"), "--budget", "300",
-                   "--out", str(out)])
+                   "--node-option", "stream_messages_per_s=1500", "--out", str(out)])
     assert rc == 0
     recs = json.loads((out / "results.json").read_text())["records"]
+    # --node-option: a top-level key of every node's TOML, recorded with each bench
+    assert all(r["node_options"] == {"stream_messages_per_s": 1500} for r in recs)
+    for node in ("a05b", "b05b"):
+        cfg = load_node_config(out / "logs" / f"{node}.toml", environ={})
+        assert cfg.stream_messages_per_s == 1500
     assert {r["setup"] for r in recs} == {"2 GPUs data parallel, router #0",
                                           "2 GPUs data parallel, direct (client splits) #0"}
     for r in recs:
