@@ -2,8 +2,10 @@
 # Device side: the whole GPU measurement of the mesh in one `run` call (from the repo root).
 #
 #   bash deploy/gpu/run_mesh_gpu.sh [PHASES]        PHASES: comma list, default all
-#     raw,raw7,rawdp05,eng05,eng7,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7
-#     (see gpumesh/bench/gpu.py; eng05/eng7: the node's engine in a closed loop without gRPC)
+#     raw,raw7,rawdp05,eng05,eng7,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7,
+#     msg05,msg7
+#     (see gpumesh/bench/gpu.py; eng05/eng7: the node's engine in a closed loop without gRPC;
+#     msg05/msg7: the node's stream-message budget on and off on the same nodes)
 #
 # 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe slimmed by deploy/gpu/slim_kit.sh;
 #    skipped when this warm machine has it) and the extras (.gpukit/extra,

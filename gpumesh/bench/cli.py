@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--procs", type=int, default=1, help="load-generator processes")
     r.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
     r.add_argument("--per-token", action="store_true", help="ask for one message per token")
+    r.add_argument("--flush-interval-ms", type=int, default=0,
+                   help="ask for this coalescing interval (kept as asked: the node's message "
+                        "budget does not widen it); 0 = the node's default")
     r.add_argument("--spread-workers", action="store_true",
                    help="a router with --workers N: each process round-robins its calls over "
                         "the workers' own ports (else one connection, hashed to one worker)")
@@ -222,6 +225,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     cfg = LoadConfig(target=a.target, rate=0.0 if a.concurrency else rate,
                      concurrency=a.concurrency, num_requests=total, duration_s=a.duration,
                      timeout_s=a.timeout, seed=a.seed, per_token=a.per_token,
+                     flush_interval_ms=a.flush_interval_ms,
                      temperature=a.temperature, progress_s=a.progress, label=a.label,
                      spread_workers=a.spread_workers)
     run = run_multi(cfg, spec, a.procs)

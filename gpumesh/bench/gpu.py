@@ -35,6 +35,11 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
   router twice (ABAB), then data parallel through the router vs the client splitting.
   ``dp05`` / ``dp7``: data parallel through the router vs the client splitting, ``--rounds``
   times interleaved, with a multi-worker router also with the load spread over its workers.
+- ``msg05`` / ``msg7``: the node's stream-message budget on and off on the same nodes,
+  interleaved: requests with the node's default interval (the budget widens it under load)
+  vs requests asking for the base 20 ms themselves (kept as asked: the old fixed interval);
+  one GPU direct at C, then (two GPUs) data parallel through the router at 2C, ``--rounds``
+  times each.
 
 Workload: the raw reference's (``shared/gpu/seed_table.py``): a closed loop of C streams,
 32 prompt tokens, 256 output tokens with ignore_eos, a 4 s warm-up then a 15 s window. QPS is
@@ -599,10 +604,13 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
           prompt: str = "", output: str = "", poll: str = "",
           status: bool = False, warmup_s: float | None = None, window_s: float | None = None,
           extra: dict[str, Any] | None = None, split: Sequence[str] = (),
-          spread: bool | None = None, placement: Placement | None = None) -> dict[str, Any]:
+          spread: bool | None = None, placement: Placement | None = None,
+          flush_interval_ms: int = 0) -> dict[str, Any]:
     """One closed-loop run; a record with the reference-style window metrics.
     ``spread``: load processes round-robin over the router's workers (None: env's setting).
     ``placement``: pin the process trees to its CPU sets for this run (affinity.Placement).
+    ``flush_interval_ms`` > 0: every request asks for that coalescing interval (the node keeps
+    it as asked: no message budget); 0: the node's default.
 
     ``split``: instead of ``target``, these nodes directly, the concurrency and the load
     processes divided evenly between them (a client that spreads its own streams: data
@@ -619,13 +627,14 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     procs = max(1, min(env.procs * (2 if concurrency > 256 else 1), concurrency))
     cfg = LoadConfig(target=target, concurrency=concurrency, duration_s=warm + win,
                      timeout_s=180.0, seed=0, progress_s=0.0, label=setup,
-                     spread_workers=spread)
+                     spread_workers=spread, flush_interval_ms=flush_interval_ms)
     spec = StreamSpec(WorkloadSpec(LengthDist.parse(prompt), LengthDist.parse(output), 0, "", 0.0))
     parts = [(t, concurrency // len(split), max(1, procs // len(split))) for t in split] \
         or [(target, concurrency, procs)]
     cmd = " & ".join(f"gpumesh bench run --target {t} --concurrency {c} --duration {warm + win:g} "
                      f"--prompt {prompt} --output {output} --procs {n} --timeout 180"
                      + (" --spread-workers" if spread else "")
+                     + (f" --flush-interval-ms {flush_interval_ms}" if flush_interval_ms else "")
                      for t, c, n in parts)
     t_start = time.time()
     # One start instant for every part (the split's halves start together); the load's clock,
@@ -657,6 +666,8 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         rec["node_options"] = env.node_options
     if spread:
         rec["spread_workers"] = True
+    if flush_interval_ms:
+        rec["flush_interval_ms"] = flush_interval_ms
     if placement is not None:
         rec["cpu_sets"] = placement.describe()
     if sampler is not None:
@@ -993,6 +1004,31 @@ def phase_ab(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2,
                   split=(g.addr[a], g.addr[b]))
 
 
+def phase_msg(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2) -> None:
+    """The node's stream-message budget on and off on the same nodes, interleaved (ABAB):
+    every request of B asks for the node's base interval (20 ms) itself, which the node keeps
+    as asked, i.e. the fixed interval of a node without the budget. One GPU direct to the node
+    at the reference's concurrency, then (two GPUs) data parallel through the router at twice
+    it, ``rounds`` times each."""
+    c1 = RAW_CONCURRENCY[shape]
+    a, _, nodes, routers = _pair(env, shape, gpus)
+    # the node's base interval (scaled with a slowed simulation, as node_toml scales it)
+    fixed = (max(1, round(20 * env.sim_time_scale))
+             if env.engine == "sim" and env.sim_scale_intervals else 20)
+    with Group(env, nodes, routers) as g:
+        g.start()
+        env.meta.setdefault("commands", {})[phase] = g.commands
+        runs = [("1 GPU, direct to node", g.addr[a], c1, g.addr["r1"])]
+        if gpus >= 2:
+            runs.append(("2 GPUs data parallel, router", g.addr["r2"], 2 * c1, g.addr["r2"]))
+        for setup, target, c, poll in runs:
+            for k in range(rounds):
+                for label, f in (("message budget", 0), (f"fixed {fixed} ms", fixed)):
+                    bench(env, phase=phase, setup=f"{setup}, {label} #{k}", shape=shape,
+                          target=target, concurrency=c, poll=poll, flush_interval_ms=f,
+                          extra={"round": k})
+
+
 def phase_p05q(env: Env, gpus: int) -> None:
     """``p05`` without the sweep (its records are ``p05``'s): a rerun of the main table."""
     _pair_phase(env, "0.5b", gpus, "p05", sweep=False)
@@ -1115,7 +1151,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     # eng05/eng7: one engine start, then two at once (raw7, a phase of that shape, took 155 s).
     need = {"raw": 90, "raw7": 200, "rawdp05": 150, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
             "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120,
-            "dp7": 330, "eng05": 160, "eng7": 200}
+            "dp7": 330, "eng05": 160, "eng7": 200, "msg05": 260, "msg7": 330}
     failed = []
     for ph in [p for p in a.phases.split(",") if p]:
         left = budget_end - time.monotonic()
@@ -1144,7 +1180,9 @@ def cmd_run(a: argparse.Namespace) -> int:
              "dp7": lambda: phase_ab(env, "7b", gpus, "dp7", rounds=a.rounds,
                                      dp_only=True),
              "eng05": lambda: phase_eng(env, "0.5b", gpus),
-             "eng7": lambda: phase_eng(env, "7b", gpus)}[ph]()
+             "eng7": lambda: phase_eng(env, "7b", gpus),
+             "msg05": lambda: phase_msg(env, "0.5b", gpus, "msg05", rounds=a.rounds),
+             "msg7": lambda: phase_msg(env, "7b", gpus, "msg7", rounds=a.rounds)}[ph]()
         except Exception as e:  # noqa: BLE001 - one phase failing must not cost the others
             print(f"[gpu-bench] {ph}: FAILED: {type(e).__name__}: {e}"[:4000], flush=True)
             failed.append(ph)

@@ -106,6 +106,36 @@ def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _message_budget_markdown(records: list[dict[str, Any]]) -> list[str]:
+    """msg05/msg7: the node's stream-message budget against the fixed interval on the same
+    nodes, interleaved; ``x fixed`` = done QPS / the fixed-interval bench of the same round."""
+    rows = [r for r in records if r["phase"] in ("msg05", "msg7")]
+    if not rows:
+        return []
+    fixed = {(r["phase"], r["setup"].split(", fixed")[0], r.get("round", 0)): r
+             for r in rows if r.get("flush_interval_ms")}
+    lines = [("The node's stream-message budget vs a fixed interval (same nodes, interleaved; "
+              "`x fixed` = done QPS / the fixed-interval bench of the same round):"), "",
+             ("| phase | setup | C | QPS | done QPS | x fixed | p50 s | p99 s | TTFT p50 s |"
+              " TPOT p50 ms | node front end cores | router cores |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = fixed.get((r["phase"], r["setup"].split(", message budget")[0], r.get("round", 0)))
+        xf = (fmt(r["done_qps"] / f["done_qps"]) if f and r.get("done_qps") and f.get("done_qps")
+              else "-")
+        cc = r.get("cpu_cores") or {}
+        fe = " / ".join(f"{v:.2f}" for k, v in cc.items() if k.endswith("front end") and v >= 0.05)
+        rt = " / ".join(f"{v:.2f}" for k, v in cc.items()
+                        if k.startswith("router") and "busiest" not in k and v >= 0.05)
+        tpot = r.get("tpot_p50")
+        lines.append(f"| {r['phase']} | {r['setup']} | {r['concurrency']} | {fmt(r['qps'], 1)} | "
+                     f"{fmt(r.get('done_qps'), 1)} | {xf} | {fmt(r['lat_p50'])} | "
+                     f"{fmt(r.get('lat_p99'))} | {fmt(r.get('ttft_p50'), 3)} | "
+                     f"{fmt(tpot * 1000 if tpot else None)} | {fe or '-'} | {rt or '-'} |")
+    lines.append("")
+    return lines
+
+
 def fmt(x: Any, nd: int = 2) -> str:
     """A number for a table cell: ``nd`` decimals, "-" for None or NaN."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -184,6 +214,7 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                              f"gives {d['qps'] / max(x['qps'], 1e-9):.2f}x of that.")
         lines.append("")
     lines += _interleaved_markdown(records)
+    lines += _message_budget_markdown(records)
     for uph, where in (("unequal", "both nodes on GPU 0"), ("unequal2", "one GPU each")):
         une = [r for r in records if r["phase"] == uph]
         if not une:

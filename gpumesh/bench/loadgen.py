@@ -45,6 +45,9 @@ class LoadConfig:
     timeout_s: float = 300.0  # per-request deadline
     seed: int = 0  # prompt synthesis
     per_token: bool = False  # ask for one message per token (no coalescing)
+    # > 0: ask for this coalescing interval (the node keeps it as asked, without widening it
+    # under load); 0: the node's default
+    flush_interval_ms: int = 0
     temperature: float | None = None
     progress_s: float = 5.0  # a progress line on stderr every so often; 0 = quiet
     label: str = ""  # the policy / setup name, for reports and plots
@@ -100,6 +103,8 @@ def build_request(r: BenchRequest, cfg: LoadConfig) -> pb.GenerateRequest:
         s.temperature = cfg.temperature
     if cfg.per_token:
         msg.stream_options.per_token = True
+    if cfg.flush_interval_ms > 0:
+        msg.stream_options.flush_interval_ms = cfg.flush_interval_ms
     return msg
 
 

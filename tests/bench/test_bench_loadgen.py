@@ -161,3 +161,13 @@ async def test_spread_workers_against_a_server_without_router_service_uses_the_t
                      spread_workers=True)
     run = await run_load(cfg, iter_requests(WL))
     assert len(run.results) == 6 and len(svc.seen) == 6
+
+
+async def test_flush_interval_is_asked_for_when_set(server) -> None:
+    svc, target = server
+    for ms in (0, 20):
+        svc.seen.clear()
+        cfg = LoadConfig(target=target, concurrency=2, num_requests=4, progress_s=0,
+                         flush_interval_ms=ms)
+        await run_load(cfg, iter_requests(WL))
+        assert {m.stream_options.flush_interval_ms for m in svc.seen} == {ms}

@@ -120,3 +120,15 @@ def test_fleet_sampler_summary_keeps_in_flight_and_the_decode_step() -> None:
     (a,) = fs.summary(0.5, 2.5).values()
     assert a["running_mean"] == 105 and a["in_flight_mean"] == 123
     assert a["step_ms_mean"] == pytest.approx(11.0)
+
+
+def test_report_tables_the_message_budget_against_the_same_rounds_fixed_interval() -> None:
+    def msg(label: str, k: int, done: float, fixed: int = 0) -> dict[str, object]:
+        r = _rec(f"1 GPU, direct to node, {label} #{k}", 128, done, 1.2, phase="msg05")
+        return {**r, "round": k, **({"flush_interval_ms": fixed} if fixed else {})}
+    recs = [msg("message budget", 0, 110.0), msg("fixed 20 ms", 0, 100.0, 20),
+            msg("message budget", 1, 90.0), msg("fixed 20 ms", 1, 100.0, 20)]
+    md = report_markdown(recs, {})
+    assert "| msg05 | 1 GPU, direct to node, message budget #0 | 128 | 110.0 | 110.0 | 1.10 |" in md
+    assert "| msg05 | 1 GPU, direct to node, message budget #1 | 128 | 90.0 | 90.0 | 0.90 |" in md
+    assert "| msg05 | 1 GPU, direct to node, fixed 20 ms #1 | 128 | 100.0 | 100.0 | - |" in md
