@@ -69,6 +69,9 @@ class NodeLedger:
     def __init__(self) -> None:
         self._accounts: dict[str, _Account] = {}
         self.in_flight = 0
+        # admitted requests past their first token and not ended: the streams sending
+        # messages now (the coalescing budget divides by it)
+        self.streaming = 0
         self.pending_prefill_tokens = 0
 
     def admit(self, router_id: str, prompt_tokens: int,
@@ -90,9 +93,11 @@ class NodeLedger:
         acc.first_token_requests += 1
         acc.first_token_prompt_tokens += a.charged_tokens
         self.pending_prefill_tokens -= a.prompt_tokens
+        self.streaming += 1
 
     def _on_finish(self, a: Admission) -> None:
         self.in_flight -= 1
+        self.streaming -= 1
         self._accounts[a.router_id].finished_requests += 1
 
     def accounts(self) -> tuple[AccountSnapshot, ...]:

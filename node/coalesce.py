@@ -9,9 +9,9 @@ triggers the flush). Engines yield text deltas that never split a multi-byte cha
 joining deltas preserves that; stop strings were already removed by the engine.
 
 The flush interval is ``flush_interval_s``, widened under load when the policy has a message
-budget (``messages_per_s``, the node's default policy): with S streams in flight it is
-``max(flush_interval_s, S / messages_per_s)``, at most ``MAX_FLUSH_INTERVAL_S``, re-read at
-every message. A gRPC message costs the node's process far more than a token does (measured:
+budget (``messages_per_s``, the node's default policy): with S streams sending (past their
+first token, not ended) it is ``max(flush_interval_s, S / messages_per_s)``, at most
+``MAX_FLUSH_INTERVAL_S``, re-read at every message. A gRPC message costs the node's process far more than a token does (measured:
 docs/benchmarks.md, "Stream messages per node"), and that process is a GPU node's ceiling
 (docs/benchmarks-gpu.md), so a loaded node sends fewer, larger chunks; an idle one keeps the
 short interval.
@@ -48,7 +48,7 @@ class CoalescePolicy:
         return self.flush_interval_s <= 0 or self.max_tokens <= 1
 
     def interval(self, streams: int) -> float:
-        """The flush interval (s) with ``streams`` streams in flight on the node."""
+        """The flush interval (s) with ``streams`` streams sending on the node."""
         if self.messages_per_s <= 0:
             return self.flush_interval_s
         return max(self.flush_interval_s,
@@ -68,7 +68,7 @@ async def coalesce(outputs: AsyncIterator[EngineOutput], policy: CoalescePolicy,
                    clock: Callable[[], float] = time.monotonic,
                    streams: Callable[[], int] = lambda: 1) -> AsyncIterator[EngineOutput]:
     """Re-chunks an engine's per-step outputs. Closing this generator closes ``outputs``.
-    ``streams``: how many streams the node has in flight now (read when the policy has a
+    ``streams``: how many streams the node has sending now (read when the policy has a
     message budget).
 
     A pump task drains the engine into a buffer; this generator sends the buffer once per

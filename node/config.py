@@ -52,9 +52,10 @@ class NodeConfig:
     reconnect_max_backoff_s: float = 5.0
     flush_interval_ms: int = 20           # coalescing default (0 = per token)
     # The node's budget of stream messages per second over all its streams: with more streams
-    # in flight than budget x interval, the default interval widens to streams / budget
-    # (128 streams at 2000/s: 64 ms; at most 250 ms). A message costs the node's process far
-    # more than a token (docs/benchmarks.md, "Stream messages per node"). 0 = fixed interval.
+    # sending (past their first token) than budget x interval, the default interval widens to
+    # streams / budget (128 streams at 2000/s: 64 ms; at most 250 ms). A message costs the
+    # node's process far more than a token (docs/benchmarks.md, "Stream messages per node").
+    # 0 = fixed interval.
     stream_messages_per_s: float = 2000.0
     max_tokens_per_chunk: int = 64
     drain_timeout_s: float = 30.0

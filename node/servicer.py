@@ -96,7 +96,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._require_ticket = require_ticket
 
     def _streams(self) -> int:
-        return self._state.ledger.in_flight
+        # Past their first token: requests still queued in the engine send no messages yet.
+        return self._state.ledger.streaming
 
     # --- validation ---------------------------------------------------------------------
     def _resolve_model(self, name: str) -> None:

@@ -28,3 +28,21 @@ def test_finished_counts_every_end_once_per_router() -> None:
     assert r1.admitted_requests - r1.finished_requests == 1     # held: the running one
     assert accounts["r2"].finished_requests == 1
     assert led.in_flight == 1 and led.pending_prefill_tokens == 0
+
+
+def test_streaming_counts_requests_past_their_first_token_until_they_end() -> None:
+    led = NodeLedger()
+    queued = led.admit("r1", 10)
+    a = led.admit("r1", 10)
+    b = led.admit("", 10)
+    assert (led.in_flight, led.streaming) == (3, 0)   # none has a token yet
+    a.first_token()
+    b.first_token()
+    b.first_token()                                    # once per request
+    assert (led.in_flight, led.streaming) == (3, 2)
+    a.finish()
+    queued.finish()                                    # ended before any token: never streamed
+    assert (led.in_flight, led.streaming) == (1, 1)
+    b.finish()
+    b.finish()
+    assert (led.in_flight, led.streaming) == (0, 0)
