@@ -11,10 +11,10 @@ joining deltas preserves that; stop strings were already removed by the engine.
 The flush interval is ``flush_interval_s``, widened under load when the policy has a message
 budget (``messages_per_s``, the node's default policy): with S streams sending (past their
 first token, not ended) it is ``max(flush_interval_s, S / messages_per_s)``, at most
-``MAX_FLUSH_INTERVAL_S``, re-read at every message. A gRPC message costs the node's process far more than a token does (measured:
-docs/benchmarks.md, "Stream messages per node"), and that process is a GPU node's ceiling
-(docs/benchmarks-gpu.md), so a loaded node sends fewer, larger chunks; an idle one keeps the
-short interval.
+``MAX_FLUSH_INTERVAL_S``, re-read at every message. A gRPC message costs the node's process
+far more than a token does (measured: docs/benchmarks.md, "Stream messages per node"), and
+that process is a GPU node's ceiling (docs/benchmarks-gpu.md), so a loaded node sends fewer,
+larger chunks; an idle one keeps the short interval.
 """
 
 from __future__ import annotations
