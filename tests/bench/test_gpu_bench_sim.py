@@ -55,3 +55,24 @@ def test_fleet_polls_share_the_loads_clock(tmp_path: Path) -> None:
         # the nodes' own generation rates add up to what the clients received
         node_tok = sum(v["tok_s_mean"] for v in fleet.values())
         assert 0.7 * r["out_tok_s"] <= node_tok <= 1.3 * r["out_tok_s"], (node_tok, r["out_tok_s"])
+
+
+def test_message_budget_phase_pairs_budget_and_fixed_benches(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    rc = gpu.main(["run", "--engine", "sim", "--phases", "msg05", "--rounds", "1",
+                   "--workers", "1", "--procs", "2", "--warmup", "1", "--seconds", "2",
+                   "--sim-time-scale", "4", "--sim-scale-intervals", "--output", "fixed:32",
+                   "--model-root", str(tmp_path / "models"), "--budget", "600",
+                   "--out", str(out)])
+    assert rc == 0
+    recs = json.loads((out / "results.json").read_text())["records"]
+    # one GPU direct, then data parallel through the router: budget, then the node's base
+    # interval asked for by every request (20 ms x the time scale of a slowed simulation)
+    assert [(r["setup"], r.get("flush_interval_ms")) for r in recs] == [
+        ("1 GPU, direct to node, message budget #0", None),
+        ("1 GPU, direct to node, fixed 80 ms #0", 80),
+        ("2 GPUs data parallel, router, message budget #0", None),
+        ("2 GPUs data parallel, router, fixed 80 ms #0", 80)]
+    assert all(r["errors"] == 0 and r["done_qps"] > 0 for r in recs)
+    assert "--flush-interval-ms 80" in recs[1]["command"]
+    assert "| msg05 | 1 GPU, direct to node, message budget #0 |" in (out / "summary.md").read_text()
