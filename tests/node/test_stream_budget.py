@@ -48,11 +48,12 @@ async def _messages(client: MeshClient, max_tokens: int) -> tuple[int, int]:
 
 
 async def test_many_streams_get_fewer_larger_messages():
-    # 5 ms base interval, a budget of 20 messages/s: with 6 streams in flight the interval is
-    # 0.25 s (the cap). Each stream takes ~0.6 s (120 tokens, a simulated step of ~5 ms), so
-    # about 3-4 messages each, against ~120 at the base interval.
+    # 5 ms base interval, a budget of 10 messages/s: with 6 streams sending the interval is
+    # 0.25 s (the cap; even a stream alone would get 0.1 s). Each stream takes ~0.6 s (120
+    # tokens, a simulated step of ~5 ms), so about 3-4 messages each, against ~120 at the base
+    # interval (101 measured with the budget off).
     node = NodeServer(NodeConfig(engine="sim", port=0, node_id="budget", flush_interval_ms=5,
-                                 stream_messages_per_s=20),
+                                 stream_messages_per_s=10),
                       SimEngine(SimEngineConfig(model_name="sim", time_scale=2.0)))
     await node.start()
     try:
