@@ -1104,7 +1104,8 @@ def device_meta(engine: str) -> dict[str, Any]:
     return meta
 
 
-def _engine_arg(kv: str, flag: str = "--engine-arg") -> tuple[str, Any]:
+def _name_value(kv: str, flag: str) -> tuple[str, Any]:
+    """``--engine-arg`` / ``--node-option`` NAME=VALUE: VALUE as JSON, else the string."""
     name, sep, value = kv.partition("=")
     if not sep or not name:
         raise SystemExit(f"{flag} {kv!r}: expected NAME=VALUE")
@@ -1128,8 +1129,8 @@ def cmd_run(a: argparse.Namespace) -> int:
               policy=a.policy,
               router_env=dict(kv.split("=", 1) for kv in a.router_env),
               router_env_b=dict(kv.split("=", 1) for kv in a.router_env_b),
-              engine_args=dict(_engine_arg(kv) for kv in a.engine_arg),
-              node_options=dict(_engine_arg(kv, "--node-option") for kv in a.node_option),
+              engine_args=dict(_name_value(kv, "--engine-arg") for kv in a.engine_arg),
+              node_options=dict(_name_value(kv, "--node-option") for kv in a.node_option),
               spread_workers=a.spread_workers, pin=a.pin, prompt=a.prompt, output=a.output)
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
