@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     nc = sub.add_parser("node-cpu", help="node-process CPU per output token, nodes interleaved")
     nodecpu.add_arguments(nc)
+    from gpumesh.bench import grpc_cost
+
+    gc = sub.add_parser("grpc-cost", help="grpc.aio's own server CPU per request and per "
+                                          "stream message, on loopback")
+    grpc_cost.add_arguments(gc)
     from gpumesh.bench import engine_loop
 
     el = sub.add_parser("engine-loop", help="closed loop on a node's own engine, in process, "
@@ -288,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpumesh.bench import engine_loop
 
         return engine_loop.main(a)
+    if a.cmd == "grpc-cost":
+        from gpumesh.bench import grpc_cost
+
+        return grpc_cost.main(a)
     if a.cmd == "node-cpu":
         from gpumesh.bench import nodecpu
 
