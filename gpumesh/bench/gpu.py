@@ -206,6 +206,9 @@ class Env:
     output: str = str(REFERENCE_OUTPUT)
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    # This device call's 1-based index in meta["calls"] (cmd_run sets it; successive calls
+    # append to one results.json), recorded with every record as "call"; 0: not set
+    call: int = 0
 
     @property
     def logs(self) -> Path:
@@ -656,6 +659,7 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
             nodes[r.node_id or "?"] = nodes.get(r.node_id or "?", 0) + 1
     rec: dict[str, Any] = {
         "phase": phase, "setup": setup, "shape": shape, "target": target, "concurrency": concurrency,
+        "call": env.call,
         "prompt": prompt, "output": output, "procs": procs, "warmup_s": warm, "window_s": win,
         **window_metrics(res, warm, win),
         "node_share": nodes, "command": cmd, "started": t_start, "engine": env.engine,
@@ -753,7 +757,7 @@ def phase_raw(env: Env, shape: str = "0.5b", dp: bool = False) -> None:
             print(f"[gpu-bench] raw {shape} {setup}: no result\n"
                   + "\n".join(log.read_text(errors="replace")[-1500:] for _, _, log in parts))
             continue
-        rec = {"phase": "raw", "setup": setup, "shape": shape,
+        rec = {"phase": "raw", "setup": setup, "shape": shape, "call": env.call,
                "concurrency": sum(r["concurrency"] for r in rows),
                "qps": round(sum(r["qps"] for r in rows), 2),
                "lat_p50": max(r["lat_p50"] for r in rows), "lat_p99": max(r["lat_p99"] for r in rows),
@@ -847,7 +851,7 @@ def phase_eng(env: Env, shape: str, gpus: int) -> None:
             raise RuntimeError(f"eng {shape} {setup}: {n - len(rows)} of {n} loops gave no "
                                "result\n" + "\n".join(ch.tail(1500) for ch, _ in children))
         rec: dict[str, Any] = {
-            "phase": "eng", "setup": setup, "shape": shape,
+            "phase": "eng", "setup": setup, "shape": shape, "call": env.call,
             "concurrency": sum(r["concurrency"] for r in rows),
             "prompt": env.prompt, "output": env.output,
             "warmup_s": env.warmup_s, "window_s": env.window_s,
@@ -1009,7 +1013,8 @@ def phase_msg(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2) -> N
     every request of B asks for the node's base interval (20 ms) itself, which the node keeps
     as asked, i.e. the fixed interval of a node without the budget. One GPU direct to the node
     at the reference's concurrency, then (two GPUs) data parallel through the router at twice
-    it, ``rounds`` times each."""
+    it, ``rounds`` times each. Each record names its pair: ``base_setup``, ``round`` and
+    ``leg`` ("budget" or "fixed"), which the report pairs by."""
     c1 = RAW_CONCURRENCY[shape]
     a, _, nodes, routers = _pair(env, shape, gpus)
     # the node's base interval (scaled with a slowed simulation, as node_toml scales it)
@@ -1023,10 +1028,11 @@ def phase_msg(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2) -> N
             runs.append(("2 GPUs data parallel, router", g.addr["r2"], 2 * c1, g.addr["r2"]))
         for setup, target, c, poll in runs:
             for k in range(rounds):
-                for label, f in (("message budget", 0), (f"fixed {fixed} ms", fixed)):
+                for leg, label, f in (("budget", "message budget", 0),
+                                      ("fixed", f"fixed {fixed} ms", fixed)):
                     bench(env, phase=phase, setup=f"{setup}, {label} #{k}", shape=shape,
                           target=target, concurrency=c, poll=poll, flush_interval_ms=f,
-                          extra={"round": k})
+                          extra={"round": k, "leg": leg, "base_setup": setup})
 
 
 def phase_p05q(env: Env, gpus: int) -> None:
@@ -1146,6 +1152,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                                              "spread_workers": env.spread_workers,
                                              "pin": env.pin, "prompt": env.prompt,
                                              "output": env.output})
+    env.call = len(env.meta["calls"])
     env.save()
     budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.

@@ -14,6 +14,7 @@ import argparse
 import gzip
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,19 @@ RAW_REFERENCE: dict[tuple[str, str], tuple[float, float, float | None]] = {
 RAW_CONCURRENCY = {"0.5b": 128, "7b": 256}
 # The seed's table (older GPUs): setup -> (QPS, p50 latency s).
 SEED_TABLE = {"1gpu": (20.0, 1.2), "dp2": (38.0, 1.3), "tp2": (22.0, 1.8)}
+
+
+def _call(rec: dict[str, Any]) -> int | None:
+    """The 1-based device call that measured a record (``gpu.py`` records it); None for
+    archived records from before it did."""
+    return rec.get("call") or None
+
+
+def _call_tagger(records: list[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:
+    """`` (call N)`` for a row's label where the records come from more than one call (one
+    results.json several device calls appended to, or several files), else ""."""
+    multi = len({_call(r) for r in records} - {None}) > 1
+    return lambda r: f" (call {_call(r)})" if multi and _call(r) is not None else ""
 
 
 def _setup_key(rec: dict[str, Any]) -> str:
@@ -58,26 +72,26 @@ def _workload_label(rec: dict[str, Any]) -> str:
 
 
 def _by_workload(records: list[dict[str, Any]]
-                 ) -> dict[tuple[str, tuple[str, str]], list[dict[str, Any]]]:
-    out: dict[tuple[str, tuple[str, str]], list[dict[str, Any]]] = {}
+                 ) -> dict[tuple[int | None, str, tuple[str, str]], list[dict[str, Any]]]:
+    out: dict[tuple[int | None, str, tuple[str, str]], list[dict[str, Any]]] = {}
     for r in records:
         if r["phase"] in ("p05", "p7"):
-            out.setdefault((r["shape"], _workload(r)), []).append(r)
+            out.setdefault((_call(r), r["shape"], _workload(r)), []).append(r)
     return out
 
 
 def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
     """The interleaved data-parallel rounds (dp05/dp7, ab05/ab7): every bench of a round,
-    with its done QPS as a multiple of the client's own split in the same round (records are
-    deduplicated first, so one (phase, workload, round) is one call's)."""
+    with its done QPS as a multiple of the client's own split in the same call and round."""
     rows = [r for r in records if r["phase"] in ("dp05", "dp7", "ab05", "ab7")
             and "data parallel" in r["setup"]]
     if not rows:
         return []
+    tag = _call_tagger(records)
     splits: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
         if "client splits" in r["setup"]:
-            splits[(r["phase"], r["shape"], _workload(r), r.get("round", 0),
+            splits[(_call(r), r["phase"], r["shape"], _workload(r), r.get("round", 0),
                     r.get("pinned", False))] = r
     lines = [("Interleaved data-parallel rounds (same nodes, benches in the order run; `x split` ="
              " done QPS / the client's own split of the same round; router B = the router with "
@@ -87,7 +101,7 @@ def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
              " running (in flight) per node |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        sp = splits.get((r["phase"], r["shape"], _workload(r), r.get("round", 0),
+        sp = splits.get((_call(r), r["phase"], r["shape"], _workload(r), r.get("round", 0),
                          r.get("pinned", False)))
         xs = (fmt(r["done_qps"] / sp["done_qps"]) if sp and r.get("done_qps") and sp.get("done_qps")
               else "-")
@@ -98,7 +112,8 @@ def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
                          + (f" ({fmt(v['in_flight_mean'], 0)})" if "in_flight_mean" in v else "")
                          for n, v in sorted((r.get("fleet") or {}).items()))
         tpot = r.get("tpot_p50")
-        lines.append(f"| {r['phase']} | {_workload_label(r)} | {r['setup']} | {r['concurrency']} | "
+        lines.append(f"| {r['phase']} | {_workload_label(r)} | {r['setup']}{tag(r)} | "
+                     f"{r['concurrency']} | "
                      f"{fmt(r['qps'], 1)} | {fmt(r.get('done_qps'), 1)} | {xs} | "
                      f"{fmt(r['lat_p50'])} | {fmt(r.get('lat_p99'))} | {fmt(r.get('ttft_p50'), 3)} | "
                      f"{fmt(tpot * 1000 if tpot else None)} | {imb} | {run or '-'} |")
@@ -106,21 +121,40 @@ def _interleaved_markdown(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _msg_pair(r: dict[str, Any]) -> tuple[tuple[Any, ...], str]:
+    """A msg05/msg7 record's pair key (call, phase, base setup, round) and its leg ("budget"
+    or "fixed"): the fields gpu.py records; archived records without them, from the setup
+    label ("<base>, message budget #k" / "<base>, fixed 20 ms #k") and the asked interval."""
+    if "leg" in r:
+        base, leg = r["base_setup"], r["leg"]
+    elif r.get("flush_interval_ms"):
+        base, leg = r["setup"].split(", fixed")[0], "fixed"
+    else:
+        base, leg = r["setup"].split(", message budget")[0], "budget"
+    return (_call(r), r["phase"], base, r.get("round", 0)), leg
+
+
 def _message_budget_markdown(records: list[dict[str, Any]]) -> list[str]:
     """msg05/msg7: the node's stream-message budget against the fixed interval on the same
-    nodes, interleaved; ``x fixed`` = done QPS / the fixed-interval bench of the same round."""
+    nodes, interleaved; ``x fixed`` = done QPS / the fixed-interval bench of the same call,
+    setup and round."""
     rows = [r for r in records if r["phase"] in ("msg05", "msg7")]
     if not rows:
         return []
-    fixed = {(r["phase"], r["setup"].split(", fixed")[0], r.get("round", 0)): r
-             for r in rows if r.get("flush_interval_ms")}
+    tag = _call_tagger(records)
+    fixed: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rows:
+        key, leg = _msg_pair(r)
+        if leg == "fixed":
+            fixed[key] = r
     lines = [("The node's stream-message budget vs a fixed interval (same nodes, interleaved; "
               "`x fixed` = done QPS / the fixed-interval bench of the same round):"), "",
              ("| phase | setup | C | QPS | done QPS | x fixed | p50 s | p99 s | TTFT p50 s |"
               " TPOT p50 ms | node front end cores | router cores |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        f = fixed.get((r["phase"], r["setup"].split(", message budget")[0], r.get("round", 0)))
+        key, leg = _msg_pair(r)
+        f = fixed.get(key) if leg == "budget" else None
         xf = (fmt(r["done_qps"] / f["done_qps"]) if f and r.get("done_qps") and f.get("done_qps")
               else "-")
         cc = r.get("cpu_cores") or {}
@@ -128,7 +162,8 @@ def _message_budget_markdown(records: list[dict[str, Any]]) -> list[str]:
         rt = " / ".join(f"{v:.2f}" for k, v in cc.items()
                         if k.startswith("router") and "busiest" not in k and v >= 0.05)
         tpot = r.get("tpot_p50")
-        lines.append(f"| {r['phase']} | {r['setup']} | {r['concurrency']} | {fmt(r['qps'], 1)} | "
+        lines.append(f"| {r['phase']} | {r['setup']}{tag(r)} | {r['concurrency']} | "
+                     f"{fmt(r['qps'], 1)} | "
                      f"{fmt(r.get('done_qps'), 1)} | {xf} | {fmt(r['lat_p50'])} | "
                      f"{fmt(r.get('lat_p99'))} | {fmt(r.get('ttft_p50'), 3)} | "
                      f"{fmt(tpot * 1000 if tpot else None)} | {fe or '-'} | {rt or '-'} |")
@@ -144,19 +179,26 @@ def fmt(x: Any, nd: int = 2) -> str:
 
 
 def dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The last record of each (phase, setup, shape, C, prompt, output): a rerun replaces."""
+    """The last record of each (call, phase, setup, shape, C, prompt, output): a rerun within
+    one call replaces; another call's records stay (each row says its call)."""
     last: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in records:
-        last[(r["phase"], r["setup"], r["shape"], r["concurrency"], r.get("prompt"),
+        last[(_call(r), r["phase"], r["setup"], r["shape"], r["concurrency"], r.get("prompt"),
               r.get("output"))] = r
     return list(last.values())
 
 
 def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     records = dedupe(records)
+    tag = _call_tagger(records)
     lines: list[str] = []
     main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw", "eng")]
-    raw_in = {(r["shape"], _setup_key(r)): r for r in records if r["phase"] == "raw"}
+    # "x raw (session)": the raw run of the row's own call, else the last raw run
+    raw_in: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in records:
+        if r["phase"] == "raw":
+            raw_in[(_call(r), r["shape"], _setup_key(r))] = r
+            raw_in[("last", r["shape"], _setup_key(r))] = r
     if main:
         lines += [("| shape | setup | C | workload | QPS | done QPS | p50 s | p99 s | TTFT p50 s |"
                    " TPOT p50 ms | raw vLLM ref QPS / p50 | x raw ref | x raw (session) |"
@@ -169,22 +211,22 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             same_c = (r["concurrency"] == RAW_CONCURRENCY.get(r["shape"])
                       and _workload(r) == REFERENCE_WORKLOAD)
             xref = fmt(r["qps"] / ref[0]) if ref and same_c and r["phase"] != "share" else "-"
-            ses = raw_in.get((r["shape"], key))
+            ses = raw_in.get((_call(r), r["shape"], key)) or raw_in.get(("last", r["shape"], key))
             xses = (fmt(r["qps"] / ses["qps"]) if ses and same_c and r["phase"] != "raw"
                     else "-")
             seed = SEED_TABLE.get(key)
             xseed = fmt(r["qps"] / seed[0], 1) if seed and same_c else "-"
             tpot = r.get("tpot_p50")
             lines.append(
-                f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {_workload_label(r)} | "
-                f"{fmt(r['qps'], 1)} | "
+                f"| {r['shape']} | {r['setup']}{tag(r)} | {r['concurrency']} | "
+                f"{_workload_label(r)} | {fmt(r['qps'], 1)} | "
                 f"{fmt(r.get('done_qps'), 1)} | {fmt(r['lat_p50'])} | {fmt(r.get('lat_p99'))} | "
                 f"{fmt(r.get('ttft_p50'), 3)} | {fmt(tpot * 1000 if tpot else None)} | "
                 f"{f'{ref[0]:g} / {ref[1]:g}' if ref and same_c else '-'} | {xref} | {xses} | "
                 f"{xseed} | {r.get('errors', 0)} |")
         lines.append("")
         # data parallel at equal p50: DP at 2C vs one GPU at C, each workload on its own
-        for (shape, wl), rs in _by_workload(records).items():
+        for (_, shape, wl), rs in _by_workload(records).items():
             c2 = 2 * RAW_CONCURRENCY[shape]
             ones = [r for r in rs if r["setup"] == "1 GPU, through router"]
             directs = [r for r in rs if r["setup"] == "1 GPU, direct to node"]
@@ -195,8 +237,9 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             if not (ones and dp):
                 continue
             o, d = ones[-1], dp[-1]
-            tag = "" if wl == REFERENCE_WORKLOAD else f" (workload {wl[0]} -> {wl[1]})"
-            lines.append(f"- {shape}{tag}: data parallel through the router at "
+            what = (tag(o) + ("" if wl == REFERENCE_WORKLOAD
+                              else f" (workload {wl[0]} -> {wl[1]})"))
+            lines.append(f"- {shape}{what}: data parallel through the router at "
                          f"C={d['concurrency']} gives {d['qps']:.1f} QPS at p50 "
                          f"{d['lat_p50']:.2f} s vs one GPU through the router at "
                          f"C={o['concurrency']}: {o['qps']:.1f} QPS at p50 {o['lat_p50']:.2f} s "
@@ -226,7 +269,7 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             sh = r.get("node_share", {})
             fl = r.get("fleet", {})
             kvs = "/".join(fmt(fl.get(n, {}).get("kv_max"), 2) for n in ("big", "small"))
-            lines.append(f"| {r.get('policy')} | {r['concurrency']} | {fmt(r['qps'], 1)} | "
+            lines.append(f"| {r.get('policy')}{tag(r)} | {r['concurrency']} | {fmt(r['qps'], 1)} | "
                          f"{fmt(r.get('done_qps'), 1)} | {fmt(r['lat_p50'])} | {fmt(r['lat_p99'])} | "
                          f"{fmt(r['ttft_p50'], 3)} | {fmt(r['ttft_p99'], 3)} | "
                          f"{sh.get('big', 0)}/{sh.get('small', 0)} | {kvs} |")
@@ -239,7 +282,7 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for r in cpu_rows:
             cc = dict(r["cpu_cores"])
             total = cc.pop("machine (all processes)", None)
-            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | "
+            lines.append(f"| {r['shape']} | {r['setup']}{tag(r)} | {r['concurrency']} | "
                          + ", ".join(f"{k} {v:.2f}" for k, v in cc.items() if v >= 0.05)
                          + f" | {fmt(total)} |")
         lines.append("")
@@ -251,7 +294,7 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in sw:
             tp = r.get("tpot_p50")
-            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {r['prompt']} | "
+            lines.append(f"| {r['shape']} | {r['setup']}{tag(r)} | {r['concurrency']} | {r['prompt']} | "
                          f"{r['output']} | {fmt(r['qps'], 1)} | {fmt(r['ttft_p50'] * 1000, 1)} | "
                          f"{fmt(tp * 1000 if tp else None)} | {fmt(r.get('out_tok_s'), 0)} |")
         lines.append("")
@@ -263,7 +306,7 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r, n, v in fleet_rows:
             # older records have neither the node's in-flight mean nor its decode step
-            lines.append(f"| {r['shape']} | {r['setup']} | {r['concurrency']} | {n} | "
+            lines.append(f"| {r['shape']} | {r['setup']}{tag(r)} | {r['concurrency']} | {n} | "
                          f"{fmt(v['kv_mean'], 3)} / {fmt(v['kv_max'], 3)} | {fmt(v['running_mean'], 0)} | "
                          f"{fmt(v.get('in_flight_mean'), 0)} | {fmt(v.get('step_ms_mean') or None)} | "
                          f"{fmt(v['tok_s_mean'], 0)} | {fmt(v['gpu_util_mean'] * 100, 0)}% | "
@@ -291,11 +334,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = dedupe(records)
+    tag = _call_tagger(records)
     main = [r for r in records if r["phase"] in ("p05", "p7", "tp05", "tp7", "share", "raw", "eng")]
     sw = [r for r in records if r["phase"] == "sweep" and r["output"] != "fixed:1"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     ax = axes[0]
-    labels = [f"{r['shape']} {r['setup']} C={r['concurrency']}" for r in main]
+    labels = [f"{r['shape']} {r['setup']}{tag(r)} C={r['concurrency']}" for r in main]
     ys = [r["qps"] for r in main]
     ax.barh(range(len(ys)), ys, color=[{"raw": "#888", "eng": "#b73"}.get(r["phase"], "#37a") for r in main])
     for i, r in enumerate(main):
@@ -331,7 +375,10 @@ def cmd_report(a: argparse.Namespace) -> int:
         # the archived results in docs/gpu are gzipped (they travel with every device call)
         raw = Path(f).read_bytes()
         doc = json.loads(gzip.decompress(raw) if f.endswith(".gz") else raw)
-        records += doc["records"]
+        # a record's call indexes the merged meta["calls"]: shift it by the earlier files' calls
+        shift = len(meta.get("calls", []))
+        records += [{**r, "call": r["call"] + shift} if _call(r) and shift else r
+                    for r in doc["records"]]
         for k, v in doc.get("meta", {}).items():
             if isinstance(v, dict):
                 meta.setdefault(k, {}).update(v)

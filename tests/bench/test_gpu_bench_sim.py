@@ -59,12 +59,11 @@ def test_fleet_polls_share_the_loads_clock(tmp_path: Path) -> None:
 
 def test_message_budget_phase_pairs_budget_and_fixed_benches(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    rc = gpu.main(["run", "--engine", "sim", "--phases", "msg05", "--rounds", "1",
-                   "--workers", "1", "--procs", "2", "--warmup", "1", "--seconds", "2",
-                   "--sim-time-scale", "4", "--sim-scale-intervals", "--output", "fixed:32",
-                   "--model-root", str(tmp_path / "models"), "--budget", "600",
-                   "--out", str(out)])
-    assert rc == 0
+    argv = ["run", "--engine", "sim", "--phases", "msg05", "--rounds", "1",
+            "--workers", "1", "--procs", "2", "--warmup", "1", "--seconds", "2",
+            "--sim-time-scale", "4", "--sim-scale-intervals", "--output", "fixed:32",
+            "--model-root", str(tmp_path / "models"), "--budget", "600", "--out", str(out)]
+    assert gpu.main(argv) == 0
     recs = json.loads((out / "results.json").read_text())["records"]
     # one GPU direct, then data parallel through the router: budget, then the node's base
     # interval asked for by every request (20 ms x the time scale of a slowed simulation)
@@ -73,6 +72,21 @@ def test_message_budget_phase_pairs_budget_and_fixed_benches(tmp_path: Path) -> 
         ("1 GPU, direct to node, fixed 80 ms #0", 80),
         ("2 GPUs data parallel, router, message budget #0", None),
         ("2 GPUs data parallel, router, fixed 80 ms #0", 80)]
+    # each record names its pair, and the call that measured it
+    assert [(r["call"], r["base_setup"], r["round"], r["leg"]) for r in recs] == [
+        (1, "1 GPU, direct to node", 0, "budget"), (1, "1 GPU, direct to node", 0, "fixed"),
+        (1, "2 GPUs data parallel, router", 0, "budget"),
+        (1, "2 GPUs data parallel, router", 0, "fixed")]
     assert all(r["errors"] == 0 and r["done_qps"] > 0 for r in recs)
     assert "--flush-interval-ms 80" in recs[1]["command"]
     assert "| msg05 | 1 GPU, direct to node, message budget #0 |" in (out / "summary.md").read_text()
+    # a second call on the same results: its records are call 2's, and the summary keeps both
+    assert gpu.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert len(doc["meta"]["calls"]) == 2
+    assert [r["call"] for r in doc["records"]] == [1] * 4 + [2] * 4
+    md = (out / "summary.md").read_text()
+    for call in (1, 2):
+        row = next(ln for ln in md.splitlines() if ln.startswith(
+            f"| msg05 | 1 GPU, direct to node, message budget #0 (call {call}) |"))
+        assert row.split(" | ")[5] != "-", row   # x fixed: paired with its own call's bench

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -123,6 +126,7 @@ def test_fleet_sampler_summary_keeps_in_flight_and_the_decode_step() -> None:
 
 
 def test_report_tables_the_message_budget_against_the_same_rounds_fixed_interval() -> None:
+    # archived records have neither leg nor base_setup: paired from their setup labels
     def msg(label: str, k: int, done: float, fixed: int = 0) -> dict[str, object]:
         r = _rec(f"1 GPU, direct to node, {label} #{k}", 128, done, 1.2, phase="msg05")
         return {**r, "round": k, **({"flush_interval_ms": fixed} if fixed else {})}
@@ -132,3 +136,93 @@ def test_report_tables_the_message_budget_against_the_same_rounds_fixed_interval
     assert "| msg05 | 1 GPU, direct to node, message budget #0 | 128 | 110.0 | 110.0 | 1.10 |" in md
     assert "| msg05 | 1 GPU, direct to node, message budget #1 | 128 | 90.0 | 90.0 | 0.90 |" in md
     assert "| msg05 | 1 GPU, direct to node, fixed 20 ms #1 | 128 | 100.0 | 100.0 | - |" in md
+
+
+def test_report_pairs_message_budget_benches_by_their_recorded_leg_not_the_label() -> None:
+    # gpu.py records base_setup, round and leg with each msg05/msg7 bench: the pairing holds
+    # whatever the setup labels say
+    def msg(label: str, leg: str, k: int, done: float) -> dict[str, object]:
+        r = _rec(f"one GPU ({label}) round {k}", 128, done, 1.2, phase="msg05")
+        return {**r, "call": 1, "round": k, "leg": leg, "base_setup": "one GPU",
+                **({"flush_interval_ms": 20} if leg == "fixed" else {})}
+    recs = [msg("budget", "budget", 0, 110.0), msg("20 ms", "fixed", 0, 100.0),
+            msg("budget", "budget", 1, 90.0), msg("20 ms", "fixed", 1, 120.0)]
+    md = report_markdown(recs, {})
+    assert "| msg05 | one GPU (budget) round 0 | 128 | 110.0 | 110.0 | 1.10 |" in md
+    assert "| msg05 | one GPU (budget) round 1 | 128 | 90.0 | 90.0 | 0.75 |" in md
+    assert "| msg05 | one GPU (20 ms) round 1 | 128 | 120.0 | 120.0 | - |" in md
+
+
+def test_report_keeps_every_calls_records_and_labels_them_by_call() -> None:
+    # one results.json that two device calls appended the same phase to: same setup strings
+    def msg(call: int, label: str, done: float, fixed: int = 0) -> dict[str, object]:
+        r = _rec(f"1 GPU, direct to node, {label} #0", 128, done, 1.2, phase="msg05")
+        return {**r, "call": call, "round": 0, **({"flush_interval_ms": fixed} if fixed else {})}
+    recs = [msg(1, "message budget", 110.0), msg(1, "fixed 20 ms", 100.0, 20),
+            msg(2, "message budget", 90.0), msg(2, "fixed 20 ms", 120.0, 20)]
+    md = report_markdown(recs, {})
+    assert ("| msg05 | 1 GPU, direct to node, message budget #0 (call 1) | 128 | 110.0 | 110.0 "
+            "| 1.10 |") in md
+    assert ("| msg05 | 1 GPU, direct to node, message budget #0 (call 2) | 128 | 90.0 | 90.0 "
+            "| 0.75 |") in md
+    assert "| msg05 | 1 GPU, direct to node, fixed 20 ms #0 (call 1) | 128 | 100.0 |" in md
+    # a rerun within one call still replaces; one call alone needs no label
+    md = report_markdown([msg(1, "message budget", 80.0), *recs[:2]], {})
+    assert md.count("message budget #0") == 2   # the table's row and the cores table's
+    assert "| msg05 | 1 GPU, direct to node, message budget #0 | 128 | 110.0 |" in md
+
+
+def test_report_compares_each_row_with_the_raw_run_of_its_own_call() -> None:
+    def raw(call: int, qps: float) -> dict[str, object]:
+        return {**_rec("raw vLLM (in session)", 128, qps, 0.9, phase="raw"), "call": call}
+    recs = [raw(1, 100.0), {**_rec("1 GPU, through router", 128, 50.0, 1.5), "call": 1},
+            raw(2, 200.0), {**_rec("1 GPU, through router", 128, 60.0, 1.5), "call": 3}]
+    md = report_markdown(recs, {})
+    # call 1's row against call 1's raw (100); call 3 ran none: the last raw run (200)
+    assert ("| 0.5b | 1 GPU, through router (call 1) | 128 | reference | 50.0 | 50.0 | 1.50 | "
+            "1.50 | 0.100 | 5.00 | 128 / 0.92 | 0.39 | 0.50 |") in md
+    assert ("| 0.5b | 1 GPU, through router (call 3) | 128 | reference | 60.0 | 60.0 | 1.50 | "
+            "1.50 | 0.100 | 5.00 | 128 / 0.92 | 0.47 | 0.30 |") in md
+    assert "| 0.5b | raw vLLM (in session) (call 1) | 128 |" in md
+    assert "| 0.5b | raw vLLM (in session) (call 2) | 128 |" in md
+
+
+S7 = Path(__file__).parents[2] / "docs/gpu/results-h200x2-2026-11-30-s7-budget.json.gz"
+# The seventh GPU session's msg05 rows (calls 1 and 4; records without leg/base_setup, so
+# paired from their setup labels): (call, base setup, round, done QPS, x fixed).
+S7_MSG05 = [(1, "1 GPU, direct to node", 0, "128.0", "1.25"),
+            (1, "1 GPU, direct to node", 1, "102.4", "1.09"),
+            (1, "2 GPUs data parallel, router", 0, "184.8", "0.93"),
+            (1, "2 GPUs data parallel, router", 1, "179.1", "1.05"),
+            (4, "1 GPU, direct to node", 0, "110.9", "1.15"),
+            (4, "1 GPU, direct to node", 1, "114.9", "1.27"),
+            (4, "2 GPUs data parallel, router", 0, "210.5", "1.14"),
+            (4, "2 GPUs data parallel, router", 1, "204.7", "1.05")]
+
+
+def test_report_of_the_seventh_session_shows_both_calls_msg05_benches() -> None:
+    doc = json.loads(gzip.decompress(S7.read_bytes()))
+    md = report_markdown(doc["records"], doc["meta"])
+    rows = [ln for ln in md.splitlines() if ln.startswith("| msg05 |")]
+    assert len(rows) == 16
+    for call, base, k, done, xf in S7_MSG05:
+        assert any(ln.startswith(f"| msg05 | {base}, message budget #{k} (call {call}) | ")
+                   and f"| {done} | {xf} |" in ln for ln in rows), (call, base, k)
+        assert any(ln.startswith(f"| msg05 | {base}, fixed 20 ms #{k} (call {call}) | ")
+                   and ln.split(" | ")[5] == "-" for ln in rows), (call, base, k)
+    # both raw runs; call 3's benches against call 3's raw (136.5 QPS), not call 2's (110.9)
+    assert "| 0.5b | raw vLLM (in session) (call 2) | 128 | reference | 110.9 |" in md
+    assert ("| 0.5b | 1 GPU, through router (call 3) | 128 | reference | 93.9 | 102.4 | 1.12 | "
+            "1.51 | 0.114 | 4.10 | 128 / 0.92 | 0.73 | 0.69 |") in md
+
+
+def test_report_cli_reads_gzip_and_numbers_the_calls_of_several_files(tmp_path: Path) -> None:
+    from gpumesh.bench import gpu
+
+    out = tmp_path / "s7.md"
+    assert gpu.main(["report", str(S7), str(S7), "--md", str(out)]) == 0
+    md = out.read_text()
+    # the second file's calls 1-4 are the merged meta's calls 5-8
+    for call in (1, 4, 5, 8):
+        assert f"| msg05 | 1 GPU, direct to node, message budget #0 (call {call}) |" in md
+    assert sum(ln.startswith("| msg05 |") for ln in md.splitlines()) == 32
