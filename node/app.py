@@ -21,7 +21,7 @@ from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import inference_pb2, inference_pb2_grpc
 from node.coalesce import CoalescePolicy
 from node.config import NodeConfig, new_incarnation
-from node.engine import Engine
+from node.engine import Engine, PromptEncoder
 from node.heartbeat import HeartbeatClient
 from node.servicer import InferenceServicer, NodeState
 from node.telemetry import NodeTelemetry
@@ -74,6 +74,8 @@ class NodeServer:
         self.state: NodeState | None = None
         self.heartbeats: HeartbeatClient | None = None
         self.telemetry = NodeTelemetry.disabled()
+        # Both services tokenize through it: one thread for the engine's tokenizer.
+        self.prompts = PromptEncoder(engine)
         self._drained = asyncio.Event()
         self.incarnation = new_incarnation()
 
@@ -140,11 +142,13 @@ class NodeServer:
             self.engine, self.state,
             CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk,
                            self.cfg.stream_messages_per_s),
-            self.cfg.ticket_secret.encode(), self.cfg.require_ticket, self.telemetry),
+            self.cfg.ticket_secret.encode(), self.cfg.require_ticket, self.telemetry,
+            self.prompts),
             self.server)
         # vLLM's native gRPC (what SMG and vLLM clients speak) on the same port and ledger.
         add_vllm_engine_service(self.server, self.engine, self.state,
-                                model_path=self.cfg.model, require_ticket=self.cfg.require_ticket)
+                                model_path=self.cfg.model, require_ticket=self.cfg.require_ticket,
+                                prompts=self.prompts)
         reflection.enable_server_reflection(
             (INFERENCE_SERVICE, VLLM_ENGINE_SERVICE,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -214,6 +218,7 @@ class NodeServer:
             await self.heartbeats.close()
         if self.server is not None:
             await self.server.stop(grace_s)
+        self.prompts.close()
         await self.engine.shutdown()
         await asyncio.to_thread(self.telemetry.tel.shutdown)
 

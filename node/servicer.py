@@ -30,6 +30,7 @@ from node.engine import (
     EngineOutput,
     EngineRequest,
     Finish,
+    PromptEncoder,
     Sampling,
 )
 from node.errors import (
@@ -87,8 +88,11 @@ def _sampling(p: pb.SamplingParams) -> Sampling:
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, engine: Engine, state: NodeState, default_coalescing: CoalescePolicy,
                  ticket_secret: bytes = b"", require_ticket: bool = False,
-                 telemetry: NodeTelemetry | None = None) -> None:
+                 telemetry: NodeTelemetry | None = None,
+                 prompts: PromptEncoder | None = None) -> None:
         self._engine = engine
+        # The node's shared one (node.app); a servicer built alone gets its own.
+        self._prompts = prompts or PromptEncoder(engine)
         self._telemetry = telemetry or NodeTelemetry.disabled()
         self._state = state
         self._default_coalescing = default_coalescing
@@ -106,19 +110,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             served = ", ".join((spec.name, *spec.aliases))
             raise not_found(f"model {name!r} is not served here; served: {served}")
 
-    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         kind = req.WhichOneof("prompt")
         if kind == "text":
             if not req.text:
                 raise invalid("prompt text is empty")
-            ids = self._engine.tokenize(req.text)
+            ids = await self._prompts.tokenize(req.text)
         elif kind == "chat":
             msgs = [(m.role, m.content) for m in req.chat.messages]
             if not msgs:
                 raise invalid("chat has no messages")
             if any(not role for role, _ in msgs):
                 raise invalid("every chat message needs a role")
-            ids = self._engine.render_chat(msgs)
+            ids = await self._prompts.render_chat(msgs)
         elif kind == "token_ids":
             ids = list(req.token_ids.ids)
         else:
@@ -145,13 +149,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         charged = meta.get(md.CHARGED_TOKENS)
         return router_id, int(charged) if charged and charged.isdigit() else None
 
-    def _prepare(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Prepared:
+    async def _prepare(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> Prepared:
         if self._state.draining:
             raise unavailable(f"node {self._state.node_id} is draining")
         self._resolve_model(req.model)
         sampling = _sampling(req.sampling)
         try:
-            ids = self._prompt_ids(req)   # tokenizes: the engine may be starting or shut down
+            # Tokenizes (off the loop when long): the engine may be starting or shut down.
+            # A cancelled request ends here, before anything is admitted.
+            ids = await self._prompt_ids(req)
         except EngineError as exc:
             raise from_engine_exception(exc) from exc
         limit = self._engine.model.max_context_length
@@ -215,7 +222,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         trace = self._telemetry.start("GenerateStream", request, context)
         try:
-            prep = self._prepare(request, context)
+            prep = await self._prepare(request, context)
             trace.prepared(prep.request, prep.router_id)
             first = True
             completion = 0
@@ -248,7 +255,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         trace = self._telemetry.start("Generate", request, context)
         try:
-            prep = self._prepare(request, context)
+            prep = await self._prepare(request, context)
             trace.prepared(prep.request, prep.router_id)
             texts: list[str] = []
             ids: list[int] = []

@@ -61,7 +61,15 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
 from node.accounting import Admission
-from node.engine import Engine, EngineRequest, Finish, PromptTooLong, Sampling
+from node.engine import (
+    Engine,
+    EngineError,
+    EngineRequest,
+    Finish,
+    PromptEncoder,
+    PromptTooLong,
+    Sampling,
+)
 from node.errors import (
     RequestError,
     from_engine_exception,
@@ -230,14 +238,17 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     ``model_path`` is what GetModelInfo reports as ``model_path`` / ``tokenizer_path`` and
     where ``config.json`` facts are read from (the node's ``model`` setting);
-    ``require_ticket``: a node that only serves routed requests refuses Generate here too.
+    ``require_ticket``: a node that only serves routed requests refuses Generate here too;
+    ``prompts``: the node's shared ``PromptEncoder`` (one is made when None).
     """
 
     def __init__(self, engine: Engine, state: NodeState, *, model_path: str = "",
                  require_ticket: bool = False, clock: Callable[[], float] = time.monotonic,
                  load_tick_s: float = LOAD_TICK_S, heartbeat_s: float = HEARTBEAT_S,
-                 heartbeat_backoff_s: float = HEARTBEAT_BACKOFF_S) -> None:
+                 heartbeat_backoff_s: float = HEARTBEAT_BACKOFF_S,
+                 prompts: PromptEncoder | None = None) -> None:
         self._engine = engine
+        self._prompts = prompts or PromptEncoder(engine)
         self._state = state
         self._model_path = model_path
         self._require_ticket = require_ticket
@@ -251,7 +262,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._backoff = heartbeat_backoff_s
 
     # --- Generate -----------------------------------------------------------------------
-    def _prompt(self, req: vpb.GenerateRequest) -> list[int]:
+    async def _prompt(self, req: vpb.GenerateRequest) -> list[int]:
         kind = req.WhichOneof("input")
         if req.HasField("mm_inputs") or req.extra_mm_inputs or req.HasField("media_refs"):
             raise invalid("multimodal inputs are not supported by this node")
@@ -260,7 +271,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         if kind == "tokenized":
             ids = list(req.tokenized.input_ids)
         elif kind == "text":
-            ids = self._engine.tokenize(req.text)
+            try:   # off the loop when long; the engine may be starting or shut down
+                ids = await self._prompts.tokenize(req.text)
+            except EngineError as exc:
+                raise _engine_error(exc) from exc
         else:
             raise invalid("request has no input: set tokenized or text")
         if not ids:
@@ -276,7 +290,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             if self._require_ticket:
                 raise permission_denied(
                     "this node only serves requests routed by a gpumesh router")
-            ids = self._prompt(request)
+            ids = await self._prompt(request)
             params = _params(request.sampling_params, len(ids),
                              self._engine.model.max_context_length)
         except RequestError as err:
@@ -448,10 +462,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
 
 def add_vllm_engine_service(server: grpc.aio.Server, engine: Engine, state: NodeState, *,
-                            model_path: str = "", require_ticket: bool = False
-                            ) -> VllmEngineServicer:
+                            model_path: str = "", require_ticket: bool = False,
+                            prompts: PromptEncoder | None = None) -> VllmEngineServicer:
     """Registers ``VllmEngine`` on ``server`` (before it starts) and returns the servicer."""
     servicer = VllmEngineServicer(engine, state, model_path=model_path,
-                                  require_ticket=require_ticket)
+                                  require_ticket=require_ticket, prompts=prompts)
     vpb_grpc.add_VllmEngineServicer_to_server(servicer, server)
     return servicer

@@ -22,20 +22,20 @@ class _Context:
         return ()
 
 
-def test_the_budget_applies_to_the_default_interval_only():
+async def test_the_budget_applies_to_the_default_interval_only():
     servicer = InferenceServicer(SimEngine(SimEngineConfig(model_name="sim")), NodeState("n"),
                                  CoalescePolicy(0.02, 64, messages_per_s=2000))
 
-    def policy(**options):
+    async def policy(**options):
         req = build_request([1, 2, 3], max_tokens=8)
         for k, v in options.items():
             setattr(req.stream_options, k, v)
-        return servicer._prepare(req, _Context()).coalescing
+        return (await servicer._prepare(req, _Context())).coalescing
 
-    assert policy() == CoalescePolicy(0.02, 64, 2000)
-    assert policy(max_tokens_per_chunk=8) == CoalescePolicy(0.02, 8, 2000)
-    assert policy(flush_interval_ms=5) == CoalescePolicy(0.005, 64, 0.0)  # kept as asked
-    assert policy(per_token=True).per_token
+    assert await policy() == CoalescePolicy(0.02, 64, 2000)
+    assert await policy(max_tokens_per_chunk=8) == CoalescePolicy(0.02, 8, 2000)
+    assert await policy(flush_interval_ms=5) == CoalescePolicy(0.005, 64, 0.0)  # kept as asked
+    assert (await policy(per_token=True)).per_token
 
 
 async def _messages(client: MeshClient, max_tokens: int) -> tuple[int, int]:
