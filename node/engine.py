@@ -8,14 +8,14 @@ the same code path.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, TypeVar, runtime_checkable
+
+# INLINE_PROMPT_CHARS (PromptEncoder's default, measured there) is also read from here.
+from gpumesh.serial_worker import INLINE_PROMPT_CHARS, SerialWorker, WorkerClosed
 
 
 class Finish(str, Enum):
@@ -183,29 +183,17 @@ class Engine(Protocol):
 _T = TypeVar("_T")
 _A = TypeVar("_A")
 
-# Prompts shorter than this (characters; for a chat, the roles and contents together) are
-# tokenized inline on the event loop, longer ones on the worker thread. Measured on the
-# 2-core dev box with the tiny model's HF fast tokenizer (byte-level BPE, ~2.5 chars/token),
-# medians: an encode costs ~40 us + ~0.3 us/char on the loop (200 chars 0.08 ms, 2,000 chars
-# 0.62 ms, 11,230 chars = 4,494 tokens 3.2 ms). Through the thread, a 200-char prompt takes
-# 190 us instead of 77 (the hop: +110 us) and still costs the loop 60 us of its own CPU (the
-# wake-up, and the encode's GIL-held Python parts), so a short prompt gains nothing there.
-# At 1,000 chars an inline encode stalls the loop ~0.35 ms, a few hops' worth; above that
-# the thread wins: 16 concurrent 4,494-token prompts stalled the loop 55 ms inline, ~1 ms
-# off it.
-INLINE_PROMPT_CHARS = 1000
-
 
 class PromptEncoder:
     """Runs an engine's ``tokenize`` / ``render_chat`` off the event loop.
 
     One per node, shared by its services (``node.app`` wires it; both servicers call it per
-    request): one dedicated worker thread, because an HF fast tokenizer is not meant for
-    concurrent calls ("RuntimeError: Already borrowed") and vLLM keeps its own tokenization
-    serial the same way. The tokenizer releases the GIL while it encodes, so the loop keeps
-    serving other streams meanwhile. Prompts under ``inline_chars`` run inline (see
-    ``INLINE_PROMPT_CHARS``), but only while the thread is idle: a lock keeps the calls
-    serial.
+    request): one dedicated worker thread (``gpumesh.serial_worker.SerialWorker``), because an
+    HF fast tokenizer is not meant for concurrent calls ("RuntimeError: Already borrowed") and
+    vLLM keeps its own tokenization serial the same way. The tokenizer releases the GIL while
+    it encodes, so the loop keeps serving other streams meanwhile. Prompts under
+    ``inline_chars`` run inline (see ``INLINE_PROMPT_CHARS``, measured there), but only while
+    the thread is idle: a lock keeps the calls serial.
 
     Cancelling the awaiting task drops a call that has not started; one that has finishes on
     the thread and its result is discarded. Errors are the engine's, unchanged;
@@ -215,8 +203,7 @@ class PromptEncoder:
     def __init__(self, engine: Engine, inline_chars: int = INLINE_PROMPT_CHARS) -> None:
         self._engine = engine
         self._inline_chars = inline_chars
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpumesh-tokenize")
-        self._serial = threading.Lock()
+        self._worker = SerialWorker("gpumesh-tokenize")
 
     async def tokenize(self, text: str) -> list[int]:
         return await self._call(len(text), self._engine.tokenize, text)
@@ -226,21 +213,11 @@ class PromptEncoder:
         return await self._call(chars, self._engine.render_chat, messages)
 
     async def _call(self, chars: int, fn: Callable[[_A], _T], arg: _A) -> _T:
-        if chars < self._inline_chars and self._serial.acquire(blocking=False):
-            try:
-                return fn(arg)
-            finally:
-                self._serial.release()
         try:
-            call = asyncio.get_running_loop().run_in_executor(self._pool, self._locked, fn, arg)
-        except RuntimeError as exc:  # closed: the node is stopping
+            return await self._worker.run(fn, arg, inline=chars < self._inline_chars)
+        except WorkerClosed as exc:  # the node is stopping
             raise EngineUnavailable("node is shutting down") from exc
-        return await call
-
-    def _locked(self, fn: Callable[[_A], _T], arg: _A) -> _T:
-        with self._serial:
-            return fn(arg)
 
     def close(self) -> None:
         """Refuse new calls; the thread ends after the calls already queued. Idempotent."""
-        self._pool.shutdown(wait=False)
+        self._worker.close()

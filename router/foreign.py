@@ -43,10 +43,10 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, TypeVarTuple
 from urllib.parse import parse_qs
 
 import grpc
@@ -54,6 +54,12 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common
 
+from gpumesh.serial_worker import (
+    INLINE_DECODE_IDS,
+    INLINE_PROMPT_CHARS,
+    SerialWorker,
+    WorkerClosed,
+)
 from gpumesh.v1 import inference_pb2 as pb
 from router.errors import NOT_ADMITTED_CODES
 from router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
@@ -67,6 +73,8 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT}
 _DEFAULT_MAX_TOKENS = 16   # gpumesh's contract (vLLM's would be "the rest of the context")
 _stream_ids = itertools.count(1 << 40)   # registry stream ids, apart from Connect streams'
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,27 @@ class ForeignSpec:
 # --------------------------------------------------------------------------- tokenizer
 
 
+class _Decoder:
+    """``decode`` on one HF tokenizer object: the text of ``ids``, special tokens skipped."""
+
+    def __init__(self, hf: Any) -> None:
+        self._hf = hf
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._hf.decode(list(ids), skip_special_tokens=True))
+
+
 class Tokenizer:
-    """The model's HF tokenizer (``transformers``), loaded once per worker connection."""
+    """The model's HF tokenizer (``transformers``), loaded once per worker connection.
+
+    Two tokenizer objects, because an HF fast tokenizer must not be called concurrently
+    ("Already borrowed"): the main one serves prompts and one-shot decodes, every call
+    serial on its ``SerialWorker`` and the long ones off the event loop (a 4,500-token prompt
+    takes ~3 ms to encode, which would stall every stream of the router); ``stream_decoder``
+    (a second copy) serves the streams' incremental decode steps, only ever called inline on
+    the event loop's thread, so a step never waits behind a long encode on the worker (the
+    price: a second copy of the tokenizer in memory per worker connection). The sync ``encode`` / ``render_chat`` / ``decode`` are for ``run``, tests and scripts.
+    """
 
     def __init__(self, path: str) -> None:
         try:
@@ -108,6 +135,9 @@ class Tokenizer:
             raise RuntimeError("foreign nodes need the `transformers` package to tokenize and "
                                "detokenize for vLLM gRPC workers") from exc
         self._tok: Any = AutoTokenizer.from_pretrained(path)
+        self._decoder = _Decoder(self._tok)
+        self.stream_decoder = _Decoder(AutoTokenizer.from_pretrained(path))
+        self._worker = SerialWorker("gpumesh-foreign-tokenize")
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
@@ -119,25 +149,62 @@ class Tokenizer:
         return list(self._tok.encode(rendered, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+        return self._decoder.decode(ids)
+
+    async def run(self, fn: Callable[[*_Ts], _T], *args: *_Ts, inline: bool) -> _T:
+        """``fn(*args)`` (a call into this tokenizer) serially, inline only if ``inline``
+        and no other call runs. ``WorkerClosed`` once the router is stopping."""
+        return await self._worker.run(fn, *args, inline=inline)
+
+    async def encode_prompt(self, text: str) -> list[int]:
+        return await self.run(self.encode, text, inline=len(text) < INLINE_PROMPT_CHARS)
+
+    async def render_chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        chars = sum(len(r) + len(c) for r, c in messages)
+        return await self.run(self.render_chat, messages, inline=chars < INLINE_PROMPT_CHARS)
+
+    async def decode_all(self, ids: Sequence[int]) -> str:
+        return await self.run(self.decode, ids, inline=len(ids) < INLINE_DECODE_IDS)
+
+    def close(self) -> None:
+        self._worker.close()
 
 
 class _Detokenizer:
     """Incremental detokenization: emits the text added since the last call, holding back a
-    trailing incomplete UTF-8 character (U+FFFD) until the next ids complete it (or the end)."""
+    trailing incomplete UTF-8 character (U+FFFD) until the next ids complete it (or the end).
+    The deltas concatenate to ``tok.decode(all_ids)`` (special tokens skipped) for byte-level
+    BPE tokenizers. Each ``push`` costs O(ids since the last fully emitted push), not O(all).
 
-    def __init__(self, tok: Tokenizer) -> None:
+    Why a window over ``tok.decode`` rather than ``tokenizers.decoders.DecodeStream``: it uses
+    the same ``decode`` as a one-shot detokenization (skip_special_tokens, transformers'
+    clean-up), works for any HF tokenizer (DecodeStream needs a fast one, and only recent
+    ``tokenizers``, which pyproject does not pin), and it still emits the complete text
+    before a trailing incomplete character as soon as it has it. It is vLLM's
+    ``detokenize_incrementally`` / HF ``TextStreamer`` scheme: the window starts at the ids
+    of the last push that decoded cleanly, kept as context (a SentencePiece decoder strips the
+    first token's leading space), and ``_sent`` counts the window's characters already out.
+    """
+
+    def __init__(self, tok: Tokenizer | _Decoder) -> None:
         self._tok = tok
         self._ids: list[int] = []
-        self._sent = 0
+        self._start = 0   # the window: ids[_start:]
+        self._read = 0    # ids[:_read] are out in full (the window slides to here)
+        self._sent = 0    # characters of decode(ids[_start:]) already emitted
 
     def push(self, ids: Sequence[int], final: bool = False) -> str:
         self._ids.extend(ids)
-        text = self._tok.decode(self._ids)
+        text = self._tok.decode(self._ids[self._start:])
         end = len(text) if final else len(text.rstrip("\ufffd"))
-        if end <= self._sent:
-            return ""
-        delta, self._sent = text[self._sent:end], end
+        delta = text[self._sent:end] if end > self._sent else ""
+        self._sent = max(self._sent, end)
+        if end == len(text) and len(self._ids) > self._read:
+            # All out, no character pending: slide the window to the ids since the last slide.
+            if self._read > self._start:
+                self._start = self._read
+                text = self._tok.decode(self._ids[self._start:])
+            self._read, self._sent = len(self._ids), len(text)
         return delta
 
 
@@ -146,6 +213,15 @@ class _Detokenizer:
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _is_template_error(exc: BaseException) -> bool:
+    """A chat template's own error (e.g. its ``raise_exception`` on a role it refuses)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers renders templates with jinja2
+        return False
+    return isinstance(exc, TemplateError)
 
 
 @dataclass
@@ -203,15 +279,20 @@ class ForeignClient:
         self._tok = tokenizer
         self._counts = counts
 
-    def _translate(self, raw: bytes, stream: bool) -> tuple[vpb.GenerateRequest, int]:
+    async def _translate(self, raw: bytes, stream: bool) -> tuple[vpb.GenerateRequest, int]:
         req = pb.GenerateRequest.FromString(raw)
         kind = req.WhichOneof("prompt")
         if kind == "token_ids":
             ids = list(req.token_ids.ids)
-        elif kind == "text":
-            ids = self._tok.encode(req.text)
-        elif kind == "chat":
-            ids = self._tok.render_chat([(m.role, m.content) for m in req.chat.messages])
+        elif kind in ("text", "chat"):
+            try:
+                if kind == "text":
+                    ids = await self._tok.encode_prompt(req.text)
+                else:
+                    ids = await self._tok.render_chat_prompt(
+                        [(m.role, m.content) for m in req.chat.messages])
+            except Exception as exc:  # the tokenizer's, mapped once here
+                raise self._tokenize_error(exc) from exc
         else:
             raise _rpc_error(grpc.StatusCode.INVALID_ARGUMENT,
                              "request has no prompt: set text, chat or token_ids")
@@ -230,6 +311,19 @@ class ForeignClient:
             tokenized=vpb.TokenizedInput(original_text=req.text if kind == "text" else "",
                                          input_ids=ids)), len(ids)
 
+    def _tokenize_error(self, exc: Exception) -> grpc.aio.AioRpcError:
+        """A tokenizer failure as the status the dispatcher and client see (the request never
+        reached the worker): a bad prompt (ValueError, a chat template's error) is the
+        client's, a stopping router UNAVAILABLE (retried elsewhere), anything else INTERNAL."""
+        if isinstance(exc, WorkerClosed):
+            return _rpc_error(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
+        detail = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, ValueError) or _is_template_error(exc):
+            return _rpc_error(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"cannot tokenize the prompt for {self.address}: {detail}")
+        log.warning("tokenizing for %s failed: %s", self.address, detail)
+        return _rpc_error(grpc.StatusCode.INTERNAL, f"router tokenizer error: {detail}")
+
     def stream(self, request: bytes, *, timeout_s: float, metadata: Sequence[tuple[str, str]]
                ) -> _StreamCall:
         inner: list[grpc.aio.Call] = []
@@ -237,12 +331,14 @@ class ForeignClient:
 
     async def _stream(self, raw: bytes, timeout_s: float, metadata: Sequence[tuple[str, str]],
                       inner: list[grpc.aio.Call]) -> AsyncIterator[bytes]:
-        vreq, n_prompt = self._translate(raw, stream=True)
+        vreq, n_prompt = await self._translate(raw, stream=True)
         self._counts.sent += 1
         self._counts.sent_tokens += n_prompt
         call = self._stub.Generate(vreq, timeout=timeout_s, metadata=tuple(metadata))
         inner.append(call)
-        detok = _Detokenizer(self._tok)
+        # Inline on the loop: a step decodes a few ids (~10 us; a hop to a thread would cost
+        # ~100 us per message), on the decoder only this thread uses.
+        detok = _Detokenizer(self._tok.stream_decoder)
         first = True
         generated = 0
         refused = False
@@ -300,7 +396,7 @@ class ForeignClient:
 
     async def _unary(self, raw: bytes, timeout_s: float,
                      metadata: Sequence[tuple[str, str]]) -> bytes:
-        vreq, n_prompt = self._translate(raw, stream=False)
+        vreq, n_prompt = await self._translate(raw, stream=False)
         self._counts.sent += 1
         self._counts.sent_tokens += n_prompt
         call = self._stub.Generate(vreq, timeout=timeout_s, metadata=tuple(metadata))
@@ -310,8 +406,13 @@ class ForeignClient:
                 if msg.HasField("complete"):
                     c = msg.complete
                     ids = list(c.output_ids)
+                    try:
+                        text = await self._tok.decode_all(ids)
+                    except WorkerClosed:
+                        raise _rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                         "router is shutting down") from None
                     return pb.GenerateResponse(
-                        text=self._tok.decode(ids), token_ids=ids,
+                        text=text, token_ids=ids,
                         finish_reason=_FINISH.get(c.finish_reason, pb.FINISH_REASON_ABORT),
                         usage=pb.Usage(prompt_tokens=c.prompt_tokens or n_prompt,
                                        completion_tokens=len(ids)),
@@ -398,6 +499,8 @@ class ForeignMember:
 
     async def close(self) -> None:
         await self._channel.close(None)
+        if self._tokenizer is not None:
+            self._tokenizer.close()
 
     def _leave(self, reason: str) -> None:
         if self._stream_id:
