@@ -43,10 +43,10 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, TypeVarTuple
+from typing import Any
 from urllib.parse import parse_qs
 
 import grpc
@@ -73,8 +73,6 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT}
 _DEFAULT_MAX_TOKENS = 16   # gpumesh's contract (vLLM's would be "the rest of the context")
 _stream_ids = itertools.count(1 << 40)   # registry stream ids, apart from Connect streams'
-_T = TypeVar("_T")
-_Ts = TypeVarTuple("_Ts")
 
 
 @dataclass(frozen=True)
@@ -125,7 +123,10 @@ class Tokenizer:
     takes ~3 ms to encode, which would stall every stream of the router); ``stream_decoder``
     (a second copy) serves the streams' incremental decode steps, only ever called inline on
     the event loop's thread, so a step never waits behind a long encode on the worker (the
-    price: a second copy of the tokenizer in memory per worker connection). The sync ``encode`` / ``render_chat`` / ``decode`` are for ``run``, tests and scripts.
+    price: a second copy of the tokenizer in memory per worker connection). The async
+    ``encode_prompt`` / ``render_chat_prompt`` / ``decode_all`` go through the worker
+    (``WorkerClosed`` once the router is stopping); the sync ``encode`` / ``render_chat`` /
+    ``decode`` are what they run, and what tests and scripts call.
     """
 
     def __init__(self, path: str) -> None:
@@ -151,20 +152,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._decoder.decode(ids)
 
-    async def run(self, fn: Callable[[*_Ts], _T], *args: *_Ts, inline: bool) -> _T:
-        """``fn(*args)`` (a call into this tokenizer) serially, inline only if ``inline``
-        and no other call runs. ``WorkerClosed`` once the router is stopping."""
-        return await self._worker.run(fn, *args, inline=inline)
-
     async def encode_prompt(self, text: str) -> list[int]:
-        return await self.run(self.encode, text, inline=len(text) < INLINE_PROMPT_CHARS)
+        return await self._worker.run(self.encode, text, inline=len(text) < INLINE_PROMPT_CHARS)
 
     async def render_chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         chars = sum(len(r) + len(c) for r, c in messages)
-        return await self.run(self.render_chat, messages, inline=chars < INLINE_PROMPT_CHARS)
+        return await self._worker.run(self.render_chat, messages, inline=chars < INLINE_PROMPT_CHARS)
 
     async def decode_all(self, ids: Sequence[int]) -> str:
-        return await self.run(self.decode, ids, inline=len(ids) < INLINE_DECODE_IDS)
+        return await self._worker.run(self.decode, ids, inline=len(ids) < INLINE_DECODE_IDS)
 
     def close(self) -> None:
         self._worker.close()
