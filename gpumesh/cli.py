@@ -26,13 +26,12 @@ def _cmd_node(args: argparse.Namespace) -> int:
         "served_name": args.served_name, "aliases": args.alias, "weight": args.weight,
         "tensor_parallel_size": args.tensor_parallel_size, "engine": args.engine,
         "node_id": args.node_id, "max_model_len": args.max_model_len,
-        "advertise_address": args.advertise,
+        "advertise_address": args.advertise, "frontends": args.frontends,
     })
     if cfg.engine == "vllm" and not cfg.model:
         print("gpumesh node: --model PATH is required for the vllm engine", file=sys.stderr)
         return 2
-    asyncio.run(serve(cfg))
-    return 0
+    return asyncio.run(serve(cfg))
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -136,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--tensor-parallel-size", type=int)
     n.add_argument("--max-model-len", type=int)
     n.add_argument("--node-id")
+    n.add_argument("--frontends", type=int,
+                   help="front-end processes over the one vLLM engine (default 1)")
     n.set_defaults(func=_cmd_node)
 
     r = sub.add_parser("router", help="serve the router")

@@ -61,15 +61,24 @@ async def spread_target(target: str, timeout: float = 10.0) -> str:
     *connection* to a worker; a client's calls all ride its one connection, so a handful of
     clients load the workers unevenly (8 connections over 4 workers: the busiest worker gets
     3-4 of them, 1.5-2x its share, measured with 5 tries) and the busiest worker saturates
-    first. Returns ``target`` unchanged for a single-process router or a node."""
+    first. The same for a node with several front-end processes (``frontends``): their own
+    addresses, from its ListModels. Returns ``target`` unchanged for a single-process router
+    or node."""
     async with grpc.aio.insecure_channel(target) as ch:
         try:
             fleet = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=timeout)
+            workers = list(fleet.worker_addresses)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:   # a node: nothing to spread
-                return target
-            raise
-    workers = list(fleet.worker_addresses)
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            try:  # a node
+                models = await pb_grpc.InferenceStub(ch).ListModels(pb.ListModelsRequest(),
+                                                                    timeout=timeout)
+            except grpc.aio.AioRpcError as exc2:
+                if exc2.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                return target   # some other Inference server: nothing to spread
+            workers = list(models.frontend_addresses)
     return _ip_target(workers) if len(workers) > 1 else target
 
 

@@ -10,7 +10,8 @@ from gpumesh.v1 import control_pb2 as cpb
 
 
 def fleet_table(fleet: cpb.GetFleetResponse) -> str:
-    head = ("node", "state", "models", "weight", "running", "waiting", "KV%", "in flight",
+    # fe: the node's front-end processes over its engine (node.frontends)
+    head = ("node", "state", "models", "weight", "fe", "running", "waiting", "KV%", "in flight",
             "tok/s", "step ms", "GPU util", "GPU mem", "hb age")
     rows = [head]
     for n in sorted(fleet.nodes, key=lambda n: n.node_id):
@@ -22,7 +23,7 @@ def fleet_table(fleet: cpb.GetFleetResponse) -> str:
             n.node_id, cpb.NodeState.Name(n.state).removeprefix("NODE_STATE_").lower(),
             ",".join(m.name for m in n.models),
             f"{max((m.capacity_weight for m in n.models), default=1.0):g}",
-            str(ld.num_running), str(ld.num_waiting), f"{ld.kv_cache_usage * 100:.1f}",
+            str(len(n.frontend_addresses) or 1), str(ld.num_running), str(ld.num_waiting), f"{ld.kv_cache_usage * 100:.1f}",
             f"{n.router_in_flight}/{ld.in_flight}", f"{ld.generation_tokens_per_s:.0f}",
             f"{ld.decode_step_s * 1000:.1f}" if ld.decode_step_s > 0 else "-",
             gpu_util, gpu_mem, f"{n.last_heartbeat_age_s:.1f}s"))

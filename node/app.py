@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,18 +24,23 @@ from gpumesh.v1 import inference_pb2, inference_pb2_grpc
 from node.coalesce import CoalescePolicy
 from node.config import NodeConfig, new_incarnation
 from node.engine import Engine, PromptEncoder
+from node.frontends import FrontendGroup, merge_reports
 from node.heartbeat import HeartbeatClient
 from node.servicer import InferenceServicer, NodeState
 from node.telemetry import NodeTelemetry
 from node.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
+
+if TYPE_CHECKING:
+    from node.vllm_engine import FrontendSlot
 
 log = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
-def build_engine(cfg: NodeConfig) -> Engine:
-    """The one place that picks an engine implementation from config."""
+def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engine:
+    """The one place that picks an engine implementation from config. ``frontend``: the
+    engine of one of the node's other front-end processes (node.frontends)."""
     if cfg.engine == "sim":
         from node.sim_engine import SimEngine, SimEngineConfig
 
@@ -58,19 +65,30 @@ def build_engine(cfg: NodeConfig) -> Engine:
             num_gpu_blocks_override=cfg.num_gpu_blocks_override or None,
             stream_interval=cfg.stream_interval, capacity_weight=cfg.weight,
             extra=dict(cfg.engine_args)),
-            gpu_sampler=GpuSampler())
+            # GPU samples: the main process's (the node's report carries them)
+            gpu_sampler=GpuSampler() if frontend is None else None,
+            frontends=cfg.frontends if frontend is None else 1, frontend=frontend)
     raise ValueError(f"unknown engine {cfg.engine!r} (expected 'vllm' or 'sim')")
 
 
 class NodeServer:
     """One running node. ``start()`` binds and begins heartbeating; ``drain()`` and ``stop()``
-    follow the shutdown order above. Usable in-process from tests with any Engine."""
+    follow the shutdown order above. Usable in-process from tests with any Engine.
 
-    def __init__(self, cfg: NodeConfig, engine: Engine) -> None:
+    With ``cfg.frontends`` > 1 this is front end ``frontend_index`` of the node; front end 0
+    (the main process) starts the others (``peers``), heartbeats for all of them and reports
+    their merged load; ``failed`` is set, with ``failure``, if one of them dies."""
+
+    def __init__(self, cfg: NodeConfig, engine: Engine, frontend_index: int = 0) -> None:
         self.cfg = cfg
         self.engine = engine
+        self.peers = (FrontendGroup(cfg, self._frontend_lost)
+                      if cfg.frontends > 1 and frontend_index == 0 else None)
+        self.failed = asyncio.Event()
+        self.failure = ""
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.own_address = ""  # this front end's own host:port (several front ends only)
         self.state: NodeState | None = None
         self.heartbeats: HeartbeatClient | None = None
         self.telemetry = NodeTelemetry.disabled()
@@ -88,7 +106,7 @@ class NodeServer:
         assert self.state is not None
         eng = self.engine.load()
         ledger = self.state.ledger
-        return cpb.LoadReport(
+        report = cpb.LoadReport(
             num_running=eng.num_running, num_waiting=eng.num_waiting,
             pending_prefill_tokens=max(0, ledger.pending_prefill_tokens),
             kv_cache_usage=eng.kv_cache_usage, prefix_cache_hit_rate=eng.prefix_cache_hit_rate,
@@ -108,6 +126,9 @@ class NodeServer:
                 first_token_prompt_tokens=a.first_token_prompt_tokens,
                 finished_requests=a.finished_requests)
                 for a in ledger.accounts()])
+        if self.peers is None:
+            return report
+        return merge_reports([(eng.stats_at, report), *self.peers.reports()])
 
     def registration(self) -> cpb.Registration:
         assert self.state is not None
@@ -115,6 +136,7 @@ class NodeServer:
         return cpb.Registration(
             node_id=self.state.node_id, address=self.address, incarnation=self.incarnation,
             engine=self.engine.kind, max_concurrency=self.cfg.max_concurrency,
+            frontend_addresses=self.state.frontend_addresses,
             gpu_model=getattr(self.engine, "gpu_model", "") or "",
             models=[cpb.ServedModel(
                 name=spec.name, aliases=spec.aliases, max_context_length=spec.max_context_length,
@@ -124,7 +146,8 @@ class NodeServer:
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         self.server = grpc.aio.server(options=[
-            ("grpc.so_reuseport", 0),
+            # several front-end processes share the port (node.frontends)
+            ("grpc.so_reuseport", 1 if self.cfg.frontends > 1 else 0),
             ("grpc.max_concurrent_streams", 4096),
             # Routers ping their node channels (keepalive) during long prefills.
             ("grpc.keepalive_permit_without_calls", 1),
@@ -133,6 +156,14 @@ class NodeServer:
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:
             raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
+        if self.cfg.frontends > 1:
+            # a port of this process's own too, so callers can spread calls over the front
+            # ends deterministically (the shared port spreads connections by hash)
+            own = self.server.add_insecure_port(f"{self.cfg.host}:0")
+            host = self.address.rpartition(":")[0]
+            if host.strip("[]") in ("", "0.0.0.0", "::"):
+                host = socket.gethostname()
+            self.own_address = f"{host}:{own}"
         self.state = NodeState(self.cfg.resolved_node_id(self.port))
         self.telemetry = self._init_telemetry()
         self._health = health.aio.HealthServicer()
@@ -140,8 +171,10 @@ class NodeServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(
             self.engine, self.state,
+            # the budget is the node's (what its routers and clients receive): each of its
+            # front ends sends its share over the streams it holds
             CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk,
-                           self.cfg.stream_messages_per_s),
+                           self.cfg.stream_messages_per_s / self.cfg.frontends),
             self.cfg.ticket_secret.encode(), self.cfg.require_ticket, self.telemetry,
             self.prompts),
             self.server)
@@ -157,6 +190,8 @@ class NodeServer:
         log.info("node %s listening on %s (engine %s, model %s)", self.state.node_id,
                  self.address, self.engine.kind, self.engine.model.name)
         await self.engine.start()
+        if self.peers is not None:
+            await self.peers.start(self)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.heartbeats = HeartbeatClient(
             self.cfg.routers, self.registration, self.load_report,
@@ -201,15 +236,26 @@ class NodeServer:
             return
         self.state.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.peers is not None:
+            self.peers.drain()
         if self.heartbeats is not None:
             self.heartbeats.wake()
         deadline = asyncio.get_running_loop().time() + (
             self.cfg.drain_timeout_s if timeout_s is None else timeout_s)
-        while self.state.ledger.in_flight and asyncio.get_running_loop().time() < deadline:
+        while self._in_flight() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        if self.state.ledger.in_flight:
-            log.warning("drain timeout: %d requests still in flight", self.state.ledger.in_flight)
+        if n := self._in_flight():
+            log.warning("drain timeout: %d requests still in flight", n)
         self._drained.set()
+
+    def _in_flight(self) -> int:
+        """Requests the node holds: all front ends' (their latest reports) with peers."""
+        assert self.state is not None
+        return self.load_report().in_flight if self.peers else self.state.ledger.in_flight
+
+    def _frontend_lost(self, reason: str) -> None:
+        self.failure = reason
+        self.failed.set()
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.state is not None and not self.state.draining:
@@ -219,6 +265,8 @@ class NodeServer:
         if self.server is not None:
             await self.server.stop(grace_s)
         self.prompts.close()
+        if self.peers is not None:  # before the engine: front end 0 owns the engine core
+            await self.peers.stop(self.cfg.drain_timeout_s + 10.0)
         await self.engine.shutdown()
         await asyncio.to_thread(self.telemetry.tel.shutdown)
 
@@ -227,8 +275,9 @@ class NodeServer:
         await self.server.wait_for_termination()
 
 
-async def serve(cfg: NodeConfig) -> None:
-    """`gpumesh node`: run until SIGTERM/SIGINT, then drain and exit."""
+async def serve(cfg: NodeConfig) -> int:
+    """`gpumesh node`: run until SIGTERM/SIGINT, then drain and exit (status 0); status 1
+    if one of the node's front-end processes died (the others drained first)."""
     node = NodeServer(cfg, build_engine(cfg))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -237,8 +286,12 @@ async def serve(cfg: NodeConfig) -> None:
             loop.add_signal_handler(sig, stop.set)
     try:
         await node.start()
-        await stop.wait()
-        log.info("signal received: draining")
+        waits = [asyncio.ensure_future(e.wait()) for e in (stop, node.failed)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        log.info("%s: draining", node.failure or "signal received")
         await node.drain()
     finally:
         await node.stop()
+    return 1 if node.failure else 0

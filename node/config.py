@@ -43,6 +43,10 @@ class NodeConfig:
     # front-end CPU per token, the ceiling of a GPU node (docs/benchmarks-gpu.md: 7B on an
     # H200, 4 -> 1.27x QPS through the router). Per-token streams then get N-token chunks.
     stream_interval: int = 1
+    # Front-end processes over the one engine (vLLM only), as `vllm serve --api-server-count`:
+    # each serves gRPC on the port (SO_REUSEPORT) and processes its own requests' outputs, so
+    # the node's per-token work is no longer capped by one process's core (node.frontends).
+    frontends: int = 1
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs
     sim: Mapping[str, Any] = field(default_factory=dict)          # SimEngineConfig fields
 
@@ -55,7 +59,7 @@ class NodeConfig:
     # sending (past their first token) than budget x interval, the default interval widens to
     # streams / budget (128 streams at 2000/s: 64 ms; at most 250 ms). A message costs the
     # node's process far more than a token (docs/benchmarks.md, "Stream messages per node").
-    # 0 = fixed interval.
+    # With several front ends each has budget / frontends over its own streams. 0 = fixed.
     stream_messages_per_s: float = 2000.0
     max_tokens_per_chunk: int = 64
     drain_timeout_s: float = 30.0
@@ -65,6 +69,10 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.frontends < 1:
+            raise ValueError(f"frontends must be >= 1, got {self.frontends}")
+        if self.frontends > 1 and self.engine != "vllm":
+            raise ValueError("frontends > 1 needs engine = 'vllm' (the simulator has one process)")
         if not self.stream_messages_per_s >= 0:
             raise ValueError(f"stream_messages_per_s must be >= 0, got {self.stream_messages_per_s}")
 

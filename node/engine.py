@@ -97,6 +97,10 @@ class EngineLoad:
     # Mean wall-clock seconds of the engine's recent steps while it had running requests (its
     # decode step time); 0 = not measured yet.
     decode_step_s: float = 0.0
+    # time.monotonic() of the scheduler snapshot above (0 = unknown): with several front-end
+    # processes on one engine, vLLM sends each step's stats to one of them, and the node
+    # reports the freshest (node.frontends)
+    stats_at: float = 0.0
 
 
 class WindowMean:

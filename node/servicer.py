@@ -66,6 +66,8 @@ class NodeState:
         self.node_id = node_id
         self.draining = False
         self.ledger = NodeLedger()
+        # each front-end process's own host:port when the node has several (node.frontends)
+        self.frontend_addresses: tuple[str, ...] = ()
 
 
 def _sampling(p: pb.SamplingParams) -> Sampling:
@@ -290,4 +292,5 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             name=spec.name, aliases=spec.aliases, max_context_length=spec.max_context_length,
             tensor_parallel_size=spec.tensor_parallel_size, capacity_weight=spec.capacity_weight,
-            node_ids=[self._state.node_id])])
+            node_ids=[self._state.node_id])],
+            frontend_addresses=self._state.frontend_addresses)

@@ -40,7 +40,7 @@ from node.engine import (
 if TYPE_CHECKING:
     from node.gpu import GpuSampler
 
-__all__ = ["VllmEngine", "VllmEngineConfig"]
+__all__ = ["FrontendSlot", "SharedEngineCore", "VllmEngine", "VllmEngineConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,113 @@ class _LoadStatLogger:
             kv_capacity_tokens=self.kv_capacity_tokens,
             prefill_capacity_tokens_per_s=self.prefill_capacity_tokens_per_s,
             decode_step_s=self.decode_step_s,
+            stats_at=self._step_last_t or 0.0,
         )
+
+
+@dataclass(frozen=True)
+class FrontendSlot:
+    """What one front-end process needs to join a ``SharedEngineCore``: vLLM's
+    ``client_addresses`` for client ``index`` of ``count``. Picklable by multiprocessing (with
+    vLLM >= 0.28 it holds listening sockets the parent bound, passed on as descriptors)."""
+
+    addresses: Mapping[str, Any]
+    count: int
+    index: int
+
+
+class SharedEngineCore:
+    """One vLLM engine core serving ``count`` front ends, each an ``AsyncLLM`` client in its
+    own process (``VllmEngine(frontend=slot)``), as ``vllm serve --api-server-count N`` runs
+    it: the engine core returns each client its own requests' outputs, so N processes share
+    the per-token front-end work (output processing, detokenizing, serving gRPC) that caps a
+    single node process at one core (docs/benchmarks-gpu.md).
+
+    ``launch()`` blocks until the engine core is up (model loaded, KV cache sized) and returns
+    one ``FrontendSlot`` per front end; the clients may connect before or after it returns.
+    ``shutdown()`` stops the engine core (the clients first). The one place that knows how
+    each vLLM version launches a shared core: 0.26 (the CUDA kit) hands the clients ZMQ
+    addresses and takes ``num_api_servers``; >= 0.28 binds the client sockets in this
+    process (``bind_engine_zmq_listeners``) and hands them over.
+    """
+
+    def __init__(self, config: VllmEngineConfig, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        self._config = config
+        self.count = count
+        self._manager: Any = None
+        self._coordinator: Any = None
+        self._listeners: Any = None
+
+    def launch(self) -> list[FrontendSlot]:
+        """Start the engine core process (blocking: tens of seconds). Raises EngineError."""
+        try:
+            return self._launch()
+        except EngineError:
+            raise
+        except Exception as e:  # vLLM raises many types here; one boundary, one mapping
+            self.shutdown()
+            raise EngineError(f"vLLM engine core failed to start for {self._config.model}: "
+                              f"{e}") from e
+
+    def _launch(self) -> list[FrontendSlot]:
+        from vllm.v1.engine import utils as engine_utils
+        from vllm.v1.executor import Executor
+
+        AsyncEngineArgs, _, serving = _import_entry_points()
+        args = AsyncEngineArgs(**_engine_kwargs(self._config))
+        args._api_process_count = self.count
+        args._api_process_rank = -1  # the launcher, as `vllm serve` with several servers
+        vllm_config = args.create_engine_config(usage_context=serving)
+        executor = Executor.get_class(vllm_config)
+        n = self.count
+        bind = getattr(engine_utils, "bind_engine_zmq_listeners", None)
+        if bind is not None:  # vLLM >= 0.28
+            # kept until shutdown: it closes its sockets and unlinks their paths when freed
+            self._listeners = listeners = bind(vllm_config, n)
+            slots = [FrontendSlot({"input_address": i.address, "output_address": o.address,
+                                   "input_listener": i.socket, "output_listener": o.socket},
+                                  n, k)
+                     for k, (i, o) in enumerate(zip(listeners.inputs, listeners.outputs,
+                                                    strict=True))]
+            with engine_utils.launch_core_engines(vllm_config, executor, True,
+                                                  listeners.addresses) as launch:
+                self._manager, self._coordinator = launch.engine_manager, launch.coordinator
+        else:  # vLLM 0.26: addresses (IPC paths for a local engine) the clients bind
+            addresses = engine_utils.get_engine_zmq_addresses(
+                vllm_config, n, defer_api_server_ports=False)
+            slots = [FrontendSlot({"input_address": i, "output_address": o}, n, k)
+                     for k, (i, o) in enumerate(zip(addresses.inputs, addresses.outputs,
+                                                    strict=True))]
+            with engine_utils.launch_core_engines(vllm_config, executor, True, addresses,
+                                                  n) as (manager, coordinator, _, _):
+                self._manager, self._coordinator = manager, coordinator
+        if self._coordinator is not None:  # data parallel inside one node: not ours
+            raise EngineError("a shared engine core with a DP coordinator is not supported")
+        logger.info("vLLM engine core up for %d front ends: model=%s", n, self._config.name)
+        return slots
+
+    @staticmethod
+    def handed_over(slots: Sequence[FrontendSlot]) -> None:
+        """Close this process's copies of sockets bound for other front-end processes, once
+        those are started (vLLM >= 0.28; nothing to do on 0.26)."""
+        for slot in slots:
+            for key in ("input_listener", "output_listener"):
+                sock = slot.addresses.get(key)
+                if sock is not None:
+                    sock.close()
+
+    def shutdown(self) -> None:
+        """Stop the engine core process. Idempotent; blocking (seconds)."""
+        manager, self._manager = self._manager, None
+        coordinator, self._coordinator = self._coordinator, None
+        for part in (manager, coordinator):
+            if part is not None:
+                part.shutdown()
+        listeners, self._listeners = self._listeners, None
+        if listeners is not None:
+            listeners.cleanup()
 
 
 def _import_entry_points() -> tuple[Any, Any, Any]:
@@ -356,6 +462,28 @@ def _stat_logger_factory(sink: _LoadStatLogger) -> Callable[[Any, int], Any]:
     return _Forwarder
 
 
+def _engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
+    """``AsyncEngineArgs`` fields for ``c`` (the engine's and a SharedEngineCore's)."""
+    kwargs: dict[str, Any] = {
+        "model": c.model,
+        "served_model_name": [c.name, *c.aliases],
+        "tokenizer": c.tokenizer,
+        "dtype": c.dtype,
+        "max_model_len": c.max_model_len,
+        "tensor_parallel_size": c.tensor_parallel_size,
+        "gpu_memory_utilization": c.gpu_memory_utilization,
+        "load_format": c.load_format,
+        "enforce_eager": c.enforce_eager,
+        "num_gpu_blocks_override": c.num_gpu_blocks_override,
+        "enable_prefix_caching": c.enable_prefix_caching,
+        "stream_interval": c.stream_interval,
+        "disable_log_stats": False,  # our stat logger needs the per-step stats
+        "enable_log_requests": False,
+    }
+    kwargs.update(c.extra)
+    return kwargs
+
+
 class VllmEngine:
     """``node.engine.Engine`` over vLLM's ``AsyncLLM``. One instance, one engine, one loop.
 
@@ -365,8 +493,19 @@ class VllmEngine:
 
     kind = "vllm"
 
-    def __init__(self, config: VllmEngineConfig, gpu_sampler: GpuSampler | None = None) -> None:
+    def __init__(self, config: VllmEngineConfig, gpu_sampler: GpuSampler | None = None, *,
+                 frontends: int = 1, frontend: FrontendSlot | None = None) -> None:
+        """``frontends`` > 1: ``start()`` launches a ``SharedEngineCore`` for that many front
+        ends and joins it as front end 0; ``peer_slots`` then holds the others' slots, for the
+        node to hand to its other front-end processes (node.frontends). ``frontend``: join an
+        engine core launched elsewhere. Neither: a core of its own (one front end)."""
+        if frontends < 1 or (frontend is not None and frontends != 1):
+            raise ValueError("frontends must be >= 1, and 1 when joining with frontend=")
         self._config = config
+        self._frontends = frontends
+        self._frontend = frontend
+        self._core: SharedEngineCore | None = None
+        self.peer_slots: list[FrontendSlot] = []
         self._gpu_sampler = gpu_sampler
         self._stats = _LoadStatLogger()
         self._llm: Any = None
@@ -406,7 +545,17 @@ class VllmEngine:
         # exception (with its frames) alive: importing in a worker thread keeps the loop
         # responsive and keeps this frame, and with it the engine, out of those tracebacks.
         AsyncEngineArgs, AsyncLLM, serving = await asyncio.to_thread(_import_entry_points)
-        args = AsyncEngineArgs(**self._engine_kwargs())
+        if self._frontends > 1 and self._core is None:
+            core = SharedEngineCore(self._config, self._frontends)
+            launch = asyncio.ensure_future(asyncio.to_thread(core.launch))
+            try:
+                slots = await asyncio.shield(launch)
+            except asyncio.CancelledError:
+                loop = asyncio.get_running_loop()
+                launch.add_done_callback(lambda _: loop.run_in_executor(None, core.shutdown))
+                raise
+            self._core, self._frontend, self.peer_slots = core, slots[0], slots[1:]
+        args = AsyncEngineArgs(**_engine_kwargs(self._config))
         factory = _stat_logger_factory(self._stats)
         t0 = time.monotonic()
         # Building the engine blocks for the whole engine-core start-up (tens of seconds:
@@ -417,17 +566,34 @@ class VllmEngine:
         # defaults for the hardware (H100/H200: max_num_seqs 1024, max_num_batched_tokens
         # 8192) instead of the bare-engine fallback (128 / 2048), which capped a 7B H200 node
         # at 128 running requests (docs/benchmarks-gpu.md). On CPU both give 128 / 2048.
-        build = asyncio.ensure_future(
-            asyncio.to_thread(AsyncLLM.from_engine_args, args, usage_context=serving,
-                              stat_loggers=[factory])
-        )
+        if self._frontend is None:
+            build = asyncio.ensure_future(
+                asyncio.to_thread(AsyncLLM.from_engine_args, args, usage_context=serving,
+                                  stat_loggers=[factory])
+            )
+        else:
+            # One client of an engine core started elsewhere (SharedEngineCore): the config
+            # says which of how many front ends this is, as vLLM's API-server processes do.
+            slot = self._frontend
+            args._api_process_count = slot.count
+            args._api_process_rank = slot.index
+
+            def build_client() -> Any:
+                return AsyncLLM.from_vllm_config(
+                    args.create_engine_config(usage_context=serving), usage_context=serving,
+                    stat_loggers=[factory], client_addresses=dict(slot.addresses),
+                    client_count=slot.count, client_index=slot.index)
+
+            build = asyncio.ensure_future(asyncio.to_thread(build_client))
         try:
             llm = await asyncio.shield(build)
         except asyncio.CancelledError:
             # The thread cannot be interrupted; stop whatever it builds once it is done.
             build.add_done_callback(_shutdown_when_built)
+            self._stop_core_later(build)
             raise
         except Exception as e:  # vLLM raises many types here; one boundary, one mapping
+            self._stop_core_later(build)
             raise EngineError(f"vLLM failed to start for {self._config.model}: {e}") from e
         self._llm = llm
         self._shut = False
@@ -536,6 +702,7 @@ class VllmEngine:
                 kv_capacity_tokens=snap.kv_capacity_tokens,
                 prefill_capacity_tokens_per_s=snap.prefill_capacity_tokens_per_s,
                 decode_step_s=snap.decode_step_s,
+                stats_at=snap.stats_at,
             )
         return snap
 
@@ -557,6 +724,9 @@ class VllmEngine:
             await asyncio.gather(handler, return_exceptions=True)
         # Joins the engine core process (seconds): blocking, so off the loop.
         await asyncio.to_thread(llm.shutdown)
+        if self._core is not None:  # a shared core: its other front ends have stopped
+            await asyncio.to_thread(self._core.shutdown)
+            self._core = None
         # Drop it now: AsyncLLM.__del__ shuts down again, which fails noisily if it only
         # runs at interpreter exit.
         self._llm = None
@@ -564,6 +734,14 @@ class VllmEngine:
         logger.info("vLLM engine stopped: model=%s", self._config.name)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _stop_core_later(self, build: asyncio.Future[Any]) -> None:
+        """Start-up failed or was cancelled: stop a shared core this engine launched once its
+        client's construction (which cannot be interrupted) is over."""
+        core, self._core = self._core, None
+        if core is not None:  # (blocking: off the loop)
+            loop = asyncio.get_running_loop()
+            build.add_done_callback(lambda _: loop.run_in_executor(None, core.shutdown))
 
     def _engine(self) -> Any:
         if self._llm is None:
@@ -574,27 +752,6 @@ class VllmEngine:
         if self._tokenizer is None:
             raise EngineUnavailable("engine shut down" if self._shut else "engine still starting")
         return self._tokenizer
-
-    def _engine_kwargs(self) -> dict[str, Any]:
-        c = self._config
-        kwargs: dict[str, Any] = {
-            "model": c.model,
-            "served_model_name": [c.name, *c.aliases],
-            "tokenizer": c.tokenizer,
-            "dtype": c.dtype,
-            "max_model_len": c.max_model_len,
-            "tensor_parallel_size": c.tensor_parallel_size,
-            "gpu_memory_utilization": c.gpu_memory_utilization,
-            "load_format": c.load_format,
-            "enforce_eager": c.enforce_eager,
-            "num_gpu_blocks_override": c.num_gpu_blocks_override,
-            "enable_prefix_caching": c.enable_prefix_caching,
-            "stream_interval": c.stream_interval,
-            "disable_log_stats": False,  # our stat logger needs the per-step stats
-            "enable_log_requests": False,
-        }
-        kwargs.update(c.extra)
-        return kwargs
 
     @staticmethod
     def _sampling_params(request: EngineRequest) -> Any:

@@ -67,6 +67,7 @@ class Lease:
     decision: Decision
     credit: Credit
     queued_s: float
+    frontends: tuple[str, ...] = ()   # the node's front-end processes' own addresses
 
 
 # Called with each attempt's lease before the node call; returns metadata to add (tracing).
@@ -192,8 +193,9 @@ class Dispatcher:
         d, credit, queued = await self.acquire(info, deadline, charge, exclude)
         entry = self.registry.entry(d.node_id)
         address = entry.registration.address if entry is not None else ""
+        frontends = entry.registration.frontend_addresses if entry is not None else ()
         record.attempts.append(AttemptRecord(d.node_id, d, queued))
-        return Lease(d.node_id, address, d, credit, queued)
+        return Lease(d.node_id, address, d, credit, queued, frontends)
 
     def _attempt_timeout(self, deadline: float) -> float:
         return max(0.001, min(deadline - self.clock(), self.config.request_timeout_s))
@@ -217,7 +219,7 @@ class Dispatcher:
                 if last_error is not None:
                     raise last_error from None   # no other node to retry on
                 raise
-            client = self.channels.get(lease.node_id, lease.address)
+            client = self.channels.get(lease.node_id, lease.address, lease.frontends)
             extra = (*extra_metadata, *on_attempt(lease)) if on_attempt else extra_metadata
             call = client.stream(request, timeout_s=self._attempt_timeout(deadline),
                                  metadata=dispatch_metadata(self.registry.router_id,
@@ -289,7 +291,7 @@ class Dispatcher:
                 if last_error is not None:
                     raise last_error from None
                 raise
-            client = self.channels.get(lease.node_id, lease.address)
+            client = self.channels.get(lease.node_id, lease.address, lease.frontends)
             extra = (*extra_metadata, *on_attempt(lease)) if on_attempt else extra_metadata
             call = client.unary(request, timeout_s=self._attempt_timeout(deadline),
                                 metadata=dispatch_metadata(self.registry.router_id,

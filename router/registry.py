@@ -86,6 +86,8 @@ class NodeRegistration:
     gpu_model: str = ""
     max_concurrency: int = 0  # 0 = the router's default
     kind: str = "gpumesh"
+    # the node's front-end processes' own addresses (several per engine; transport spreads)
+    frontend_addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,7 @@ def registration_from_proto(r: control_pb2.Registration) -> NodeRegistration:
     return NodeRegistration(
         node_id=r.node_id, address=r.address, incarnation=r.incarnation, engine=r.engine,
         gpu_model=r.gpu_model, max_concurrency=r.max_concurrency,
+        frontend_addresses=tuple(r.frontend_addresses),
         models=tuple(ModelSpec(m.name, tuple(m.aliases), m.max_context_length,
                                m.tensor_parallel_size or 1,
                                m.capacity_weight if m.capacity_weight > 0 else 1.0)
@@ -323,6 +324,7 @@ class RouterServicer(control_pb2_grpc.RouterServicer):
         self.dispatcher = dispatcher
         self.clock = clock
         self.wall_clock = wall_clock
+        self._picks = 0
 
     async def GetFleet(self, request: control_pb2.GetFleetRequest,
                        context: grpc.aio.ServicerContext) -> control_pb2.GetFleetResponse:
@@ -338,7 +340,8 @@ class RouterServicer(control_pb2_grpc.RouterServicer):
                 load=_load_to_proto(v.entry.report),
                 last_heartbeat_age_s=v.report_age_s if math.isfinite(v.report_age_s) else -1.0,
                 router_in_flight=v.router_in_flight, engine=reg.engine,
-                gpu_model=reg.gpu_model, kind=reg.kind))
+                gpu_model=reg.gpu_model, kind=reg.kind,
+                frontend_addresses=reg.frontend_addresses))
         workers = self.config.peer_addresses if len(self.config.peer_addresses) > 1 else ()
         return control_pb2.GetFleetResponse(router_id=self.config.router_id,
                                             policy=self.config.policy, nodes=nodes,
@@ -372,6 +375,10 @@ class RouterServicer(control_pb2_grpc.RouterServicer):
         finally:
             trace.finish(record)
         context.set_trailing_metadata(_trailing(record, trace))
-        return control_pb2.PickResponse(node_id=lease.node_id, address=lease.address,
+        address = lease.address
+        if lease.frontends:  # a node with several front-end processes: each in turn
+            self._picks += 1
+            address = lease.frontends[self._picks % len(lease.frontends)]
+        return control_pb2.PickResponse(node_id=lease.node_id, address=address,
                                         ticket=ticket, expires_unix_ms=expires_ms, model=model)
 

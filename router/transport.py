@@ -1,4 +1,5 @@
-"""Router -> node calls: one grpc.aio channel per node, raw bytes both ways.
+"""Router -> node calls: one grpc.aio channel per node (per front-end process when the node
+has several), raw bytes both ways.
 
 The router forwards the client's serialized GenerateRequest unchanged and hands the node's
 serialized responses back unchanged (no protobuf work per token chunk on the hot path).
@@ -46,37 +47,51 @@ def _identity(b: bytes) -> bytes:
 
 
 class NodeClient:
-    """Calls to one node. Cheap to keep; ``close`` waits for in-flight calls up to grace."""
+    """Calls to one node. Cheap to keep; ``close`` waits for in-flight calls up to grace.
 
-    def __init__(self, node_id: str, address: str, keepalive_time_ms: int) -> None:
+    A node with several front-end processes (``frontends``: their own addresses) gets a
+    channel to each, and calls alternate over them: each process then serves an equal share
+    of this router's streams (over the node's shared port the kernel would place this one
+    connection, and so all of them, on one process)."""
+
+    def __init__(self, node_id: str, address: str, keepalive_time_ms: int,
+                 frontends: Sequence[str] = ()) -> None:
         self.node_id = node_id
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
+        self.frontends = tuple(frontends)
+        options = [
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 1),
             ("grpc.keepalive_time_ms", keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 0),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ])
-        self._stream = self.channel.unary_stream(
-            _GENERATE_STREAM, request_serializer=_identity, response_deserializer=_identity)
-        self._unary = self.channel.unary_unary(
-            _GENERATE, request_serializer=_identity, response_deserializer=_identity)
+        ]
+        self.channels = [grpc.aio.insecure_channel(a, options=options)
+                         for a in (self.frontends or (address,))]
+        self._streams = [c.unary_stream(_GENERATE_STREAM, request_serializer=_identity,
+                                        response_deserializer=_identity) for c in self.channels]
+        self._unaries = [c.unary_unary(_GENERATE, request_serializer=_identity,
+                                       response_deserializer=_identity) for c in self.channels]
+        self._turn = 0
+
+    def _next(self) -> int:
+        self._turn = (self._turn + 1) % len(self.channels)
+        return self._turn
 
     def stream(self, request: bytes, *, timeout_s: float, metadata: Sequence[tuple[str, str]]
                ) -> grpc.aio.UnaryStreamCall:
         """GenerateStream; iterate the call for serialized GenerateStreamResponse chunks and
         ``cancel()`` it to abort on the node."""
-        return self._stream(request, timeout=timeout_s, metadata=tuple(metadata))
+        return self._streams[self._next()](request, timeout=timeout_s, metadata=tuple(metadata))
 
     def unary(self, request: bytes, *, timeout_s: float, metadata: Sequence[tuple[str, str]]
               ) -> grpc.aio.UnaryUnaryCall:
         """Generate; await the call for the serialized GenerateResponse."""
-        return self._unary(request, timeout=timeout_s, metadata=tuple(metadata))
+        return self._unaries[self._next()](request, timeout=timeout_s, metadata=tuple(metadata))
 
     async def close(self, grace_s: float | None) -> None:
-        await self.channel.close(grace_s)
+        await asyncio.gather(*(c.close(grace_s) for c in self.channels))
 
 
 def dispatch_metadata(router_id: str, charged_tokens: int,
@@ -93,12 +108,12 @@ class NodeChannels:
         self._close_grace_s = close_grace_s
         self._closing: set[asyncio.Task[None]] = set()
 
-    def get(self, node_id: str, address: str) -> NodeClient:
+    def get(self, node_id: str, address: str, frontends: Sequence[str] = ()) -> NodeClient:
         c = self._clients.get(node_id)
-        if c is None or c.address != address:
+        if c is None or c.address != address or getattr(c, "frontends", ()) != tuple(frontends):
             if c is not None:
                 self._close_later(c)
-            c = NodeClient(node_id, address, self._keepalive_time_ms)
+            c = NodeClient(node_id, address, self._keepalive_time_ms, frontends)
             self._clients[node_id] = c
         return c
 

@@ -3,9 +3,11 @@
 #
 #   bash deploy/gpu/run_mesh_gpu.sh [PHASES]        PHASES: comma list, default all
 #     raw,raw7,rawdp05,eng05,eng7,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7,
-#     msg05,msg7
+#     msg05,msg7,fe05,fe7,vsraw05,vsraw7
 #     (see gpumesh/bench/gpu.py; eng05/eng7: the node's engine in a closed loop without gRPC;
-#     msg05/msg7: the node's stream-message budget on and off on the same nodes)
+#     msg05/msg7: the node's stream-message budget on and off on the same nodes; fe05/fe7: one
+#     front-end process per node against several; vsraw05/vsraw7: the node and raw vLLM on the
+#     same GPU, interleaved rounds)
 #
 # 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe slimmed by deploy/gpu/slim_kit.sh;
 #    skipped when this warm machine has it) and the extras (.gpukit/extra,

@@ -35,6 +35,14 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
   router twice (ABAB), then data parallel through the router vs the client splitting.
   ``dp05`` / ``dp7``: data parallel through the router vs the client splitting, ``--rounds``
   times interleaved, with a multi-worker router also with the load spread over its workers.
+- ``vsraw05`` / ``vsraw7``: the mesh against raw vLLM on one GPU, interleaved: node A (with
+  ``--node-option``s, e.g. frontends=2) and router R1 stay up on GPU 0 at 0.42 of its memory;
+  each of ``--rounds`` rounds runs the raw reference tool (its own engine at 0.42, started per
+  run), A direct and R1, the order reversed every other round; the report gives each node
+  bench over its round's raw QPS and the medians. ``vsrawdp05`` / ``vsrawdp7`` (two GPUs):
+  the same for data parallel: nodes A and B (GPUs 0, 1) behind R2 and the client's own split
+  against two raw engines at C/2 each (the reference's data-parallel method). ``--vs-eng``:
+  every round also runs the node's engine without gRPC (as ``eng05``) next to raw.
 - ``msg05`` / ``msg7``: the node's stream-message budget on and off on the same nodes,
   interleaved: requests with the node's default interval (the budget widens it under load)
   vs requests asking for the base 20 ms themselves (kept as asked: the old fixed interval);
@@ -209,6 +217,11 @@ class Env:
     # This device call's 1-based index in meta["calls"] (cmd_run sets it; successive calls
     # append to one results.json), recorded with every record as "call"; 0: not set
     call: int = 0
+    # time.monotonic() at which this call's --budget ends (cmd_run sets it); phases of
+    # several rounds stop before a round that would not fit
+    budget_end: float = math.inf
+    # vsraw phases: also the node's engine without gRPC (engine loop) in every round
+    vs_eng: bool = False
 
     @property
     def logs(self) -> Path:
@@ -412,11 +425,13 @@ def gpu_pids() -> list[int]:
     return [int(x) for x in nvidia_smi("compute-apps=pid").split() if x.strip().isdigit()]
 
 
-def wait_gpus_free(timeout_s: float = 20.0) -> None:
+def wait_gpus_free(timeout_s: float = 20.0, keep: set[int] | frozenset[int] = frozenset()) -> None:
+    """Until no process but ``keep`` holds GPU memory; what still does after ``timeout_s`` is
+    killed (an engine core left behind must not cost the next phase its memory)."""
     deadline = time.monotonic() + timeout_s
-    while gpu_pids() and time.monotonic() < deadline:
+    while set(gpu_pids()) - keep and time.monotonic() < deadline:
         time.sleep(0.5)
-    for pid in gpu_pids():
+    for pid in set(gpu_pids()) - keep:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     time.sleep(1.0)
@@ -548,7 +563,12 @@ class CpuSampler:
 
     @staticmethod
     def label(pid: int, procs: dict[int, tuple[int, list[str], float]], me: int) -> str | None:
-        """The group a process belongs to, by its nearest gpumesh ancestor (None: not ours)."""
+        """The group a process belongs to, by its nearest gpumesh ancestor (None: not ours).
+        A node's other front-end processes (``frontends``) count as its front end."""
+        from node.frontends import PROCESS_TITLE
+
+        own = procs[pid][1] if pid in procs else []
+        front = pid if own and own[0].startswith(PROCESS_TITLE) else None
         cur, hops = pid, 0
         while cur in procs and hops < 50:
             if cur == me:
@@ -562,7 +582,7 @@ class CpuSampler:
                 name = cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else "?"
                 if kind == "router":
                     return f"router {name}"
-                return f"node {name}" + (" front end" if cur == pid else " engine")
+                return f"node {name}" + (" front end" if pid in (cur, front) else " engine")
             cur, hops = procs[cur][0], hops + 1
         return None
 
@@ -576,14 +596,14 @@ class CpuSampler:
             dt = max(1e-6, time.time() - t_a)
             me = os.getpid()
             out: dict[str, float] = {}
-            busiest: dict[str, float] = {}   # routers: the busiest of their processes
+            busiest: dict[str, float] = {}   # routers, node front ends: the busiest process
             for pid, (_, _, cpu) in b.items():
                 lab = self.label(pid, b, me)
                 if lab is None:
                     continue
                 c = (cpu - a[pid][2] if pid in a else cpu) / dt
                 out[lab] = out.get(lab, 0.0) + c
-                if lab.startswith("router "):
+                if lab.startswith("router ") or lab.endswith(" front end"):
                     busiest[lab] = max(busiest.get(lab, 0.0), c)
             for lab, c in busiest.items():
                 # One worker near a full core while the sum is well below workers x 1: the
@@ -721,55 +741,66 @@ def phase_raw(env: Env, shape: str = "0.5b", dp: bool = False) -> None:
         return
     c = RAW_CONCURRENCY[shape]
     tag = shape.replace(".", "")
+    run_raw(env, shape, "raw vLLM (in session)", [("0", c, 0)], tag)
+    if dp:
+        run_raw(env, shape, "raw vLLM data parallel (in session)",
+                [(g, c // 2, int(g)) for g in ("0", "1")], f"{tag}-dp")
+
+
+def run_raw(env: Env, shape: str, setup: str, parts: Sequence[tuple[str, int, int]], tag: str,
+            *, phase: str = "raw", gpu_mem: float | None = None,
+            extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """One run of the raw-vLLM reference tool (``env.raw_tool``, unmodified): an engine per
+    (GPU, concurrency, seed) part, all at once, recorded as one row (QPS and tokens/s summed,
+    latency percentiles the worst part's). ``gpu_mem``: the tool's ``--gpu-mem`` (its own
+    default, 0.85, when None). Returns the record, or None when a part gave no result."""
 
     def argv(conc: int, json_out: Path, seed: int) -> list[str]:
-        return [sys.executable, env.raw_tool, "--shape", shape, "--tp", "1", "--concurrency",
-                str(conc), "--seconds", str(env.window_s), "--warmup", str(env.warmup_s),
-                "--base", str(env.models["0.5b"]), "--json", str(json_out), "--seed", str(seed)]
+        cmd = [sys.executable, env.raw_tool, "--shape", shape, "--tp", "1", "--concurrency",
+               str(conc), "--seconds", str(env.window_s), "--warmup", str(env.warmup_s),
+               "--base", str(env.models["0.5b"]), "--json", str(json_out), "--seed", str(seed)]
+        return cmd + (["--gpu-mem", f"{gpu_mem:g}"] if gpu_mem is not None else [])
 
     def launch(cmd: list[str], gpu: str, log: Path) -> subprocess.Popen[bytes]:
         with open(log, "wb") as f:
             return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
 
-    runs: list[tuple[str, list[tuple[str, list[str], Path]]]] = [
-        ("raw vLLM (in session)", [("0", argv(c, env.logs / f"raw-{tag}.jsonl", 0),
-                                    env.logs / f"raw-{tag}.log")])]
-    if dp:
-        runs.append(("raw vLLM data parallel (in session)", [
-            (g, argv(c // 2, env.logs / f"raw-{tag}-dp{g}.jsonl", int(g)),
-             env.logs / f"raw-{tag}-dp{g}.log") for g in ("0", "1")]))
-    for setup, parts in runs:
-        for _, cmd, _ in parts:
-            Path(cmd[cmd.index("--json") + 1]).unlink(missing_ok=True)
-        procs = [launch(cmd, g, log) for g, cmd, log in parts]
-        for p in procs:
-            try:
-                p.wait(300)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        wait_gpus_free()
-        rows = []
-        for _, cmd, log in parts:
-            out = Path(cmd[cmd.index("--json") + 1])
-            rows += [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-        if len(rows) != len(parts):
-            print(f"[gpu-bench] raw {shape} {setup}: no result\n"
-                  + "\n".join(log.read_text(errors="replace")[-1500:] for _, _, log in parts))
-            continue
-        rec = {"phase": "raw", "setup": setup, "shape": shape, "call": env.call,
-               "concurrency": sum(r["concurrency"] for r in rows),
-               "qps": round(sum(r["qps"] for r in rows), 2),
-               "lat_p50": max(r["lat_p50"] for r in rows), "lat_p99": max(r["lat_p99"] for r in rows),
-               "ttft_p50": max(r["ttft_p50"] for r in rows),
-               "out_tok_s": round(sum(r["out_tok_s"] for r in rows), 1),
-               "command": " & ".join(f"CUDA_VISIBLE_DEVICES={g} python3 seed_table.py "
-                                     + " ".join(cmd[2:]) for g, cmd, _ in parts),
-               "engine": "vllm-raw", "parts": rows}
-        env.records.append(rec)
-        print(f"[gpu-bench] raw      {shape} {setup:36} c={rec['concurrency']:<4} "
-              f"qps={rec['qps']:7.1f} p50={rec['lat_p50']:.3f}s", flush=True)
-        env.save()
+    suffix = [f"-{g}" if len(parts) > 1 else "" for g, _, _ in parts]
+    runs = [(g, argv(c, env.logs / f"raw-{tag}{x}.jsonl", seed), env.logs / f"raw-{tag}{x}.log")
+            for (g, c, seed), x in zip(parts, suffix)]
+    for _, cmd, _ in runs:
+        Path(cmd[cmd.index("--json") + 1]).unlink(missing_ok=True)
+    before = set(gpu_pids())   # a node sharing the GPU (phase vsraw) keeps its memory
+    procs = [launch(cmd, g, log) for g, cmd, log in runs]
+    for p in procs:
+        try:
+            p.wait(300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    wait_gpus_free(keep=before)
+    rows = []
+    for _, cmd, log in runs:
+        out = Path(cmd[cmd.index("--json") + 1])
+        rows += [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    if len(rows) != len(runs):
+        print(f"[gpu-bench] raw {shape} {setup}: no result\n"
+              + "\n".join(log.read_text(errors="replace")[-1500:] for _, _, log in runs))
+        return None
+    rec = {"phase": phase, "setup": setup, "shape": shape, "call": env.call,
+           "concurrency": sum(r["concurrency"] for r in rows),
+           "qps": round(sum(r["qps"] for r in rows), 2),
+           "lat_p50": max(r["lat_p50"] for r in rows), "lat_p99": max(r["lat_p99"] for r in rows),
+           "ttft_p50": max(r["ttft_p50"] for r in rows),
+           "out_tok_s": round(sum(r["out_tok_s"] for r in rows), 1),
+           "command": " & ".join(f"CUDA_VISIBLE_DEVICES={g} python3 seed_table.py "
+                                 + " ".join(cmd[2:]) for g, cmd, _ in runs),
+           "engine": "vllm-raw", "parts": rows, **(extra or {})}
+    env.records.append(rec)
+    print(f"[gpu-bench] {phase:8} {shape} {setup:36} c={rec['concurrency']:<4} "
+          f"qps={rec['qps']:7.1f} p50={rec['lat_p50']:.3f}s", flush=True)
+    env.save()
+    return rec
 
 
 ENG_SETUPS = ("engine loop, 1 GPU (node's engine, no gRPC)",
@@ -791,96 +822,104 @@ def phase_eng(env: Env, shape: str, gpus: int) -> None:
     the worse of the two). Raw vs these rows is the node's engine configuration; these rows vs
     the node direct is the node's serving path (servicer, coalescing, gRPC)."""
     c = RAW_CONCURRENCY[shape]
-    tag = shape.replace(".", "")
-    runs = [(ENG_SETUPS[0], [("0", c)])]
+    run_eng(env, shape, ENG_SETUPS[0], [("0", c)], f"{shape.replace('.', '')}-1gpu")
     if gpus >= 2:
-        runs.append((ENG_SETUPS[1], [("0", c // 2), ("1", c // 2)]))
-    for setup, parts in runs:
-        n = len(parts)
-        sync = env.logs / f"eng-{tag}-{n}gpu-sync"
-        if sync.exists():
-            for f in sync.iterdir():
-                f.unlink()
-        children: list[tuple[Child, Path]] = []
-        cmds: list[str] = []
-        for g, conc in parts:
-            spec = NodeSpec(f"eng{tag}-{n}gpu-{g}", shape, g, 0.85)
-            cfg = env.logs / f"{spec.name}.toml"
-            cfg.write_text(node_toml(env, spec))
-            out = env.logs / f"{spec.name}.json"
-            out.unlink(missing_ok=True)
-            args = ["bench", "engine-loop", "--config", str(cfg), "--concurrency", str(conc),
-                    "--warmup", f"{env.warmup_s:g}", "--seconds", f"{env.window_s:g}",
-                    "--prompt", env.prompt, "--output", env.output, "--json", str(out)]
-            if n > 1:
-                args += ["--sync-dir", str(sync), "--sync-count", str(n)]
-            child_env = {"CUDA_VISIBLE_DEVICES": g} if env.engine == "vllm" else {}
-            ch = Child(spec.name, args, env.logs, child_env)
-            children.append((ch, out))
-            cmds.append(ch.command() + f"   # {cfg.name}: "
-                        + node_toml(env, spec).replace("\n", "; "))
-        env.meta.setdefault("commands", {})[f"eng{tag}-{n}gpu"] = cmds
-        # Until every loop has exited or written its record 20 s ago (a process that hangs in
-        # its exit after a CUDA engine's shutdown must not cost the budget), or one has died
-        # without a record (its partner would wait for it at the sync barrier).
-        deadline = time.monotonic() + 300
-        written: dict[str, float] = {}
-        while time.monotonic() < deadline:
-            now = time.monotonic()
-            for ch, out in children:
-                if ch.name not in written and out.exists():
-                    written[ch.name] = now
-            alive = [ch for ch, _ in children if ch.alive()]
-            if all(now - written.get(ch.name, now) > 20 for ch in alive):
-                break
-            if any(not ch.alive() and not out.exists() for ch, out in children):
-                break
-            time.sleep(0.5)
-        for ch, _ in children:
-            if ch.alive():
-                print(f"[gpu-bench] eng {shape} {setup}: {ch.name} "
-                      + ("had not exited 20 s after its record" if ch.name in written
-                         else "timed out or waited for a failed partner") + ": stopped",
-                      flush=True)
-        for ch, _ in children:
-            ch.stop()
-        if env.engine == "vllm":
-            wait_gpus_free()
-        rows = [json.loads(out.read_text()) for _, out in children if out.exists()]
-        if len(rows) != n:
-            raise RuntimeError(f"eng {shape} {setup}: {n - len(rows)} of {n} loops gave no "
-                               "result\n" + "\n".join(ch.tail(1500) for ch, _ in children))
-        rec: dict[str, Any] = {
-            "phase": "eng", "setup": setup, "shape": shape, "call": env.call,
-            "concurrency": sum(r["concurrency"] for r in rows),
-            "prompt": env.prompt, "output": env.output,
-            "warmup_s": env.warmup_s, "window_s": env.window_s,
-            "requests": sum(r["requests"] for r in rows),
-            "errors": sum(r["errors"] for r in rows),
-            "completed": sum(r["completed"] for r in rows),
-            "qps": round(sum(r["qps"] for r in rows), 2),
-            "done_qps": round(sum(r["done_qps"] for r in rows), 2),
-            "out_tok_s": round(sum(r["out_tok_s"] for r in rows), 1),
-            **{k: _max([r.get(k) for r in rows])
-               for k in ("lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50")},
-            "engine_load": {f"gpu{g}": r.get("engine_load") for (g, _), r in zip(parts, rows)},
-            "cpu_cores": {f"loop gpu{g} {k}": v for (g, _), r in zip(parts, rows)
-                          for k, v in (r.get("cpu_cores") or {}).items()},
-            "kv_tokens": rows[0].get("kv_tokens"), "init_s": [r.get("init_s") for r in rows],
-            "command": " & ".join(ch.command() for ch, _ in children),
-            "engine": env.engine, "parts": rows}
-        if env.engine == "vllm" and env.engine_args:
-            rec["engine_args"] = env.engine_args
-        if env.node_options:
-            rec["node_options"] = env.node_options
-        env.records.append(rec)
-        env.save()
-        run = " / ".join(f"{fmt((r.get('engine_load') or {}).get('running_mean'), 0)}"
-                         for r in rows)
-        print(f"[gpu-bench] eng      {shape} {setup:58} c={rec['concurrency']:<4} "
-              f"qps={rec['qps']:7.1f} done_qps={rec['done_qps']:7.1f} "
-              f"p50={fmt(rec['lat_p50'], 3)}s tpot50={fmt((rec['tpot_p50'] or 0) * 1000)}ms "
-              f"running {run} errors={rec['errors']}", flush=True)
+        run_eng(env, shape, ENG_SETUPS[1], [("0", c // 2), ("1", c // 2)],
+                f"{shape.replace('.', '')}-2gpu")
+
+
+def run_eng(env: Env, shape: str, setup: str, parts: Sequence[tuple[str, int]], tag: str, *,
+            phase: str = "eng", gpu_mem: float = 0.85,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One engine-loop row: a loop per (GPU, concurrency) part, their load started together,
+    each engine at ``gpu_mem`` of its GPU. Raises when a loop gave no record."""
+    n = len(parts)
+    sync = env.logs / f"eng-{tag}-sync"
+    if sync.exists():
+        for f in sync.iterdir():
+            f.unlink()
+    children: list[tuple[Child, Path]] = []
+    cmds: list[str] = []
+    before = set(gpu_pids())   # a node sharing the GPU (phase vsraw) keeps its memory
+    for g, conc in parts:
+        spec = NodeSpec(f"eng{tag}-{g}", shape, g, gpu_mem)
+        cfg = env.logs / f"{spec.name}.toml"
+        cfg.write_text(node_toml(env, spec))
+        out = env.logs / f"{spec.name}.json"
+        out.unlink(missing_ok=True)
+        args = ["bench", "engine-loop", "--config", str(cfg), "--concurrency", str(conc),
+                "--warmup", f"{env.warmup_s:g}", "--seconds", f"{env.window_s:g}",
+                "--prompt", env.prompt, "--output", env.output, "--json", str(out)]
+        if n > 1:
+            args += ["--sync-dir", str(sync), "--sync-count", str(n)]
+        child_env = {"CUDA_VISIBLE_DEVICES": g} if env.engine == "vllm" else {}
+        ch = Child(spec.name, args, env.logs, child_env)
+        children.append((ch, out))
+        cmds.append(ch.command() + f"   # {cfg.name}: "
+                    + node_toml(env, spec).replace("\n", "; "))
+    env.meta.setdefault("commands", {})[f"eng{tag}"] = cmds
+    # Until every loop has exited or written its record 20 s ago (a process that hangs in
+    # its exit after a CUDA engine's shutdown must not cost the budget), or one has died
+    # without a record (its partner would wait for it at the sync barrier).
+    deadline = time.monotonic() + 300
+    written: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        for ch, out in children:
+            if ch.name not in written and out.exists():
+                written[ch.name] = now
+        alive = [ch for ch, _ in children if ch.alive()]
+        if all(now - written.get(ch.name, now) > 20 for ch in alive):
+            break
+        if any(not ch.alive() and not out.exists() for ch, out in children):
+            break
+        time.sleep(0.5)
+    for ch, _ in children:
+        if ch.alive():
+            print(f"[gpu-bench] eng {shape} {setup}: {ch.name} "
+                  + ("had not exited 20 s after its record" if ch.name in written
+                     else "timed out or waited for a failed partner") + ": stopped",
+                  flush=True)
+    for ch, _ in children:
+        ch.stop()
+    if env.engine == "vllm":
+        wait_gpus_free(keep=before)
+    rows = [json.loads(out.read_text()) for _, out in children if out.exists()]
+    if len(rows) != n:
+        raise RuntimeError(f"eng {shape} {setup}: {n - len(rows)} of {n} loops gave no "
+                           "result\n" + "\n".join(ch.tail(1500) for ch, _ in children))
+    rec: dict[str, Any] = {
+        "phase": phase, "setup": setup, "shape": shape, "call": env.call,
+        "concurrency": sum(r["concurrency"] for r in rows),
+        "prompt": env.prompt, "output": env.output,
+        "warmup_s": env.warmup_s, "window_s": env.window_s,
+        "requests": sum(r["requests"] for r in rows),
+        "errors": sum(r["errors"] for r in rows),
+        "completed": sum(r["completed"] for r in rows),
+        "qps": round(sum(r["qps"] for r in rows), 2),
+        "done_qps": round(sum(r["done_qps"] for r in rows), 2),
+        "out_tok_s": round(sum(r["out_tok_s"] for r in rows), 1),
+        **{k: _max([r.get(k) for r in rows])
+           for k in ("lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50")},
+        "engine_load": {f"gpu{g}": r.get("engine_load") for (g, _), r in zip(parts, rows)},
+        "cpu_cores": {f"loop gpu{g} {k}": v for (g, _), r in zip(parts, rows)
+                      for k, v in (r.get("cpu_cores") or {}).items()},
+        "kv_tokens": rows[0].get("kv_tokens"), "init_s": [r.get("init_s") for r in rows],
+        "command": " & ".join(ch.command() for ch, _ in children),
+        "engine": env.engine, "parts": rows, **(extra or {})}
+    if env.engine == "vllm" and env.engine_args:
+        rec["engine_args"] = env.engine_args
+    if env.node_options:
+        rec["node_options"] = env.node_options
+    env.records.append(rec)
+    env.save()
+    run = " / ".join(f"{fmt((r.get('engine_load') or {}).get('running_mean'), 0)}"
+                     for r in rows)
+    print(f"[gpu-bench] {phase:8} {shape} {setup:58} c={rec['concurrency']:<4} "
+          f"qps={rec['qps']:7.1f} done_qps={rec['done_qps']:7.1f} "
+          f"p50={fmt(rec['lat_p50'], 3)}s tpot50={fmt((rec['tpot_p50'] or 0) * 1000)}ms "
+          f"running {run} errors={rec['errors']}", flush=True)
+    return rec
 
 
 def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[NodeSpec], list[RouterSpec]]:
@@ -1035,6 +1074,134 @@ def phase_msg(env: Env, shape: str, gpus: int, phase: str, rounds: int = 2) -> N
                           extra={"round": k, "leg": leg, "base_setup": setup})
 
 
+def phase_fe(env: Env, shape: str, gpus: int, phase: str, rounds: int = 1,
+             counts: tuple[int, int] = (1, 2)) -> None:
+    """Nodes with one front-end process against nodes with several (node option
+    ``frontends``, node.frontends), ABAB over ``rounds`` (the option is the nodes' process
+    layout, so each leg starts fresh nodes): one GPU direct to the node and through the
+    router at the reference's concurrency, then (two GPUs) data parallel through the router
+    at twice it. Records carry ``leg`` ("fe<N>"), ``base_setup``, ``round`` and ``frontends``;
+    the report pairs them with the one-front-end bench of the same round."""
+    if env.engine != "vllm" and max(counts) > 1:
+        raise ValueError("several front ends per node need vLLM nodes (the simulator has one)")
+    c1 = RAW_CONCURRENCY[shape]
+    a, _, nodes, routers = _pair(env, shape, gpus)
+    saved = dict(env.node_options)
+    try:
+        for k in range(rounds):
+            for n in (counts if k % 2 == 0 else tuple(reversed(counts))):
+                env.node_options = {**saved, "frontends": n}
+                with Group(env, nodes, routers) as g:
+                    g.start()
+                    env.meta.setdefault("commands", {})[f"{phase} frontends={n}"] = g.commands
+                    runs = [("1 GPU, direct to node", g.addr[a], c1, g.addr["r1"]),
+                            ("1 GPU, through router", g.addr["r1"], c1, g.addr["r1"])]
+                    if gpus >= 2:
+                        runs.append(("2 GPUs data parallel, router", g.addr["r2"], 2 * c1,
+                                     g.addr["r2"]))
+                    for setup, target, c, poll in runs:
+                        bench(env, phase=phase, setup=f"{setup}, {n} front ends #{k}",
+                              shape=shape, target=target, concurrency=c, poll=poll,
+                              extra={"round": k, "leg": f"fe{n}", "base_setup": setup,
+                                     "frontends": n})
+    finally:
+        env.node_options = saved
+
+
+VSRAW_GPU_MEM = 0.42   # the node's and the raw engine's share of GPU 0 (as phase share)
+# A round (s): the raw tool's engine start (warm compile cache), its window and exit, and two
+# node benches (warm-up + window each, plus the load generator's start). Measured on warm
+# H200 machines: phase raw 55.5 s (0.5B, engine start 15.8-18.6 s), raw7 with data parallel
+# 155.5 s; a 0.5B bench ~23 s. A machine's first raw run also compiles (~+50 s).
+VSRAW_ROUND_S = {"0.5b": 110, "7b": 150}
+VSRAW_ENG_S = {"0.5b": 60, "7b": 80}   # --vs-eng: an engine loop's start, window and exit
+# The nodes' start (s), before the first round (a phase needs that and one round to begin)
+VSRAW_START_S = {"vsraw05": 100, "vsraw7": 150, "vsrawdp05": 140, "vsrawdp7": 200}
+
+
+def phase_vsraw(env: Env, shape: str, phase: str, rounds: int = 3, dp: bool = False) -> None:
+    """The mesh against raw vLLM on the same GPUs, interleaved: the nodes (``env.node_options``
+    included, e.g. frontends=2) and their router stay up at ``VSRAW_GPU_MEM`` of their GPU's
+    memory while, in each round, the raw reference tool (unmodified, its own engines at the
+    same share, started and stopped per run), the nodes through the router and the nodes
+    direct are benched in turn at the reference's concurrency C; the order reverses every
+    round (raw, router, direct; direct, router, raw; ...) so drift within a call weighs on
+    both sides. Only one engine per GPU has requests at a time (an idle vLLM engine core
+    waits on its input queue).
+
+    One GPU: node A on GPU 0 behind r1; raw = one engine at C. ``dp`` (two GPUs): nodes A and
+    B on GPUs 0 and 1 behind r2; raw = two engines at once, C/2 each (the reference's data
+    parallel method); "direct" = the client splitting its C streams over A and B.
+
+    ``env.vs_eng`` (``--vs-eng``): every round also runs the node's own engine without gRPC
+    (``run_eng``: an engine loop per GPU at the same share, started per run) next to raw,
+    so raw vs engine loop (the node's engine configuration) and engine loop vs direct (its
+    serving path) come from the same rounds.
+
+    Records carry ``round``, ``leg`` ("raw", "eng", "router", "direct") and ``base_setup``;
+    the report gives each bench's QPS over its round's raw run and the median over rounds:
+    issue 7's ratio with the host's run-to-run spread (1.5x between raw runs of one machine)
+    paired out. Without a raw tool (``--engine sim``) the raw legs are skipped and said so."""
+    c = RAW_CONCURRENCY[shape]
+    tag = shape.replace(".", "")
+    a, b = f"v{tag}", f"w{tag}"
+    if dp:
+        r = "r2"
+        nodes = [NodeSpec(a, shape, "0", VSRAW_GPU_MEM, routers=(r,)),
+                 NodeSpec(b, shape, "1", VSRAW_GPU_MEM, routers=(r,), after=a)]
+        base, raw_parts = "2 GPUs data parallel", [("0", c // 2), ("1", c // 2)]
+    else:
+        r = "r1"
+        nodes = [NodeSpec(a, shape, "0", VSRAW_GPU_MEM, routers=(r,))]
+        base, raw_parts = "1 GPU", [("0", c)]
+    routers = [RouterSpec(r, policy=env.policy, members=tuple(n.name for n in nodes))]
+    with Group(env, nodes, routers) as g:
+        g.start()
+        env.meta.setdefault("commands", {})[phase] = g.commands
+        env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)
+        raw_ok = env.engine == "vllm" and bool(env.raw_tool)
+        if not raw_ok:
+            print(f"[gpu-bench] {phase}: raw legs skipped (need --engine vllm and --raw-tool)",
+                  flush=True)
+        legs = ("raw", "eng", "router", "direct") if env.vs_eng else ("raw", "router", "direct")
+        per_round = VSRAW_ROUND_S[shape] + (VSRAW_ENG_S[shape] if env.vs_eng else 0)
+        for k in range(rounds):
+            left = env.budget_end - time.monotonic()
+            if k and left < per_round:
+                print(f"[gpu-bench] {phase}: stopped after {k} of {rounds} rounds ({left:.0f}s "
+                      f"of the budget left, a round needs ~{per_round}s)", flush=True)
+                env.meta.setdefault("cut", []).append(f"{phase}: {k} of {rounds} rounds")
+                break
+            for leg in (legs if k % 2 == 0 else tuple(reversed(legs))):
+                x = {"round": k, "leg": leg, "base_setup": base, "gpu_mem": VSRAW_GPU_MEM}
+                if leg == "raw":
+                    if raw_ok and run_raw(
+                            env, shape, f"raw vLLM, same GPU{'s' if dp else ''} #{k}",
+                            [(gpu, conc, 2 * k + n) for n, (gpu, conc) in enumerate(raw_parts)],
+                            f"{phase}-{k}", phase=phase, gpu_mem=VSRAW_GPU_MEM,
+                            extra=x) is None:   # its log's tail is printed; the rest still run
+                        env.meta.setdefault("failed", []).append(f"{phase} raw #{k}: no result")
+                elif leg == "eng":
+                    try:
+                        run_eng(env, shape, f"engine loop, same GPU{'s' if dp else ''} #{k}",
+                                raw_parts, f"{tag}-{phase}-{k}", phase=phase,
+                                gpu_mem=VSRAW_GPU_MEM, extra=x)
+                    except RuntimeError as e:   # the other legs and rounds still run
+                        print(f"[gpu-bench] {phase}: {e}"[:3000], flush=True)
+                        env.meta.setdefault("failed", []).append(f"{phase} eng #{k}: {e}"[:500])
+                elif leg == "router":
+                    via = "router" if dp else "through router"
+                    bench(env, phase=phase, setup=f"{base}, {via} #{k}", shape=shape,
+                          target=g.addr[r], concurrency=c, poll=g.addr[r],
+                          extra={**x, "kv_tokens": g.kv_tokens[a]})
+                else:
+                    bench(env, phase=phase, shape=shape, target=g.addr[a], concurrency=c,
+                          setup=(f"{base}, direct (client splits) #{k}" if dp
+                                 else f"{base}, direct to node #{k}"),
+                          split=(g.addr[a], g.addr[b]) if dp else (), poll=g.addr[r],
+                          extra={**x, "kv_tokens": g.kv_tokens[a]})
+
+
 def phase_p05q(env: Env, gpus: int) -> None:
     """``p05`` without the sweep (its records are ``p05``'s): a rerun of the main table."""
     _pair_phase(env, "0.5b", gpus, "p05", sweep=False)
@@ -1137,7 +1304,8 @@ def cmd_run(a: argparse.Namespace) -> int:
               router_env_b=dict(kv.split("=", 1) for kv in a.router_env_b),
               engine_args=dict(_name_value(kv, "--engine-arg") for kv in a.engine_arg),
               node_options=dict(_name_value(kv, "--node-option") for kv in a.node_option),
-              spread_workers=a.spread_workers, pin=a.pin, prompt=a.prompt, output=a.output)
+              spread_workers=a.spread_workers, pin=a.pin, prompt=a.prompt, output=a.output,
+              vs_eng=a.vs_eng)
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
         doc = json.loads(prev.read_text())
@@ -1154,12 +1322,17 @@ def cmd_run(a: argparse.Namespace) -> int:
                                              "output": env.output})
     env.call = len(env.meta["calls"])
     env.save()
-    budget_end = time.monotonic() + a.budget
+    budget_end = env.budget_end = time.monotonic() + a.budget
     # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
     # eng05/eng7: one engine start, then two at once (raw7, a phase of that shape, took 155 s).
     need = {"raw": 90, "raw7": 200, "rawdp05": 150, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
             "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120,
-            "dp7": 330, "eng05": 160, "eng7": 200, "msg05": 300, "msg7": 400}
+            "dp7": 330, "eng05": 160, "eng7": 200, "msg05": 300, "msg7": 400,
+            "fe05": 300, "fe7": 420,
+            # the node's start and one round (the phase stops before a round that won't fit)
+            **{ph: s + VSRAW_ROUND_S[sh] + (VSRAW_ENG_S[sh] if a.vs_eng else 0)
+               for ph, s in VSRAW_START_S.items()
+               for sh in ("7b" if ph.endswith("7") else "0.5b",)}}
     failed = []
     for ph in [p for p in a.phases.split(",") if p]:
         left = budget_end - time.monotonic()
@@ -1167,7 +1340,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             print(f"[gpu-bench] {ph}: NOT RUN ({left:.0f}s left of the budget, needs ~{need[ph]}s)")
             env.meta.setdefault("not_run", []).append(ph)
             continue
-        if ph in ("tp05", "tp7", "unequal2") and gpus < 2:
+        if ph in ("tp05", "tp7", "unequal2", "vsrawdp05", "vsrawdp7") and gpus < 2:
             print(f"[gpu-bench] {ph}: NOT RUN (needs 2 GPUs, {gpus} here)")
             env.meta.setdefault("not_run", []).append(ph)
             continue
@@ -1190,7 +1363,17 @@ def cmd_run(a: argparse.Namespace) -> int:
              "eng05": lambda: phase_eng(env, "0.5b", gpus),
              "eng7": lambda: phase_eng(env, "7b", gpus),
              "msg05": lambda: phase_msg(env, "0.5b", gpus, "msg05", rounds=a.rounds),
-             "msg7": lambda: phase_msg(env, "7b", gpus, "msg7", rounds=a.rounds)}[ph]()
+             "msg7": lambda: phase_msg(env, "7b", gpus, "msg7", rounds=a.rounds),
+             "fe05": lambda: phase_fe(env, "0.5b", gpus, "fe05", rounds=a.fe_rounds,
+                                      counts=(1, a.frontends)),
+             "fe7": lambda: phase_fe(env, "7b", gpus, "fe7", rounds=a.fe_rounds,
+                                     counts=(1, a.frontends)),
+             "vsraw05": lambda: phase_vsraw(env, "0.5b", "vsraw05", rounds=a.rounds),
+             "vsraw7": lambda: phase_vsraw(env, "7b", "vsraw7", rounds=a.rounds),
+             "vsrawdp05": lambda: phase_vsraw(env, "0.5b", "vsrawdp05", rounds=a.rounds,
+                                              dp=True),
+             "vsrawdp7": lambda: phase_vsraw(env, "7b", "vsrawdp7", rounds=a.rounds,
+                                             dp=True)}[ph]()
         except Exception as e:  # noqa: BLE001 - one phase failing must not cost the others
             print(f"[gpu-bench] {ph}: FAILED: {type(e).__name__}: {e}"[:4000], flush=True)
             failed.append(ph)
@@ -1237,7 +1420,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "system's heartbeats per request and tokens per message)")
     r.add_argument("--policy", default="weighted_least_load", choices=POLICIES,
                    help="policy of the data-parallel router in ab7/ab05/dp05/dp7")
-    r.add_argument("--rounds", type=int, default=2, help="dp05/dp7: interleaved rounds")
+    r.add_argument("--rounds", type=int, default=2,
+                   help="dp05/dp7, msg05/msg7, vsraw*: interleaved rounds")
+    r.add_argument("--vs-eng", action="store_true",
+                   help="vsraw*: also the node's engine without gRPC (engine loop) every round")
+    r.add_argument("--fe-rounds", type=int, default=1,
+                   help="fe05/fe7: rounds of (1 front end, N) with fresh nodes per leg")
+    r.add_argument("--frontends", type=int, default=2, help="fe05/fe7: N front ends per node")
     r.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment of every router (e.g. GPUMESH_ROUTER_...); repeats")
     r.add_argument("--router-env-b", action="append", default=[], metavar="NAME=VALUE",

@@ -14,6 +14,7 @@ import argparse
 import gzip
 import json
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -138,24 +139,83 @@ def _message_budget_markdown(records: list[dict[str, Any]]) -> list[str]:
     """msg05/msg7: the node's stream-message budget against the fixed interval on the same
     nodes, interleaved; ``x fixed`` = done QPS / the fixed-interval bench of the same call,
     setup and round."""
-    rows = [r for r in records if r["phase"] in ("msg05", "msg7")]
+    return _legs_markdown(
+        records, ("msg05", "msg7"), _msg_pair, "fixed", "x fixed",
+        "The node's stream-message budget vs a fixed interval (same nodes, interleaved; "
+        "`x fixed` = done QPS / the fixed-interval bench of the same round):")
+
+
+def _fe_pair(r: dict[str, Any]) -> tuple[tuple[Any, ...], str]:
+    return (_call(r), r["phase"], r["base_setup"], r.get("round", 0)), r["leg"]
+
+
+def _frontends_markdown(records: list[dict[str, Any]]) -> list[str]:
+    """fe05/fe7: nodes with several front-end processes against one (fresh nodes per leg);
+    ``x 1 front end`` = done QPS / the one-front-end bench of the same call, setup, round."""
+    return _legs_markdown(
+        records, ("fe05", "fe7"), _fe_pair, "fe1", "x 1 front end",
+        "Nodes with several front-end processes vs one (fresh nodes per leg, legs "
+        "alternating; `x 1 front end` = done QPS / the one-front-end bench of the same "
+        "round; node front end cores = each node's front-end processes together):")
+
+
+VSRAW_PHASES = ("vsraw05", "vsraw7", "vsrawdp05", "vsrawdp7")
+
+
+def _vs_raw_markdown(records: list[dict[str, Any]]) -> list[str]:
+    """vsraw05/vsraw7/vsrawdp05/vsrawdp7: the nodes direct and through the router (and with
+    ``--vs-eng`` the node's engine without gRPC) against the raw reference tool run on the
+    same GPUs in the same round; ``x raw`` = QPS / that raw run's QPS (the reference's
+    metric: requests started and finished in the window), with the median of each leg over
+    the rounds."""
+    lines = _legs_markdown(
+        records, VSRAW_PHASES, _fe_pair, "raw", "x raw",
+        "The mesh against raw vLLM on the same GPUs (each engine at 0.42 of its GPU's memory, "
+        "one loaded at a time; legs alternating per round; `x raw` = QPS / the raw run of the "
+        "same round):",
+        metric="qps")
+    if not lines:
+        return lines
+    raws = {_fe_pair(r)[0]: r for r in records
+            if r["phase"] in VSRAW_PHASES and r.get("leg") == "raw"}
+    ratios: dict[tuple[Any, ...], list[float]] = {}
+    for r in records:
+        if r["phase"] not in VSRAW_PHASES or r.get("leg") in (None, "raw"):
+            continue
+        key, leg = _fe_pair(r)
+        raw = raws.get(key)
+        if raw and raw.get("qps") and r.get("qps") is not None:
+            ratios.setdefault((_call(r), r["phase"], leg), []).append(r["qps"] / raw["qps"])
+    for (call, phase, leg), xs in sorted(ratios.items(), key=lambda kv: str(kv[0])):
+        lines.append(f"- {phase}{f' (call {call})' if call else ''}, {leg}: median x raw "
+                     f"**{fmt(statistics.median(xs))}** over {len(xs)} round(s) "
+                     f"({', '.join(fmt(x) for x in xs)})")
+    return lines + [""] if ratios else lines
+
+
+def _legs_markdown(records: list[dict[str, Any]], phases: tuple[str, ...],
+                   pair: Callable[[dict[str, Any]], tuple[tuple[Any, ...], str]],
+                   base_leg: str, x_label: str, title: str,
+                   metric: str = "done_qps") -> list[str]:
+    """A/B legs of ``phases``: every record's ``metric`` over its pair key's ``base_leg``
+    record's."""
+    rows = [r for r in records if r["phase"] in phases]
     if not rows:
         return []
     tag = _call_tagger(records)
     fixed: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
-        key, leg = _msg_pair(r)
-        if leg == "fixed":
+        key, leg = pair(r)
+        if leg == base_leg:
             fixed[key] = r
-    lines = [("The node's stream-message budget vs a fixed interval (same nodes, interleaved; "
-              "`x fixed` = done QPS / the fixed-interval bench of the same round):"), "",
-             ("| phase | setup | C | QPS | done QPS | x fixed | p50 s | p99 s | TTFT p50 s |"
+    lines = [title, "",
+             (f"| phase | setup | C | QPS | done QPS | {x_label} | p50 s | p99 s | TTFT p50 s |"
               " TPOT p50 ms | node front end cores | router cores |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        key, leg = _msg_pair(r)
-        f = fixed.get(key) if leg == "budget" else None
-        xf = (fmt(r["done_qps"] / f["done_qps"]) if f and r.get("done_qps") and f.get("done_qps")
+        key, leg = pair(r)
+        f = fixed.get(key) if leg != base_leg else None
+        xf = (fmt(r[metric] / f[metric]) if f and r.get(metric) is not None and f.get(metric)
               else "-")
         cc = r.get("cpu_cores") or {}
         fe = " / ".join(f"{v:.2f}" for k, v in cc.items() if k.endswith("front end") and v >= 0.05)
@@ -258,6 +318,8 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("")
     lines += _interleaved_markdown(records)
     lines += _message_budget_markdown(records)
+    lines += _frontends_markdown(records)
+    lines += _vs_raw_markdown(records)
     for uph, where in (("unequal", "both nodes on GPU 0"), ("unequal2", "one GPU each")):
         une = [r for r in records if r["phase"] == uph]
         if not une:

@@ -4,7 +4,8 @@ The node's own process (vLLM's front end and gpumesh's servicer, not vLLM's engi
 child) is what limits a GPU node (docs/benchmarks-gpu.md, "Where the cores go"). This measures
 its CPU seconds per output token: for each round and each node in turn (order alternating),
 a closed loop of ``--concurrency`` streams for ``--duration`` s, the node process's CPU time
-before and after (psutil, found by its listening port), divided by the tokens the loop
+before and after (psutil, found by its listening port; summed over the node's front-end
+processes when it has several), divided by the tokens the loop
 received. CPU time, not throughput: on a shared machine it moves far less with contention.
 
   gpumesh bench node-cpu --target old=127.0.0.1:50061 --target new=127.0.0.1:50063 --rounds 4
@@ -34,35 +35,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="")
 
 
-def node_pid(port: int) -> int:
-    """The pid listening on ``port`` (the node process itself)."""
+def node_pids(port: int) -> tuple[int, ...]:
+    """The pids listening on ``port``: the node process, and its other front-end processes
+    when it has several (``frontends``, sharing the port)."""
     import psutil
 
-    for c in psutil.net_connections(kind="tcp"):
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-            return int(c.pid)
-    raise RuntimeError(f"no process listens on port {port}")
+    pids = sorted({int(c.pid) for c in psutil.net_connections(kind="tcp")
+                   if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   and c.pid})
+    if not pids:
+        raise RuntimeError(f"no process listens on port {port}")
+    return tuple(pids)
 
 
-def _cpu_s(pid: int) -> float:
+def _cpu_s(pids: tuple[int, ...]) -> float:
     import psutil
 
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += float(t.user + t.system)
+    return total
 
 
-def measure(target: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
+def measure(target: str, pids: tuple[int, ...], a: argparse.Namespace) -> dict[str, Any]:
     from gpumesh.bench.cli import StreamSpec, _proc_requests
     from gpumesh.bench.loadgen import LoadConfig, run_load
     from gpumesh.bench.workload import LengthDist, WorkloadSpec
 
     cfg = LoadConfig(target=target, concurrency=a.concurrency, duration_s=a.duration,
-                     timeout_s=120.0, seed=0, progress_s=0.0)
+                     timeout_s=120.0, seed=0, progress_s=0.0, spread_workers=True)
     spec = StreamSpec(WorkloadSpec(LengthDist.parse(a.prompt), LengthDist.parse(a.output), 0, "",
                                    0.0))
-    c0 = _cpu_s(pid)
+    c0 = _cpu_s(pids)
     run = asyncio.run(run_load(cfg, _proc_requests(spec, 0, 0, 1)))
-    c1 = _cpu_s(pid)
+    c1 = _cpu_s(pids)
     ok = [r for r in run.results if r.status == "OK"]
     tokens = sum(r.output_tokens for r in ok)
     return {"cpu_s": round(c1 - c0, 3), "tokens": tokens, "requests": len(run.results),
@@ -76,12 +83,12 @@ def cmd_node_cpu(a: argparse.Namespace) -> int:
         name, _, addr = t.partition("=")
         if not addr:
             raise SystemExit(f"--target wants NAME=HOST:PORT, got {t!r}")
-        targets.append((name, addr, node_pid(int(addr.rsplit(":", 1)[1]))))
+        targets.append((name, addr, node_pids(int(addr.rsplit(":", 1)[1]))))
     rows: list[dict[str, Any]] = []
     for k in range(a.rounds):
         order = targets if k % 2 == 0 else list(reversed(targets))
-        for name, addr, pid in order:
-            r = {"round": k, "node": name, **measure(addr, pid, a)}
+        for name, addr, pids in order:
+            r = {"round": k, "node": name, **measure(addr, pids, a)}
             rows.append(r)
             print(json.dumps(r), flush=True)
     med = {n: statistics.median(r["us_per_token"] for r in rows if r["node"] == n)

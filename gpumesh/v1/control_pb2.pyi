@@ -34,7 +34,7 @@ class ServedModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., capacity_weight: _Optional[float] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("node_id", "address", "models", "incarnation", "engine", "gpu_model", "max_concurrency")
+    __slots__ = ("node_id", "address", "models", "incarnation", "engine", "gpu_model", "max_concurrency", "frontend_addresses")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class Registration(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     GPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ServedModel]
@@ -49,7 +50,8 @@ class Registration(_message.Message):
     engine: str
     gpu_model: str
     max_concurrency: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., incarnation: _Optional[str] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., max_concurrency: _Optional[int] = ...) -> None: ...
+    frontend_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., incarnation: _Optional[str] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., frontend_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GpuStats(_message.Message):
     __slots__ = ("index", "utilization", "memory_used_bytes", "memory_total_bytes")
@@ -176,7 +178,7 @@ class GetFleetRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "state", "models", "load", "last_heartbeat_age_s", "router_in_flight", "engine", "gpu_model", "kind")
+    __slots__ = ("node_id", "address", "state", "models", "load", "last_heartbeat_age_s", "router_in_flight", "engine", "gpu_model", "kind", "frontend_addresses")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class NodeStatus(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     GPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     state: NodeState
@@ -197,7 +200,8 @@ class NodeStatus(_message.Message):
     engine: str
     gpu_model: str
     kind: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    frontend_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ..., frontend_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetFleetResponse(_message.Message):
     __slots__ = ("router_id", "policy", "nodes", "worker_addresses")

@@ -145,7 +145,9 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., capacity_weight: _Optional[float] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "frontend_addresses")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+    frontend_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., frontend_addresses: _Optional[_Iterable[str]] = ...) -> None: ...

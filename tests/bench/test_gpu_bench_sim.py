@@ -90,3 +90,145 @@ def test_message_budget_phase_pairs_budget_and_fixed_benches(tmp_path: Path) -> 
         row = next(ln for ln in md.splitlines() if ln.startswith(
             f"| msg05 | 1 GPU, direct to node, message budget #0 (call {call}) |"))
         assert row.split(" | ")[5] != "-", row   # x fixed: paired with its own call's bench
+
+
+def _small_run(tmp_path: Path, out: Path, phases: str, *more: str) -> list[str]:
+    """``gpu run`` argv of a short simulated call: 1 s + 2 s benches, a small load."""
+    return ["run", "--engine", "sim", "--phases", phases, *more,
+            "--workers", "1", "--procs", "2", "--warmup", "1", "--seconds", "2",
+            "--sim-time-scale", "4", "--output", "fixed:32",
+            "--model-root", str(tmp_path / "models"), "--budget", "600", "--out", str(out)]
+
+
+def test_frontends_phase_restarts_nodes_per_leg_and_pairs_them(tmp_path: Path) -> None:
+    # Simulated nodes have one process, so both legs run one front end here (--frontends 1):
+    # this checks the phase's restarts, records and pairing; several front ends per node are
+    # tested on the vLLM CPU engine (tests/node/test_frontends.py).
+    out = tmp_path / "out"
+    argv = _small_run(tmp_path, out, "fe05", "--frontends", "1")
+    assert gpu.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    recs = doc["records"]
+    assert [(r["base_setup"], r["leg"], r["frontends"]) for r in recs] == [
+        ("1 GPU, direct to node", "fe1", 1), ("1 GPU, through router", "fe1", 1),
+        ("2 GPUs data parallel, router", "fe1", 1)] * 2
+    assert all(r["errors"] == 0 and r["done_qps"] > 0 for r in recs)
+    assert all(r["node_options"] == {"frontends": 1} for r in recs)
+    assert "fe05 frontends=1" in doc["meta"]["commands"]
+    assert "| fe05 | 1 GPU, through router, 1 front ends #0 |" in (out / "summary.md").read_text()
+    # several front ends need vLLM nodes: the phase fails with that reason, the call goes on
+    out2 = tmp_path / "out2"
+    argv2 = [a if a != str(out) else str(out2) for a in argv]
+    argv2[argv2.index("--frontends") + 1] = "2"
+    assert gpu.main(argv2) == 1
+    failed = json.loads((out2 / "results.json").read_text())["meta"]["failed"]
+    assert failed and "need vLLM nodes" in failed[0]
+
+
+def test_vs_raw_phase_keeps_the_nodes_up_and_alternates_the_legs(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    # The raw legs need the raw reference tool on vLLM CUDA (skipped on the simulator, and
+    # said so); this checks the node legs' order, records and the budget's round cut.
+    out = tmp_path / "out"
+    argv = _small_run(tmp_path, out, "vsraw05", "--rounds", "2", "--vs-eng")
+    assert gpu.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    recs = doc["records"]
+    # round 0: (raw,) engine loop, router, direct; round 1 reversed: direct, router, engine
+    # loop (, raw)
+    assert [(r["setup"], r["round"], r["leg"], r["base_setup"]) for r in recs] == [
+        ("engine loop, same GPU #0", 0, "eng", "1 GPU"),
+        ("1 GPU, through router #0", 0, "router", "1 GPU"),
+        ("1 GPU, direct to node #0", 0, "direct", "1 GPU"),
+        ("1 GPU, direct to node #1", 1, "direct", "1 GPU"),
+        ("1 GPU, through router #1", 1, "router", "1 GPU"),
+        ("engine loop, same GPU #1", 1, "eng", "1 GPU")]
+    assert all(r["errors"] == 0 and r["done_qps"] > 0 and r["gpu_mem"] == 0.42 for r in recs)
+    assert all(r["phase"] == "vsraw05" for r in recs)
+    # the engine loop runs the node's TOML (its engine, built by the node's code)
+    node = (out / "logs" / "v05b.toml").read_text()
+    assert (out / "logs" / "eng05b-vsraw05-0-0.toml").read_text() == node
+    assert [len(r["parts"]) for r in recs if r["leg"] == "eng"] == [1, 1]
+    # one node for the whole phase: its one start command
+    assert len([c for c in doc["meta"]["commands"]["vsraw05"] if " node " in c]) == 1
+    assert "| vsraw05 | 1 GPU, through router #1 |" in (out / "summary.md").read_text()
+    # data parallel, with a budget that holds the nodes' start and one round only: the
+    # second round is not started, and the call says so; an engine loop that fails costs
+    # only its own leg
+    monkeypatch.setitem(gpu.VSRAW_START_S, "vsrawdp05", 0)
+    monkeypatch.setitem(gpu.VSRAW_ROUND_S, "0.5b", 30)
+    monkeypatch.setitem(gpu.VSRAW_ENG_S, "0.5b", 0)
+
+    def failing_loop(*_a: object, **_k: object) -> None:
+        raise RuntimeError("eng 0.5b: 1 of 2 loops gave no result")
+    monkeypatch.setattr(gpu, "run_eng", failing_loop)
+    out2 = tmp_path / "out2"
+    argv2 = [a if a != str(out) else str(out2) for a in argv]
+    argv2[argv2.index("--phases") + 1] = "vsrawdp05"
+    argv2[argv2.index("--budget") + 1] = "32"
+    assert gpu.main(argv2) == 0
+    doc2 = json.loads((out2 / "results.json").read_text())
+    recs2 = doc2["records"]
+    assert [(r["setup"], r["leg"], r["concurrency"]) for r in recs2] == [
+        ("2 GPUs data parallel, router #0", "router", 128),
+        ("2 GPUs data parallel, direct (client splits) #0", "direct", 128)]
+    assert all(r["errors"] == 0 for r in recs2)
+    assert len(recs2[1]["node_share"]) == 2 and len(recs2[0]["node_share"]) == 2
+    assert doc2["meta"]["cut"] == ["vsrawdp05: 1 of 2 rounds"]
+    assert doc2["meta"]["failed"] == ["vsrawdp05 eng #0: eng 0.5b: 1 of 2 loops gave no result"]
+
+
+# A stand-in for the raw reference tool (shared/gpu/seed_table.py, which needs vLLM CUDA):
+# it takes the tool's flags, logs its argv and CUDA_VISIBLE_DEVICES, and writes a record of
+# the tool's shape to --json. GPU 9 makes it fail without a record. It checks how run_raw
+# drives and reads the tool; the real tool runs on the device machine only.
+RAW_STANDIN = '''
+import argparse, json, os, sys
+ap = argparse.ArgumentParser()
+for f in ("--shape", "--base", "--json", "--tag"):
+    ap.add_argument(f, default="")
+for f in ("--tp", "--concurrency", "--seed"):
+    ap.add_argument(f, type=int, default=0)
+for f in ("--seconds", "--warmup", "--gpu-mem"):
+    ap.add_argument(f, type=float, default=0.85)
+a = ap.parse_args()
+gpu = os.environ["CUDA_VISIBLE_DEVICES"]
+with open(os.path.join(os.path.dirname(a.json), "argv.log"), "a") as f:
+    f.write(json.dumps({"gpu": gpu, "argv": sys.argv[1:]}) + "\\n")
+if gpu == "9":
+    sys.exit(1)
+rec = dict(shape=a.shape, tp=a.tp, gpus=gpu, concurrency=a.concurrency, seconds=a.seconds,
+           completed=10, qps=10.0 + int(gpu), out_tok_s=2560.0, lat_p50=0.8 + int(gpu) / 10,
+           lat_p99=1.0, ttft_p50=0.05, gpu_mem=a.gpu_mem, seed=a.seed)
+with open(a.json, "a") as f:
+    f.write(json.dumps(rec) + "\\n")
+'''
+
+
+def test_run_raw_drives_the_reference_tool_per_gpu_and_sums_its_records(tmp_path: Path) -> None:
+    tool = tmp_path / "raw_standin.py"
+    tool.write_text(RAW_STANDIN)
+    env = gpu.Env(out=tmp_path / "out", engine="vllm", models={"0.5b": tmp_path / "m"},
+                  workers=1, procs=1, warmup_s=4.0, window_s=15.0, max_model_len=2048,
+                  sim_time_scale=1.0, small_kv_blocks=0, raw_tool=str(tool), call=1)
+    x = {"round": 1, "leg": "raw", "base_setup": "2 GPUs data parallel", "gpu_mem": 0.42}
+    rec = gpu.run_raw(env, "0.5b", "raw vLLM, same GPUs #1", [("0", 64, 2), ("1", 64, 3)],
+                      "vsrawdp05-1", phase="vsrawdp05", gpu_mem=0.42, extra=x)
+    assert rec is not None and env.records == [rec]
+    assert (rec["phase"], rec["setup"], rec["call"], rec["engine"]) == (
+        "vsrawdp05", "raw vLLM, same GPUs #1", 1, "vllm-raw")
+    assert rec["concurrency"] == 128 and rec["qps"] == 21.0 and rec["lat_p50"] == 0.9
+    assert {k: rec[k] for k in x} == x
+    # one process per GPU, each with its share of memory, its seed and its concurrency
+    logged = [json.loads(ln) for ln in (env.logs / "argv.log").read_text().splitlines()]
+    assert sorted(p["gpu"] for p in logged) == ["0", "1"]
+    by_gpu = {p["gpus"]: p for p in rec["parts"]}
+    assert [(by_gpu[g]["concurrency"], by_gpu[g]["seed"], by_gpu[g]["gpu_mem"])
+            for g in ("0", "1")] == [(64, 2, 0.42), (64, 3, 0.42)]
+    assert "CUDA_VISIBLE_DEVICES=1 python3 seed_table.py --shape 0.5b" in rec["command"]
+    assert "--gpu-mem 0.42" in rec["command"]
+    # without --gpu-mem the tool keeps its own default; a part without a record: no row
+    assert gpu.run_raw(env, "0.5b", "raw vLLM (in session)", [("9", 128, 0)], "x") is None
+    assert "--gpu-mem" not in json.loads(
+        (env.logs / "argv.log").read_text().splitlines()[-1])["argv"]
+    assert env.records == [rec]

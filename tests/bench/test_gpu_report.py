@@ -226,3 +226,28 @@ def test_report_cli_reads_gzip_and_numbers_the_calls_of_several_files(tmp_path: 
     for call in (1, 4, 5, 8):
         assert f"| msg05 | 1 GPU, direct to node, message budget #0 (call {call}) |" in md
     assert sum(ln.startswith("| msg05 |") for ln in md.splitlines()) == 32
+
+
+def test_report_gives_the_mesh_over_the_same_rounds_raw_run_and_the_median() -> None:
+    # vsraw05: per round a raw reference run (its own record shape: no done_qps, no TPOT) and
+    # the node direct and through the router on the same GPU
+    def node(leg: str, k: int, qps: float) -> dict[str, object]:
+        name = "through router" if leg == "router" else "direct to node"
+        return {**_rec(f"1 GPU, {name} #{k}", 128, qps, 0.9, phase="vsraw05"), "call": 1,
+                "round": k, "leg": leg, "base_setup": "1 GPU"}
+
+    def raw(k: int, qps: float) -> dict[str, object]:
+        return {"phase": "vsraw05", "setup": f"raw vLLM, same GPU #{k}", "shape": "0.5b",
+                "concurrency": 128, "qps": qps, "lat_p50": 0.8, "lat_p99": 0.9,
+                "ttft_p50": 0.05, "call": 1, "round": k, "leg": "raw", "base_setup": "1 GPU",
+                "engine": "vllm-raw"}
+    recs = [raw(0, 150.0), node("router", 0, 120.0), node("direct", 0, 135.0),
+            node("direct", 1, 100.0), node("router", 1, 95.0), raw(1, 100.0),
+            raw(2, 160.0), node("router", 2, 160.0), node("direct", 2, 150.0)]
+    md = report_markdown(recs, {})
+    assert "| vsraw05 | 1 GPU, through router #0 | 128 | 120.0 | 120.0 | 0.80 |" in md
+    assert "| vsraw05 | 1 GPU, direct to node #1 | 128 | 100.0 | 100.0 | 1.00 |" in md
+    assert "| vsraw05 | raw vLLM, same GPU #1 | 128 | 100.0 | - | - |" in md
+    # router 0.80, 0.95, 1.00; direct 0.90, 1.00, 0.94
+    assert "- vsraw05 (call 1), router: median x raw **0.95** over 3 round(s)" in md
+    assert "- vsraw05 (call 1), direct: median x raw **0.94** over 3 round(s)" in md

@@ -87,11 +87,23 @@ async def test_stream_and_unary_through_the_router(mesh, tiny_model_dir):
 async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
     router, member, ch = mesh
     stub = pb_grpc.InferenceStub(ch)
-    calls = [stub.GenerateStream(_req(tiny_model_dir, 400, text=f"load {i} " * 20), timeout=300)
-             for i in range(3)]
+    calls: list[grpc.aio.UnaryStreamCall] = []
+    started = 0
+
+    async def top_up() -> None:
+        # Three long streams in flight while we look: one that finished (the tiny model can
+        # finish 400 tokens before a report shows it on a loaded machine: CI once saw the
+        # worker idle on every poll) is replaced, so the worker is busy whenever we look.
+        nonlocal started
+        calls[:] = [c for c in calls if not c.done()]
+        fresh = [stub.GenerateStream(_req(tiny_model_dir, 400, text=f"load {started + i} " * 20),
+                                     timeout=300) for i in range(3 - len(calls))]
+        started += len(fresh)
+        for c in fresh:
+            await c.read()       # admitted and streaming
+        calls.extend(fresh)
+
     try:
-        for c in calls:
-            await c.read()
         fleet_stub = cpb_grpc.RouterStub(ch)
         seen: list[cpb.NodeStatus] = []
 
@@ -100,16 +112,18 @@ async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
             seen[:] = [n for n in f.nodes if n.node_id == "stock-vllm"]
             return bool(seen) and seen[0].load.num_running >= 1
 
-        for _ in range(100):
-            if await busy():
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while True:
+            await top_up()
+            if await busy() or loop.time() > deadline:
                 break
             await asyncio.sleep(0.1)
         (node,) = seen
         assert node.kind == "vllm-grpc" and node.state == cpb.NODE_STATE_HEALTHY
-        # At least one of the three is still running when the worker's report shows it (on a
-        # loaded 2-core machine the report can come after two of them finished: seen once in
-        # CI as router_in_flight 1, num_running 1).
-        assert node.load.num_running >= 1 and 1 <= node.router_in_flight <= 3
+        assert node.load.num_running >= 1 and node.router_in_flight >= 1, (
+            f"the worker's load never showed a running request over {started} streams "
+            f"(pushed {member.pushed}, polled {member.polled}): {node.load}")
         assert node.load.kv_cache_usage > 0
         table = fleet_table(await fleet_stub.GetFleet(cpb.GetFleetRequest(), timeout=5))
         row = next(line for line in table.splitlines() if line.startswith("stock-vllm"))

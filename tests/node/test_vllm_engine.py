@@ -25,7 +25,7 @@ from node.engine import (
     Sampling,
 )
 from node.gpu import GpuSampler, visible_device_ids
-from node.vllm_engine import VllmEngine, VllmEngineConfig, _LoadStatLogger
+from node.vllm_engine import VllmEngine, VllmEngineConfig, _engine_kwargs, _LoadStatLogger
 
 GREEDY = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
 _ids = iter(range(1_000_000))
@@ -438,8 +438,8 @@ def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) 
     toml = tmp_path / "node.toml"
     toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 4\n')
     engine = build_engine(load_node_config(toml, environ={}))
-    assert engine._engine_kwargs()["stream_interval"] == 4   # type: ignore[attr-defined]
-    assert VllmEngine(VllmEngineConfig(model="/m"))._engine_kwargs()["stream_interval"] == 1
+    assert _engine_kwargs(engine._config)["stream_interval"] == 4   # type: ignore[attr-defined]
+    assert _engine_kwargs(VllmEngineConfig(model="/m"))["stream_interval"] == 1
     toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 0\n')
     with pytest.raises(ValueError, match="stream_interval must be >= 1"):
         load_node_config(toml, environ={})

@@ -59,6 +59,8 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
     draining: bool = False
     # False: heartbeats leave RouterAccount.finished_requests unset (a node from before it).
     reports_finished: bool = True
+    # registered as the node's front-end processes' own addresses (node.frontends)
+    frontend_addresses: tuple[str, ...] = ()
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def __post_init__(self) -> None:
@@ -117,6 +119,7 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
         return control_pb2.NodeMessage(registration=control_pb2.Registration(
             node_id=self.node_id, address=self.address, incarnation=self.incarnation,
             engine="fake", max_concurrency=self.max_concurrency,
+            frontend_addresses=self.frontend_addresses,
             models=[control_pb2.ServedModel(name=self.model, aliases=self.aliases,
                                             max_context_length=4096,
                                             capacity_weight=self.capacity_weight)]))

@@ -212,3 +212,32 @@ async def test_concurrent_requests_call_each_tokenizer_object_one_at_a_time(mesh
     assert main.max_active == 1 and stream.max_active == 1
     assert len(main.threads) == 2        # the loop's (short calls) and the worker's
     assert stream.threads == {threading.get_ident()}   # the loop's only
+
+
+async def test_a_prompt_for_a_closed_tokenizer_is_unavailable_and_reaches_no_worker(mesh):
+    # A foreign member's tokenizer closes when the member goes away or the router stops; a
+    # request that still needs its thread then fails UNAVAILABLE (retryable elsewhere), and
+    # nothing is sent to the worker. A fresh Tokenizer stands in for the member's, so the
+    # module's other tests keep theirs.
+    stub, _, member, model = mesh
+    client = member._channels._clients["foreign"]
+    closed = Tokenizer(model)
+    closed.close()
+    saved, client._tok = client._tok, closed
+    sent = member._counts.sent
+    try:
+        for call in (stub.Generate, lambda r, **kw: _collect(stub.GenerateStream(r, **kw))):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await call(_req(model, 2, text=LONG_TEXT), timeout=30)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in (exc.value.details() or "")
+        # a short prompt is tokenized inline (no thread needed): still served
+        out = await stub.Generate(_req(model, 2, text="short"), timeout=30)
+        assert len(out.token_ids) == 2
+    finally:
+        client._tok = saved
+    assert member._counts.sent == sent + 1   # only the short prompt reached the worker
+
+
+async def _collect(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateStreamResponse]:
+    return [c async for c in call]

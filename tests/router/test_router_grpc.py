@@ -19,6 +19,7 @@ from gpumesh import tickets
 from gpumesh.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from router.app import RouterServer
 from router.config import RouterConfig
+from tests.integration.procs import free_port
 from tests.router.fakenode import FakeNode
 
 SECRET = "test-secret"
@@ -356,3 +357,35 @@ async def test_reflection_lists_services_and_stop_flips_health() -> None:
         stopping = asyncio.ensure_future(router.stop(0.2))
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         await stopping
+
+
+async def test_calls_and_picks_alternate_over_a_nodes_front_ends() -> None:
+    # A node with several front-end processes registers each one's own address; here the
+    # second "front end" is another fake node's server (not registered itself).
+    other = await FakeNode(node_id="a").start()
+    router = RouterServer(config())
+    await router.start()
+    main = FakeNode(node_id="a", routers=(router.address,))
+    main.port = free_port()
+    main.frontend_addresses = (f"127.0.0.1:{main.port}", other.address)
+    await main.start(main.port)
+    channel = grpc.aio.insecure_channel(router.address)
+    try:
+        await wait_for(lambda: len(router.registry) == 1)
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for _ in range(4):
+            chunks, trailing = await stream_all(stub, req(max_tokens=2))
+            assert "".join(c.text for c in chunks) == "t0 t1 " and trailing[md.NODE_ID] == "a"
+        # the router's channel to each front end carried half of the calls
+        assert (len(main.seen), len(other.seen)) == (2, 2)
+        picks = [await control_pb2_grpc.RouterStub(channel).Pick(
+            control_pb2.PickRequest(request=req())) for _ in range(4)]
+        assert sorted(p.address for p in picks) == sorted(main.frontend_addresses * 2)
+        fleet_view = await control_pb2_grpc.RouterStub(channel).GetFleet(
+            control_pb2.GetFleetRequest())
+        assert list(fleet_view.nodes[0].frontend_addresses) == list(main.frontend_addresses)
+    finally:
+        await channel.close()
+        await main.stop()
+        await other.stop()
+        await router.stop(0.2)
