@@ -33,7 +33,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,18 +45,13 @@ from typing import Any
 
 import grpc
 
+from gpumesh.ports import free_port
 from node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 
 NGINX = "/usr/sbin/nginx"
 _LIVE: set[Fleet] = set()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- specs -----------------------------------------------------------------------------------

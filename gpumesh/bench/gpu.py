@@ -81,7 +81,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -101,6 +100,7 @@ from gpumesh.bench.gpu_report import (
     report_markdown,
 )
 from gpumesh.bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
+from gpumesh.ports import free_port
 from node.config import NodeConfig
 
 if TYPE_CHECKING:
@@ -108,12 +108,6 @@ if TYPE_CHECKING:
 
 SERVED = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -313,8 +307,14 @@ class Group:
         if self.env.engine == "vllm":
             wait_gpus_free()
 
-    def start(self, timeout_s: float = 400.0) -> None:
+    def start(self, timeout_s: float | None = None) -> None:
+        """Routers, then nodes (``after`` ordering), then wait until every router has its
+        members healthy: within 400 s for vLLM nodes (engine start and compile), 90 s for the
+        simulator."""
         env = self.env
+        if timeout_s is None:
+            timeout_s = 400.0 if env.engine == "vllm" else 90.0
+        routers: dict[str, Child] = {}
         for r in self.router_specs:
             port = free_port()
             self.addr[r.name] = f"127.0.0.1:{port}"
@@ -330,6 +330,7 @@ class Group:
             c = Child(r.name, args, env.logs, renv)
             self.children.append(c)
             self.commands.append(c.command())
+            routers[r.name] = c
         started: dict[str, Child] = {}
 
         def launch(spec: NodeSpec) -> None:
@@ -360,7 +361,7 @@ class Group:
             wait_serving(self.addr[s.name], started[s.name], deadline)
             self.kv_tokens[s.name] = kv_capacity(started[s.name].log_path)
         for r in self.router_specs:
-            wait_fleet(self.addr[r.name], set(r.members), deadline)
+            wait_fleet(self.addr[r.name], set(r.members), deadline, routers[r.name])
 
 
 def wait_serving(addr: str, child: Child, deadline: float) -> None:
@@ -388,18 +389,28 @@ def fleet_once(router: str, timeout: float = 3.0) -> Any:
         return cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=timeout)
 
 
-def wait_fleet(router: str, members: set[str], deadline: float) -> None:
+def wait_fleet(router: str, members: set[str], deadline: float,
+               child: Child | None = None) -> None:
+    """Until ``router`` reports every member healthy; fails at once if its process exits."""
     from gpumesh.v1 import control_pb2 as cpb
 
+    last = "no answer yet"
     while True:
-        with contextlib.suppress(grpc.RpcError):
+        if child is not None and not child.alive():
+            raise RuntimeError(f"router {child.name} exited:\n{child.tail()}")
+        try:
             f = fleet_once(router)
+        except grpc.RpcError as e:
+            last = f"GetFleet: {e.code().name} {e.details()}"
+        else:
             healthy = {n.node_id for n in f.nodes if n.state == cpb.NODE_STATE_HEALTHY}
             if members <= healthy:
                 time.sleep(1.5)  # every router worker has the whole fleet by now
                 return
+            last = "fleet: " + ", ".join(
+                f"{n.node_id} {cpb.NodeState.Name(n.state)}" for n in f.nodes)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"router {router} never saw {sorted(members)}")
+            raise TimeoutError(f"router {router} never saw {sorted(members)} healthy ({last})")
         time.sleep(0.3)
 
 

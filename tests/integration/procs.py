@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ from pathlib import Path
 
 import grpc
 
+from gpumesh.ports import free_port  # noqa: F401 (tests import it from here)
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 
 LOG_DIR = Path(os.environ.get("GPUMESH_TEST_LOGS", "/tmp/gpumesh-test-logs"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
