@@ -19,7 +19,7 @@ K=.gpukit/one
 LIMIT=$((64 * 1024 * 1024))
 call_size() {  # the tree and the carried kit as one tar, the way a call's files travel
   { git ls-files; git ls-files -o --exclude-standard
-    find .gpukit/one .gpukit/tools .gpukit/extra -type f 2>/dev/null; } \
+    find .gpukit/one .gpukit/tools .gpukit/extra -type f 2>/dev/null || true; } \
     | tar -T - -cf - 2>/dev/null | wc -c
 }
 [ -f $K/site.tar.xz ] || { echo "no $K/site.tar.xz: run ../shared/gpu/prepare_kit.sh first"; exit 1; }
