@@ -233,6 +233,11 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, dict):  # e.g. --engine-arg 'compilation_config={"cudagraph_mode": "FULL"}'
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}"
+                                for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return json.dumps(str(v))
 
 
