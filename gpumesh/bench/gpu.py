@@ -43,6 +43,10 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
   the same for data parallel: nodes A and B (GPUs 0, 1) behind R2 and the client's own split
   against two raw engines at C/2 each (the reference's data-parallel method). ``--vs-eng``:
   every round also runs the node's engine without gRPC (as ``eng05``) next to raw.
+  ``--vs-variant NAME=VALUE``: a second set of nodes (X, Y) with those engine arguments on top,
+  behind their own router, up on the same GPUs through the phase and benched in the same
+  rounds (legs ``router-x``, ``direct-x``); every engine then gets 0.28 of its GPU's memory.
+  ``--vs-legs`` keeps only the named legs.
 - ``msg05`` / ``msg7``: the node's stream-message budget on and off on the same nodes,
   interleaved: requests with the node's default interval (the budget widens it under load)
   vs requests asking for the base 20 ms themselves (kept as asked: the old fixed interval);
@@ -159,6 +163,7 @@ class NodeSpec:
     blocks: int = 0               # num_gpu_blocks_override (0 = what fits)
     routers: tuple[str, ...] = ()  # router names
     after: str = ""               # start once this node serves (same GPU: profiling is per process)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # vLLM: on top of Env.engine_args
 
 
 @dataclass
@@ -216,6 +221,10 @@ class Env:
     budget_end: float = math.inf
     # vsraw phases: also the node's engine without gRPC (engine loop) in every round
     vs_eng: bool = False
+    # vsraw phases: engine arguments of a second set of nodes benched in the same rounds
+    vs_variant: dict[str, Any] = field(default_factory=dict)
+    # vsraw phases: only these legs (VSRAW_LEGS names), in their usual order; empty: all
+    vs_legs: tuple[str, ...] = ()
 
     @property
     def logs(self) -> Path:
@@ -250,7 +259,8 @@ def node_toml(env: Env, spec: NodeSpec) -> str:
         top.update(engine="vllm", model=str(model), tokenizer=str(model / "tokenizer"),
                    load_format="dummy", dtype="bfloat16", gpu_memory_utilization=spec.gpu_mem,
                    tensor_parallel_size=spec.tp, num_gpu_blocks_override=spec.blocks)
-        tables["engine_args"] = {"enable_prefix_caching": False, "seed": 0, **env.engine_args}
+        tables["engine_args"] = {"enable_prefix_caching": False, "seed": 0, **env.engine_args,
+                                 **spec.engine_args}
     else:
         from node.sim_engine import SimEngineConfig
 
@@ -1125,14 +1135,40 @@ def phase_fe(env: Env, shape: str, gpus: int, phase: str, rounds: int = 1,
 
 
 VSRAW_GPU_MEM = 0.42   # the node's and the raw engine's share of GPU 0 (as phase share)
-# A round (s): the raw tool's engine start (warm compile cache), its window and exit, and two
-# node benches (warm-up + window each, plus the load generator's start). Measured on warm
-# H200 machines: phase raw 55.5 s (0.5B, engine start 15.8-18.6 s), raw7 with data parallel
-# 155.5 s; a 0.5B bench ~23 s. A machine's first raw run also compiles (~+50 s).
-VSRAW_ROUND_S = {"0.5b": 110, "7b": 150}
+# With --vs-variant: three engines on a GPU (node, variant node, raw), 0.84 in all. KV at 0.28
+# of an H200 still holds C x (32 + 256) tokens many times over (0.5B and 7B).
+VSRAW_GPU_MEM_VARIANT = 0.28
+VSRAW_LEGS = ("raw", "eng", "router", "router-x", "direct", "direct-x")
+# A round's legs (s). Raw: the raw tool's engine start (warm compile cache), its window and
+# exit; a node bench: the load generator's start, warm-up and window. Measured on warm H200
+# machines: phase raw 55.5 s (0.5B, engine start 15.8-18.6 s), raw7 with data parallel
+# 155.5 s; a 0.5B bench ~23 s; vsraw05's 3 rounds of raw + 2 benches ~100 s each (ninth
+# session). A machine's first raw run also compiles (~+50 s).
+VSRAW_RAW_S = {"0.5b": 55, "7b": 80}
+VSRAW_BENCH_S = {"0.5b": 28, "7b": 36}
 VSRAW_ENG_S = {"0.5b": 60, "7b": 80}   # --vs-eng: an engine loop's start, window and exit
-# The nodes' start (s), before the first round (a phase needs that and one round to begin)
+# The nodes' start (s), before the first round (a phase needs that and one round to begin);
+# twice that with --vs-variant (a second set of nodes)
 VSRAW_START_S = {"vsraw05": 100, "vsraw7": 150, "vsrawdp05": 140, "vsrawdp7": 200}
+
+
+def vsraw_need(phase: str, env: Env) -> float:
+    """Seconds a vsraw phase needs for its nodes' start and one round (its legs)."""
+    shape = "7b" if phase.endswith("7") else "0.5b"
+    legs = vsraw_legs(env)
+    s = VSRAW_START_S[phase] * (2 if env.vs_variant else 1)
+    s += VSRAW_RAW_S[shape] * ("raw" in legs) + VSRAW_ENG_S[shape] * ("eng" in legs)
+    return s + VSRAW_BENCH_S[shape] * len([x for x in legs if x not in ("raw", "eng")])
+
+
+def vsraw_legs(env: Env) -> tuple[str, ...]:
+    """The legs of a vsraw round in their first-round order (``--vs-eng``, ``--vs-variant``,
+    ``--vs-legs``)."""
+    legs = [x for x in VSRAW_LEGS
+            if (x != "eng" or env.vs_eng) and (not x.endswith("-x") or env.vs_variant)]
+    if env.vs_legs:
+        legs = [x for x in legs if x in env.vs_legs]
+    return tuple(legs)
 
 
 def phase_vsraw(env: Env, shape: str, phase: str, rounds: int = 3, dp: bool = False) -> None:
@@ -1154,23 +1190,40 @@ def phase_vsraw(env: Env, shape: str, phase: str, rounds: int = 3, dp: bool = Fa
     so raw vs engine loop (the node's engine configuration) and engine loop vs direct (its
     serving path) come from the same rounds.
 
-    Records carry ``round``, ``leg`` ("raw", "eng", "router", "direct") and ``base_setup``;
+    ``env.vs_variant`` (``--vs-variant``): nodes X (and Y) with those engine arguments on top
+    of the bench's, behind their own router, on the same GPUs; legs "router-x" and "direct-x"
+    bench them in the same rounds, so raw, the nodes and the variant nodes pair round by round
+    (every engine at ``VSRAW_GPU_MEM_VARIANT``, three to a GPU). ``env.vs_legs`` keeps some.
+
+    Records carry ``round``, ``leg`` ("raw", "eng", "router", "direct", "router-x",
+    "direct-x"), ``base_setup`` and, for the variant's legs, ``variant``;
     the report gives each bench's QPS over its round's raw run and the median over rounds:
     issue 7's ratio with the host's run-to-run spread (1.5x between raw runs of one machine)
     paired out. Without a raw tool (``--engine sim``) the raw legs are skipped and said so."""
     c = RAW_CONCURRENCY[shape]
     tag = shape.replace(".", "")
-    a, b = f"v{tag}", f"w{tag}"
+    a, b, xa, xb = f"v{tag}", f"w{tag}", f"x{tag}", f"y{tag}"
+    variant = dict(env.vs_variant)
+    mem = VSRAW_GPU_MEM_VARIANT if variant else VSRAW_GPU_MEM
+    r = "r2" if dp else "r1"
+    xr = f"{r}x"
+    sets = [(a, b, r, {})] + ([(xa, xb, xr, variant)] if variant else [])
+    nodes: list[NodeSpec] = []
+    routers: list[RouterSpec] = []
+    for first, second, router, args in sets:
+        after = nodes[-1].name if nodes else ""   # one start at a time (profiling per process)
+        mine = [NodeSpec(first, shape, "0", mem, routers=(router,), after=after,
+                         engine_args=args)]
+        if dp:
+            mine.append(NodeSpec(second, shape, "1", mem, routers=(router,), after=first,
+                                 engine_args=args))
+        nodes += mine
+        routers.append(RouterSpec(router, policy=env.policy,
+                                  members=tuple(n.name for n in mine)))
     if dp:
-        r = "r2"
-        nodes = [NodeSpec(a, shape, "0", VSRAW_GPU_MEM, routers=(r,)),
-                 NodeSpec(b, shape, "1", VSRAW_GPU_MEM, routers=(r,), after=a)]
         base, raw_parts = "2 GPUs data parallel", [("0", c // 2), ("1", c // 2)]
     else:
-        r = "r1"
-        nodes = [NodeSpec(a, shape, "0", VSRAW_GPU_MEM, routers=(r,))]
         base, raw_parts = "1 GPU", [("0", c)]
-    routers = [RouterSpec(r, policy=env.policy, members=tuple(n.name for n in nodes))]
     with Group(env, nodes, routers) as g:
         g.start()
         env.meta.setdefault("commands", {})[phase] = g.commands
@@ -1179,8 +1232,8 @@ def phase_vsraw(env: Env, shape: str, phase: str, rounds: int = 3, dp: bool = Fa
         if not raw_ok:
             print(f"[gpu-bench] {phase}: raw legs skipped (need --engine vllm and --raw-tool)",
                   flush=True)
-        legs = ("raw", "eng", "router", "direct") if env.vs_eng else ("raw", "router", "direct")
-        per_round = VSRAW_ROUND_S[shape] + (VSRAW_ENG_S[shape] if env.vs_eng else 0)
+        legs = vsraw_legs(env)
+        per_round = vsraw_need(phase, env) - VSRAW_START_S[phase] * (2 if variant else 1)
         for k in range(rounds):
             left = env.budget_end - time.monotonic()
             if k and left < per_round:
@@ -1189,33 +1242,37 @@ def phase_vsraw(env: Env, shape: str, phase: str, rounds: int = 3, dp: bool = Fa
                 env.meta.setdefault("cut", []).append(f"{phase}: {k} of {rounds} rounds")
                 break
             for leg in (legs if k % 2 == 0 else tuple(reversed(legs))):
-                x = {"round": k, "leg": leg, "base_setup": base, "gpu_mem": VSRAW_GPU_MEM}
+                x = {"round": k, "leg": leg, "base_setup": base, "gpu_mem": mem}
+                if leg.endswith("-x"):
+                    x["variant"] = variant
+                n1, n2, rt = (xa, xb, xr) if leg.endswith("-x") else (a, b, r)
+                sfx = ", variant" if leg.endswith("-x") else ""
                 if leg == "raw":
                     if raw_ok and run_raw(
                             env, shape, f"raw vLLM, same GPU{'s' if dp else ''} #{k}",
                             [(gpu, conc, 2 * k + n) for n, (gpu, conc) in enumerate(raw_parts)],
-                            f"{phase}-{k}", phase=phase, gpu_mem=VSRAW_GPU_MEM,
+                            f"{phase}-{k}", phase=phase, gpu_mem=mem,
                             extra=x) is None:   # its log's tail is printed; the rest still run
                         env.meta.setdefault("failed", []).append(f"{phase} raw #{k}: no result")
                 elif leg == "eng":
                     try:
                         run_eng(env, shape, f"engine loop, same GPU{'s' if dp else ''} #{k}",
                                 raw_parts, f"{tag}-{phase}-{k}", phase=phase,
-                                gpu_mem=VSRAW_GPU_MEM, extra=x)
+                                gpu_mem=mem, extra=x)
                     except RuntimeError as e:   # the other legs and rounds still run
                         print(f"[gpu-bench] {phase}: {e}"[:3000], flush=True)
                         env.meta.setdefault("failed", []).append(f"{phase} eng #{k}: {e}"[:500])
-                elif leg == "router":
+                elif leg.startswith("router"):
                     via = "router" if dp else "through router"
-                    bench(env, phase=phase, setup=f"{base}, {via} #{k}", shape=shape,
-                          target=g.addr[r], concurrency=c, poll=g.addr[r],
-                          extra={**x, "kv_tokens": g.kv_tokens[a]})
+                    bench(env, phase=phase, setup=f"{base}, {via}{sfx} #{k}", shape=shape,
+                          target=g.addr[rt], concurrency=c, poll=g.addr[rt],
+                          extra={**x, "kv_tokens": g.kv_tokens[n1]})
                 else:
-                    bench(env, phase=phase, shape=shape, target=g.addr[a], concurrency=c,
-                          setup=(f"{base}, direct (client splits) #{k}" if dp
-                                 else f"{base}, direct to node #{k}"),
-                          split=(g.addr[a], g.addr[b]) if dp else (), poll=g.addr[r],
-                          extra={**x, "kv_tokens": g.kv_tokens[a]})
+                    bench(env, phase=phase, shape=shape, target=g.addr[n1], concurrency=c,
+                          setup=(f"{base}, direct (client splits){sfx} #{k}" if dp
+                                 else f"{base}, direct to node{sfx} #{k}"),
+                          split=(g.addr[n1], g.addr[n2]) if dp else (), poll=g.addr[rt],
+                          extra={**x, "kv_tokens": g.kv_tokens[n1]})
 
 
 def phase_p05q(env: Env, gpus: int) -> None:
@@ -1321,7 +1378,12 @@ def cmd_run(a: argparse.Namespace) -> int:
               engine_args=dict(_name_value(kv, "--engine-arg") for kv in a.engine_arg),
               node_options=dict(_name_value(kv, "--node-option") for kv in a.node_option),
               spread_workers=a.spread_workers, pin=a.pin, prompt=a.prompt, output=a.output,
-              vs_eng=a.vs_eng)
+              vs_eng=a.vs_eng,
+              vs_variant=dict(_name_value(kv, "--vs-variant") for kv in a.vs_variant),
+              vs_legs=tuple(x for x in a.vs_legs.split(",") if x))
+    unknown = set(env.vs_legs) - set(VSRAW_LEGS)
+    if unknown:
+        raise SystemExit(f"--vs-legs: unknown leg(s) {sorted(unknown)}; legs: {VSRAW_LEGS}")
     prev = out / "results.json"
     if prev.exists():  # a later call on the same out dir adds to it
         doc = json.loads(prev.read_text())
@@ -1334,6 +1396,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                                              "node_options": env.node_options,
                                              "router_env_b": env.router_env_b,
                                              "spread_workers": env.spread_workers,
+                                             "vs_variant": env.vs_variant,
+                                             "vs_legs": env.vs_legs,
                                              "pin": env.pin, "prompt": env.prompt,
                                              "output": env.output})
     env.call = len(env.meta["calls"])
@@ -1346,9 +1410,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             "dp7": 330, "eng05": 160, "eng7": 200, "msg05": 300, "msg7": 400,
             "fe05": 300, "fe7": 420,
             # the node's start and one round (the phase stops before a round that won't fit)
-            **{ph: s + VSRAW_ROUND_S[sh] + (VSRAW_ENG_S[sh] if a.vs_eng else 0)
-               for ph, s in VSRAW_START_S.items()
-               for sh in ("7b" if ph.endswith("7") else "0.5b",)}}
+            **{ph: vsraw_need(ph, env) for ph in VSRAW_START_S}}
     failed = []
     for ph in [p for p in a.phases.split(",") if p]:
         left = budget_end - time.monotonic()
@@ -1440,6 +1502,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="dp05/dp7, msg05/msg7, vsraw*: interleaved rounds")
     r.add_argument("--vs-eng", action="store_true",
                    help="vsraw*: also the node's engine without gRPC (engine loop) every round")
+    r.add_argument("--vs-variant", action="append", default=[], metavar="NAME=VALUE",
+                   help="vsraw*: a second set of nodes with this engine argument on top "
+                        "(VALUE is JSON, else a string), benched in the same rounds "
+                        "(legs router-x, direct-x); e.g. "
+                        "'compilation_config={\"cudagraph_mode\": \"FULL\"}'")
+    r.add_argument("--vs-legs", default="",
+                   help=f"vsraw*: only these legs, comma-separated (of {', '.join(VSRAW_LEGS)})")
     r.add_argument("--fe-rounds", type=int, default=1,
                    help="fe05/fe7: rounds of (1 front end, N) with fresh nodes per leg")
     r.add_argument("--frontends", type=int, default=2, help="fe05/fe7: N front ends per node")

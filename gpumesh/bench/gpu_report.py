@@ -170,9 +170,10 @@ def _vs_raw_markdown(records: list[dict[str, Any]]) -> list[str]:
     the rounds."""
     lines = _legs_markdown(
         records, VSRAW_PHASES, _fe_pair, "raw", "x raw",
-        "The mesh against raw vLLM on the same GPUs (each engine at 0.42 of its GPU's memory, "
-        "one loaded at a time; legs alternating per round; `x raw` = QPS / the raw run of the "
-        "same round):",
+        "The mesh against raw vLLM on the same GPUs (every engine at the same share of its "
+        "GPU's memory: 0.42, or 0.28 with a variant's nodes (`, variant`: "
+        "`--vs-variant` engine arguments) also up; one loaded at a time; legs alternating per "
+        "round; `x raw` = QPS / the raw run of the same round):",
         metric="qps")
     if not lines:
         return lines

@@ -156,7 +156,8 @@ def test_vs_raw_phase_keeps_the_nodes_up_and_alternates_the_legs(tmp_path: Path,
     # second round is not started, and the call says so; an engine loop that fails costs
     # only its own leg
     monkeypatch.setitem(gpu.VSRAW_START_S, "vsrawdp05", 0)
-    monkeypatch.setitem(gpu.VSRAW_ROUND_S, "0.5b", 30)
+    monkeypatch.setitem(gpu.VSRAW_RAW_S, "0.5b", 0)
+    monkeypatch.setitem(gpu.VSRAW_BENCH_S, "0.5b", 15)
     monkeypatch.setitem(gpu.VSRAW_ENG_S, "0.5b", 0)
 
     def failing_loop(*_a: object, **_k: object) -> None:
@@ -176,6 +177,49 @@ def test_vs_raw_phase_keeps_the_nodes_up_and_alternates_the_legs(tmp_path: Path,
     assert len(recs2[1]["node_share"]) == 2 and len(recs2[0]["node_share"]) == 2
     assert doc2["meta"]["cut"] == ["vsrawdp05: 1 of 2 rounds"]
     assert doc2["meta"]["failed"] == ["vsrawdp05 eng #0: eng 0.5b: 1 of 2 loops gave no result"]
+
+
+def test_vs_raw_variant_nodes_are_benched_in_the_same_rounds(tmp_path: Path) -> None:
+    # --vs-variant: a second set of nodes behind their own router, up through the phase next
+    # to the first, benched in the same rounds; --vs-legs keeps two legs. (The simulator has
+    # no engine arguments: the variant's TOML is checked for vLLM nodes below.)
+    out = tmp_path / "out"
+    argv = _small_run(tmp_path, out, "vsrawdp05", "--rounds", "2", "--vs-legs", "router,router-x",
+                      "--vs-variant", 'compilation_config={"cudagraph_mode": "FULL"}')
+    assert gpu.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    recs = doc["records"]
+    assert [(r["setup"], r["leg"]) for r in recs] == [
+        ("2 GPUs data parallel, router #0", "router"),
+        ("2 GPUs data parallel, router, variant #0", "router-x"),
+        ("2 GPUs data parallel, router, variant #1", "router-x"),
+        ("2 GPUs data parallel, router #1", "router")]
+    assert all(r["errors"] == 0 and r["done_qps"] > 0 and r["gpu_mem"] == 0.28 for r in recs)
+    variant = {"compilation_config": {"cudagraph_mode": "FULL"}}
+    assert [r.get("variant") for r in recs] == [None, variant, variant, None]
+    # each router's streams went to its own two nodes only
+    assert [sorted(r["fleet"]) for r in recs] == [["v05b", "w05b"], ["x05b", "y05b"],
+                                                   ["x05b", "y05b"], ["v05b", "w05b"]]
+    cmds = doc["meta"]["commands"]["vsrawdp05"]
+    assert len([c for c in cmds if " node " in c]) == 4
+    assert len([c for c in cmds if " router " in c]) == 2
+    assert doc["meta"]["calls"][0]["vs_variant"] == variant
+    # an unknown leg is refused before anything starts
+    with pytest.raises(SystemExit, match="unknown leg"):
+        gpu.main(_small_run(tmp_path, tmp_path / "out2", "vsraw05", "--vs-legs", "router,nope"))
+
+
+def test_node_toml_puts_a_nodes_engine_args_over_the_calls(tmp_path: Path) -> None:
+    env = gpu.Env(out=tmp_path, engine="vllm", models={"0.5b": tmp_path / "m"}, workers=1,
+                  procs=1, warmup_s=1, window_s=1, max_model_len=2048, sim_time_scale=1,
+                  small_kv_blocks=0, engine_args={"stream_interval": 4, "max_num_seqs": 256})
+    spec = gpu.NodeSpec("x05b", engine_args={"compilation_config": {"cudagraph_mode": "FULL"},
+                                              "max_num_seqs": 512})
+    (tmp_path / "x.toml").write_text(gpu.node_toml(env, spec))
+    cfg = load_node_config(tmp_path / "x.toml", environ={})
+    assert dict(cfg.engine_args) == {"enable_prefix_caching": False, "seed": 0,
+                                     "stream_interval": 4, "max_num_seqs": 512,
+                                     "compilation_config": {"cudagraph_mode": "FULL"}}
 
 
 # A stand-in for the raw reference tool (shared/gpu/seed_table.py, which needs vLLM CUDA):
