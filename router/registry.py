@@ -696,7 +696,10 @@ class Registry:
         now = self.clock()
         gone = [e for e in self._nodes.values() if now - e.last_seen > self.lease_ttl_s]
         for e in gone:
-            self._remove(e.node_id, e.stream_id, f"lease expired ({self.lease_ttl_s}s)")
+            # WARNING: a live node that goes silent (stalled, partitioned) leaves the fleet
+            self._remove(e.node_id, e.stream_id,
+                         f"lease expired (no heartbeat for {now - e.last_seen:.1f}s, lease "
+                         f"{self.lease_ttl_s}s)", level=logging.WARNING)
         cutoff = now - self.known_model_retention_s
         for name in [n for n, t in self._gone_models.items() if t < cutoff]:
             del self._gone_models[name]
@@ -708,13 +711,13 @@ class Registry:
             ledger.housekeep(now)   # blind credits past their time bound (the timer path)
         return [e.node_id for e in gone]
 
-    def _remove(self, node_id: str, stream_id: int, why: str) -> None:
+    def _remove(self, node_id: str, stream_id: int, why: str, level: int = logging.INFO) -> None:
         entry = self._nodes.get(node_id)
         if entry is None or entry.stream_id != stream_id:
             return
         del self._nodes[node_id]
         self.peers.forget(node_id)
-        log.info("node %s removed: %s", node_id, why)
+        log.log(level, "node %s removed: %s", node_id, why)
         self._rebuild()
         for cb in self._removal_listeners:
             cb(entry)

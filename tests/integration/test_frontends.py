@@ -69,7 +69,11 @@ class FrontendMesh:
 @pytest_asyncio.fixture(scope="module")
 async def mesh(tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[FrontendMesh]:
     rport = free_port()
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=rport, lease_ttl_s=2.0,
+    # A long lease: nothing here waits for one to expire, and on CI's two shared cores the
+    # loaded node's heartbeat once went 2 s without reaching the router (engine, two front
+    # ends and the load on two cores), which removed the node mid-test (UNAVAILABLE "every
+    # node serving it has left")
+    router = RouterServer(RouterConfig(host="127.0.0.1", port=rport, lease_ttl_s=10.0,
                                        freshness_s=1.0, heartbeat_interval_ms=100,
                                        shutdown_grace_s=1.0))
     await router.start()

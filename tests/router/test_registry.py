@@ -3,6 +3,7 @@ snapshots with an injected clock and RNG (no servers)."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import Counter
 
@@ -92,7 +93,8 @@ def test_heartbeat_from_another_stream_is_ignored() -> None:
     assert not hb(r, "zz", 1, 1)
 
 
-def test_lease_expiry() -> None:
+def test_lease_expiry(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="router.registry")
     c = Clock()
     r = make(c, lease_ttl_s=3.0)
     r.register(reg("a"), 1)
@@ -104,6 +106,10 @@ def test_lease_expiry() -> None:
     assert [x.node_id for x in r.candidates("m")] == ["b"]   # excluded even before a sweep
     assert r.expire() == ["a"]
     assert len(r) == 1
+    # a node that went silent is an operator's concern: WARNING, with how long it was silent
+    (rec,) = [x for x in caplog.records if "removed" in x.getMessage()]
+    assert rec.levelno == logging.WARNING
+    assert "node a removed: lease expired (no heartbeat for 3.5s, lease 3.0s)" in rec.getMessage()
     c.t += 5
     assert r.expire() == ["b"]
     with pytest.raises(RouterError) as e:
