@@ -1152,13 +1152,17 @@ VSRAW_ENG_S = {"0.5b": 60, "7b": 80}   # --vs-eng: an engine loop's start, windo
 VSRAW_START_S = {"vsraw05": 100, "vsraw7": 150, "vsrawdp05": 140, "vsrawdp7": 200}
 
 
-def vsraw_need(phase: str, env: Env) -> float:
-    """Seconds a vsraw phase needs for its nodes' start and one round (its legs)."""
-    shape = "7b" if phase.endswith("7") else "0.5b"
+def vsraw_round_s(shape: str, env: Env) -> float:
+    """Seconds one vsraw round of ``shape`` needs (its legs)."""
     legs = vsraw_legs(env)
-    s = VSRAW_START_S[phase] * (2 if env.vs_variant else 1)
-    s += VSRAW_RAW_S[shape] * ("raw" in legs) + VSRAW_ENG_S[shape] * ("eng" in legs)
-    return s + VSRAW_BENCH_S[shape] * len([x for x in legs if x not in ("raw", "eng")])
+    return (VSRAW_RAW_S[shape] * ("raw" in legs) + VSRAW_ENG_S[shape] * ("eng" in legs)
+            + VSRAW_BENCH_S[shape] * len([x for x in legs if x not in ("raw", "eng")]))
+
+
+def vsraw_need(phase: str, env: Env) -> float:
+    """Seconds a vsraw phase needs for its nodes' start and one round."""
+    shape = "7b" if phase.endswith("7") else "0.5b"
+    return VSRAW_START_S[phase] * (2 if env.vs_variant else 1) + vsraw_round_s(shape, env)
 
 
 def vsraw_legs(env: Env) -> tuple[str, ...]:
@@ -1233,7 +1237,7 @@ def phase_vsraw(env: Env, shape: str, phase: str, rounds: int = 3, dp: bool = Fa
             print(f"[gpu-bench] {phase}: raw legs skipped (need --engine vllm and --raw-tool)",
                   flush=True)
         legs = vsraw_legs(env)
-        per_round = vsraw_need(phase, env) - VSRAW_START_S[phase] * (2 if variant else 1)
+        per_round = vsraw_round_s(shape, env)
         for k in range(rounds):
             left = env.budget_end - time.monotonic()
             if k and left < per_round:
