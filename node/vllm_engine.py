@@ -491,6 +491,23 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
+# On CUDA the node asks vLLM for full CUDA graphs on every batch, mixed prefill + decode
+# included (vLLM's default, FULL_AND_PIECEWISE, runs full graphs on pure-decode batches only and
+# leaves attention outside the graph otherwise). A node fed by a router is refilled whenever a
+# stream ends, so most of its steps mix a prefill into the decodes: on an H200 the default
+# graphs cost the node 10-13% QPS against FULL in the same rounds, and data parallel through the
+# router ran at 0.60-0.72x raw vLLM with them against 1.01x with FULL (docs/benchmarks-gpu.md,
+# ninth and tenth sessions). Where the attention backend cannot capture mixed batches vLLM
+# lowers the mode itself, with a warning. An engine_args compilation_config replaces this one.
+CUDA_COMPILATION_CONFIG: dict[str, Any] = {"cudagraph_mode": "FULL"}
+
+
 def _engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
     """``AsyncEngineArgs`` fields for ``c`` (the engine's and a SharedEngineCore's)."""
     kwargs: dict[str, Any] = {
@@ -511,6 +528,8 @@ def _engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
     }
     if _on_cpu():
         kwargs["worker_extension_cls"] = _WORKER_SETUP
+    elif _on_cuda() and not c.enforce_eager:
+        kwargs["compilation_config"] = dict(CUDA_COMPILATION_CONFIG)
     kwargs.update(c.extra)
     return kwargs
 

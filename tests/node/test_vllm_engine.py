@@ -443,3 +443,24 @@ def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) 
     toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 0\n')
     with pytest.raises(ValueError, match="stream_interval must be >= 1"):
         load_node_config(toml, environ={})
+
+
+def test_cuda_nodes_ask_for_full_cuda_graphs_unless_told_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import node.vllm_engine as ve
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    assert "compilation_config" not in _engine_kwargs(VllmEngineConfig(model="/m"))  # CPU here
+    monkeypatch.setattr(ve, "_on_cpu", lambda: False)
+    monkeypatch.setattr(ve, "_on_cuda", lambda: True)
+    kwargs = _engine_kwargs(VllmEngineConfig(model="/m"))
+    assert kwargs["compilation_config"] == {"cudagraph_mode": "FULL"}
+    assert "worker_extension_cls" not in kwargs
+    assert AsyncEngineArgs(model="/m", compilation_config=kwargs["compilation_config"]
+                           ).compilation_config.cudagraph_mode.name == "FULL"
+    assert "compilation_config" not in _engine_kwargs(VllmEngineConfig(model="/m",
+                                                                       enforce_eager=True))
+    mine = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+    assert _engine_kwargs(VllmEngineConfig(model="/m", extra={"compilation_config": mine})
+                          )["compilation_config"] == mine
+    assert ve.CUDA_COMPILATION_CONFIG == {"cudagraph_mode": "FULL"}  # not mutated by a node
