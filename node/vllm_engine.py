@@ -500,11 +500,12 @@ def _on_cuda() -> bool:
 # On CUDA the node asks vLLM for full CUDA graphs on every batch, mixed prefill + decode
 # included (vLLM's default, FULL_AND_PIECEWISE, runs full graphs on pure-decode batches only and
 # leaves attention outside the graph otherwise). A node fed by a router is refilled whenever a
-# stream ends, so most of its steps mix a prefill into the decodes: on an H200 the default
-# graphs cost the node 10-13% QPS against FULL in the same rounds, and data parallel through the
-# router ran at 0.60-0.72x raw vLLM with them against 1.01x with FULL (docs/benchmarks-gpu.md,
+# stream ends, so most of its steps mix a prefill into the decodes: on an H200 FULL made
+# 1.10-1.13x the default graphs' QPS in the same rounds, and data parallel through the router
+# ran at 0.60-0.72x raw vLLM with the default against 1.01x with FULL (docs/benchmarks-gpu.md,
 # ninth and tenth sessions). Where the attention backend cannot capture mixed batches vLLM
-# lowers the mode itself, with a warning. An engine_args compilation_config replaces this one.
+# lowers the mode itself (to FULL_AND_PIECEWISE or FULL_DECODE_ONLY). An engine_args
+# compilation_config replaces this one.
 CUDA_COMPILATION_CONFIG: dict[str, Any] = {"cudagraph_mode": "FULL"}
 
 
