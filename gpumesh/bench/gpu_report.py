@@ -167,7 +167,8 @@ def _vs_raw_markdown(records: list[dict[str, Any]]) -> list[str]:
     ``--vs-eng`` the node's engine without gRPC) against the raw reference tool run on the
     same GPUs in the same round; ``x raw`` = QPS / that raw run's QPS (the reference's
     metric: requests started and finished in the window), with the median of each leg over
-    the rounds."""
+    the rounds, and the median of raw's p50 latency over the leg's (not quantised by waves).
+    """
     lines = _legs_markdown(
         records, VSRAW_PHASES, _fe_pair, "raw", "x raw",
         "The mesh against raw vLLM on the same GPUs (every engine at the same share of its "
@@ -180,6 +181,7 @@ def _vs_raw_markdown(records: list[dict[str, Any]]) -> list[str]:
     raws = {_fe_pair(r)[0]: r for r in records
             if r["phase"] in VSRAW_PHASES and r.get("leg") == "raw"}
     ratios: dict[tuple[Any, ...], list[float]] = {}
+    by_latency: dict[tuple[Any, ...], list[float]] = {}
     for r in records:
         if r["phase"] not in VSRAW_PHASES or r.get("leg") in (None, "raw"):
             continue
@@ -187,10 +189,22 @@ def _vs_raw_markdown(records: list[dict[str, Any]]) -> list[str]:
         raw = raws.get(key)
         if raw and raw.get("qps") and r.get("qps") is not None:
             ratios.setdefault((_call(r), r["phase"], leg), []).append(r["qps"] / raw["qps"])
-    for (call, phase, leg), xs in sorted(ratios.items(), key=lambda kv: str(kv[0])):
+            if raw.get("lat_p50") and r.get("lat_p50"):
+                by_latency.setdefault((_call(r), r["phase"], leg), []).append(
+                    raw["lat_p50"] / r["lat_p50"])
+
+    def listed(xs: list[float]) -> str:
+        return f"**{fmt(statistics.median(xs))}** over {len(xs)} round(s) " \
+               f"({', '.join(fmt(x) for x in xs)})"
+    # QPS counts requests that started and ended in the window: on the reference's fixed
+    # lengths a closed loop's streams end in waves of C, so QPS moves in steps of C / window
+    # (~8% of a 0.5B run). At a fixed C, throughput ~ C / latency: raw's p50 over the leg's
+    # is the same comparison without those steps.
+    for k, xs in sorted(ratios.items(), key=lambda kv: str(kv[0])):
+        call, phase, leg = k
+        lat = by_latency.get(k)
         lines.append(f"- {phase}{f' (call {call})' if call else ''}, {leg}: median x raw "
-                     f"**{fmt(statistics.median(xs))}** over {len(xs)} round(s) "
-                     f"({', '.join(fmt(x) for x in xs)})")
+                     f"{listed(xs)}" + (f"; raw p50 / p50 {listed(lat)}" if lat else ""))
     return lines + [""] if ratios else lines
 
 

@@ -251,3 +251,6 @@ def test_report_gives_the_mesh_over_the_same_rounds_raw_run_and_the_median() -> 
     # router 0.80, 0.95, 1.00; direct 0.90, 1.00, 0.94
     assert "- vsraw05 (call 1), router: median x raw **0.95** over 3 round(s)" in md
     assert "- vsraw05 (call 1), direct: median x raw **0.94** over 3 round(s)" in md
+    # raw p50 0.8 s against the legs' 0.9 s in every round
+    assert ("- vsraw05 (call 1), router: median x raw **0.95** over 3 round(s) (0.80, 0.95, "
+            "1.00); raw p50 / p50 **0.89** over 3 round(s) (0.89, 0.89, 0.89)") in md
