@@ -1509,8 +1509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--vs-variant", action="append", default=[], metavar="NAME=VALUE",
                    help="vsraw*: a second set of nodes with this engine argument on top "
                         "(VALUE is JSON, else a string), benched in the same rounds "
-                        "(legs router-x, direct-x); e.g. "
-                        "'compilation_config={\"cudagraph_mode\": \"FULL\"}'")
+                        "(legs router-x, direct-x); e.g. vLLM's default graphs against the "
+                        "node's full graphs: "
+                        "'compilation_config={\"cudagraph_mode\": \"FULL_AND_PIECEWISE\"}'")
     r.add_argument("--vs-legs", default="",
                    help=f"vsraw*: only these legs, comma-separated (of {', '.join(VSRAW_LEGS)})")
     r.add_argument("--fe-rounds", type=int, default=1,
