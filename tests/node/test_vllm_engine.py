@@ -451,8 +451,8 @@ def test_cuda_nodes_ask_for_full_cuda_graphs_unless_told_otherwise(
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     assert "compilation_config" not in _engine_kwargs(VllmEngineConfig(model="/m"))  # CPU here
-    monkeypatch.setattr(ve, "_on_cpu", lambda: False)
-    monkeypatch.setattr(ve, "_on_cuda", lambda: True)
+    monkeypatch.setattr(ve, "_platform", lambda: SimpleNamespace(is_cpu=lambda: False,
+                                                                 is_cuda=lambda: True))
     kwargs = _engine_kwargs(VllmEngineConfig(model="/m"))
     assert kwargs["compilation_config"] == {"cudagraph_mode": "FULL"}
     assert "worker_extension_cls" not in kwargs
