@@ -1,4 +1,5 @@
-"""`gpumesh` command line: node, router, generate, status, demo, make-tiny-model, bench."""
+"""`gpumesh` command line: node, router, generate, status, demo, make-tiny-model, and the
+commands of installed plugins (``gpumesh bench`` with the ``gpumesh-bench`` package)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,15 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
-    from node.app import serve
-    from node.config import load_node_config
+    from gpumesh.config import ConfigError, flag_overrides
+    from gpumesh.node.app import serve
+    from gpumesh.node.config import NodeConfig, load_node_config
 
-    cfg = load_node_config(args.config, {
-        "model": args.model, "port": args.port, "host": args.host, "routers": args.router,
-        "served_name": args.served_name, "aliases": args.alias, "weight": args.weight,
-        "tensor_parallel_size": args.tensor_parallel_size, "engine": args.engine,
-        "node_id": args.node_id, "max_model_len": args.max_model_len,
-        "advertise_address": args.advertise, "frontends": args.frontends,
-    })
+    try:
+        cfg = load_node_config(args.config, flag_overrides(args, NodeConfig))
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"gpumesh node: {exc}", file=sys.stderr)
+        return 2
     if cfg.engine == "vllm" and not cfg.model:
         print("gpumesh node: --model PATH is required for the vllm engine", file=sys.stderr)
         return 2
@@ -35,11 +35,15 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from router.app import serve
-    from router.workers import serve_workers
-    from router.config import from_args
+    from gpumesh.router.app import serve
+    from gpumesh.router.workers import serve_workers
+    from gpumesh.router.config import from_args
 
-    cfg = from_args(args)
+    try:
+        cfg = from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"gpumesh router: {exc}", file=sys.stderr)
+        return 2
     if args.workers > 1:
         return serve_workers(cfg, args.workers)
     asyncio.run(serve(cfg))
@@ -122,25 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     n = sub.add_parser("node", help="serve one engine (vLLM or the simulator) over gRPC")
-    n.add_argument("--config", help="TOML file with NodeConfig fields")
-    n.add_argument("--model", help="model folder (vllm) or name (sim)")
-    n.add_argument("--engine", choices=["vllm", "sim"])
-    n.add_argument("--host")
-    n.add_argument("--port", type=int)
-    n.add_argument("--advertise", help="address routers and clients use (default host:port)")
-    n.add_argument("--router", action="append", help="router control address (repeatable)")
-    n.add_argument("--served-name")
-    n.add_argument("--alias", action="append")
-    n.add_argument("--weight", type=float)
-    n.add_argument("--tensor-parallel-size", type=int)
-    n.add_argument("--max-model-len", type=int)
-    n.add_argument("--node-id")
-    n.add_argument("--frontends", type=int,
-                   help="front-end processes over the one vLLM engine (default 1)")
+    from gpumesh.config import add_flags
+    from gpumesh.node.config import NodeConfig
+
+    n.add_argument("--config", help="node TOML config file")
+    add_flags(n, NodeConfig, skip=("engine_args", "sim", "ticket_secret"), what="node",
+              aliases={"routers": ("--router",), "aliases": ("--alias",),
+                       "advertise_address": ("--advertise",)})
     n.set_defaults(func=_cmd_node)
 
     r = sub.add_parser("router", help="serve the router")
-    from router.config import add_arguments as add_router_arguments
+    from gpumesh.router.config import add_arguments as add_router_arguments
 
     add_router_arguments(r)
     r.add_argument("--workers", type=int, default=1,
@@ -178,10 +174,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_cmd_make_tiny_model)
 
-    b = sub.add_parser("bench", help="gRPC load generator and policy comparisons", add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=lambda a: __import__("gpumesh.bench.cli", fromlist=["main"]).main(a.rest))
+    _add_plugin_commands(sub)
     return p
+
+
+def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+    """Adds the commands other installed distributions register under the ``gpumesh.commands``
+    entry-point group (``gpumesh bench`` comes from the separate ``gpumesh-bench`` package).
+    Each entry point is a callable ``register(subparsers)``; one that fails to load is skipped
+    with a warning so that the product's own commands keep working."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="gpumesh.commands"):
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the CLI
+            logging.getLogger(__name__).warning("gpumesh command %r not loaded: %s", ep.name, exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,17 +21,17 @@ from grpc_reflection.v1alpha import reflection
 from gpumesh import telemetry
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import inference_pb2, inference_pb2_grpc
-from node.coalesce import CoalescePolicy
-from node.config import NodeConfig, new_incarnation
-from node.engine import Engine, PromptEncoder
-from node.frontends import FrontendGroup, merge_reports
-from node.heartbeat import HeartbeatClient
-from node.servicer import InferenceServicer, NodeState
-from node.telemetry import NodeTelemetry
-from node.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
+from gpumesh.node.coalesce import CoalescePolicy
+from gpumesh.node.config import NodeConfig, new_incarnation
+from gpumesh.node.engine import Engine, PromptEncoder
+from gpumesh.node.frontends import FrontendGroup, merge_reports
+from gpumesh.node.heartbeat import HeartbeatClient
+from gpumesh.node.servicer import InferenceServicer, NodeState
+from gpumesh.node.telemetry import NodeTelemetry
+from gpumesh.node.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
 
 if TYPE_CHECKING:
-    from node.vllm_engine import FrontendSlot
+    from gpumesh.node.vllm_engine import FrontendSlot
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
     """The one place that picks an engine implementation from config. ``frontend``: the
     engine of one of the node's other front-end processes (node.frontends)."""
     if cfg.engine == "sim":
-        from node.sim_engine import SimEngine, SimEngineConfig
+        from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
 
         sim = dict(cfg.sim)
         sim.setdefault("model_name", cfg.resolved_served_name())
@@ -52,8 +52,8 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
             sim.setdefault("max_context_length", cfg.max_model_len)
         return SimEngine(SimEngineConfig(**sim))
     if cfg.engine == "vllm":
-        from node.gpu import GpuSampler
-        from node.vllm_engine import VllmEngine, VllmEngineConfig
+        from gpumesh.node.gpu import GpuSampler
+        from gpumesh.node.vllm_engine import VllmEngine, VllmEngineConfig
 
         return VllmEngine(VllmEngineConfig(
             model=cfg.model, served_name=cfg.resolved_served_name(), aliases=cfg.aliases,

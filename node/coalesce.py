@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from node.engine import EngineOutput
+from gpumesh.node.engine import EngineOutput
 
 MAX_FLUSH_INTERVAL_S = 0.25   # the widest a message budget makes the interval
 

@@ -7,15 +7,16 @@ GPUMESH_TICKET_SECRET (shared with routers).
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import socket
-import tomllib
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
+
+from gpumesh.config import load_config
+
+ENV_PREFIX = "GPUMESH_NODE_"
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class NodeConfig:
     require_ticket: bool = False          # refuse requests without a router ticket/metadata
 
     def __post_init__(self) -> None:
+        if self.engine not in ("vllm", "sim"):
+            raise ValueError(f"engine must be 'vllm' or 'sim', got {self.engine!r}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.frontends < 1:
@@ -85,52 +88,14 @@ class NodeConfig:
         return Path(self.model).name if self.model else "model"
 
 
-def _coerce(tp: Any, value: Any) -> Any:
-    origin = getattr(tp, "__origin__", None)
-    if tp is bool:
-        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
-    if tp in (int, float, str):
-        return tp(value)
-    if origin is tuple:
-        if isinstance(value, str):
-            return tuple(v.strip() for v in value.split(",") if v.strip())
-        return tuple(value)
-    return value
-
-
-def build_config(cls: type, file: str | Path | None = None, env_prefix: str = "",
-                 overrides: Mapping[str, Any] | None = None,
-                 environ: Mapping[str, str] | None = None) -> Any:
-    """Layers defaults < TOML ``file`` < env ``<env_prefix><FIELD>`` < ``overrides`` (None
-    values in overrides are ignored, so argparse defaults of None fall through)."""
-    environ = os.environ if environ is None else environ
-    hints = get_type_hints(cls)
-    values: dict[str, Any] = {}
-    if file:
-        with open(file, "rb") as fh:
-            data = tomllib.load(fh)
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown keys in {file}: {sorted(unknown)}")
-        values.update(data)
-    for f in fields(cls):
-        key = f"{env_prefix}{f.name.upper()}"
-        if key in environ:
-            values[f.name] = environ[key]
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            values[k] = v
-    return cls(**{k: _coerce(hints[k], v) for k, v in values.items()})
-
-
 def load_node_config(file: str | Path | None = None,
                      overrides: Mapping[str, Any] | None = None,
                      environ: Mapping[str, str] | None = None) -> NodeConfig:
-    cfg = build_config(NodeConfig, file, "GPUMESH_NODE_", overrides, environ)
-    env = os.environ if environ is None else environ
-    if not cfg.ticket_secret and env.get("GPUMESH_TICKET_SECRET"):
-        cfg = dataclasses.replace(cfg, ticket_secret=env["GPUMESH_TICKET_SECRET"])
-    return cfg
+    """defaults < TOML ``file`` (top level, or a ``[node]`` table) < ``GPUMESH_NODE_<FIELD>``
+    (and ``GPUMESH_TICKET_SECRET``) < ``overrides`` (see :mod:`gpumesh.config`)."""
+    return load_config(NodeConfig, file=file, env_prefix=ENV_PREFIX, environ=environ,
+                       overrides=overrides, table="node",
+                       env_aliases={"ticket_secret": "GPUMESH_TICKET_SECRET"})
 
 
 def new_incarnation() -> str:

@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any
 from gpumesh.v1 import control_pb2 as cpb
 
 if TYPE_CHECKING:
-    from node.app import NodeServer
-    from node.config import NodeConfig
-    from node.vllm_engine import FrontendSlot
+    from gpumesh.node.app import NodeServer
+    from gpumesh.node.config import NodeConfig
+    from gpumesh.node.vllm_engine import FrontendSlot
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class FrontendGroup:
     async def start(self, node: NodeServer) -> None:
         """Spawn one process per slot in ``node.engine.peer_slots`` on ``node.port``; return
         once every one serves. Raises RuntimeError if one exits or times out first."""
-        from node.vllm_engine import SharedEngineCore
+        from gpumesh.node.vllm_engine import SharedEngineCore
 
         self._loop = asyncio.get_running_loop()
         slots = list(getattr(node.engine, "peer_slots", ()))
@@ -230,7 +230,7 @@ def _frontend_main(cfg: NodeConfig, slot: FrontendSlot, conn: Connection,
 
 
 async def _serve_frontend(cfg: NodeConfig, slot: FrontendSlot, conn: Connection) -> None:
-    from node.app import NodeServer, build_engine
+    from gpumesh.node.app import NodeServer, build_engine
 
     loop = asyncio.get_running_loop()
     commands: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()

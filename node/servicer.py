@@ -22,9 +22,9 @@ from gpumesh import metadata as md
 from gpumesh import tickets
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from node.accounting import Admission, NodeLedger
-from node.coalesce import CoalescePolicy, coalesce
-from node.engine import (
+from gpumesh.node.accounting import Admission, NodeLedger
+from gpumesh.node.coalesce import CoalescePolicy, coalesce
+from gpumesh.node.engine import (
     Engine,
     EngineError,
     EngineOutput,
@@ -33,7 +33,7 @@ from node.engine import (
     PromptEncoder,
     Sampling,
 )
-from node.errors import (
+from gpumesh.node.errors import (
     RequestError,
     from_engine_exception,
     invalid,
@@ -42,7 +42,7 @@ from node.errors import (
     permission_denied,
     unavailable,
 )
-from node.telemetry import NOOP, NodeTelemetry, Trace
+from gpumesh.node.telemetry import NOOP, NodeTelemetry, Trace
 
 log = logging.getLogger(__name__)
 

@@ -106,7 +106,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from node.engine import (
+from gpumesh.node.engine import (
     EngineError,
     EngineLoad,
     EngineOutput,

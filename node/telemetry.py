@@ -45,7 +45,7 @@ from opentelemetry import trace
 
 from gpumesh import telemetry as gt
 from gpumesh.v1 import inference_pb2 as pb
-from node.engine import EngineOutput, EngineRequest, Finish
+from gpumesh.node.engine import EngineOutput, EngineRequest, Finish
 
 SPAN_NAME = "gpumesh.node.generate"
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.engine import (
+from gpumesh.node.engine import (
     EngineError,
     EngineLoad,
     EngineOutput,
@@ -38,7 +38,7 @@ from node.engine import (
 )
 
 if TYPE_CHECKING:
-    from node.gpu import GpuSampler
+    from gpumesh.node.gpu import GpuSampler
 
 __all__ = ["FrontendSlot", "SharedEngineCore", "VllmEngine", "VllmEngineConfig", "WorkerSetup"]
 

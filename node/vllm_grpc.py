@@ -60,8 +60,8 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from node.accounting import Admission
-from node.engine import (
+from gpumesh.node.accounting import Admission
+from gpumesh.node.engine import (
     Engine,
     EngineError,
     EngineRequest,
@@ -70,14 +70,14 @@ from node.engine import (
     PromptTooLong,
     Sampling,
 )
-from node.errors import (
+from gpumesh.node.errors import (
     RequestError,
     from_engine_exception,
     invalid,
     permission_denied,
     unavailable,
 )
-from node.servicer import NodeState
+from gpumesh.node.servicer import NodeState
 
 log = logging.getLogger(__name__)
 

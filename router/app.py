@@ -27,19 +27,19 @@ from grpc_reflection.v1alpha import reflection
 
 from gpumesh import telemetry as otel
 from gpumesh.v1 import control_pb2_grpc
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.foreign import ForeignFleet
-from router.registry import Registry
-from router.scheduling import WaitModel, build_profile, default_filters
-from router.servicer import (
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.dispatch import Dispatcher
+from gpumesh.router.foreign import ForeignFleet
+from gpumesh.router.registry import Registry
+from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
+from gpumesh.router.servicer import (
     ControlPlaneServicer,
     InferenceServicer,
     RouterServicer,
     inference_handler,
 )
-from router.telemetry import RouterTelemetry
-from router.transport import NodeChannels
+from gpumesh.router.telemetry import RouterTelemetry
+from gpumesh.router.transport import NodeChannels
 
 log = logging.getLogger(__name__)
 

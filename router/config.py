@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
+
+from gpumesh.config import ConfigError, add_flags, flag_overrides, load_config
 
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
 
@@ -121,7 +122,7 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         weights = dict(DEFAULT_SCORER_WEIGHTS)
-        weights.update({k: float(v) for k, v in self.scorer_weights.items()})
+        weights.update({k: float(v) for k, v in dict(self.scorer_weights).items()})
         unknown = set(weights) - set(DEFAULT_SCORER_WEIGHTS)
         if unknown:
             raise ValueError(f"unknown scorer(s) {sorted(unknown)}; known {list(DEFAULT_SCORER_WEIGHTS)}")
@@ -156,86 +157,35 @@ class RouterConfig:
     def load(cls, path: str | os.PathLike[str] | None = None,
              env: Mapping[str, str] | None = None,
              overrides: Mapping[str, Any] | None = None) -> RouterConfig:
-        """Builds the config: defaults < TOML file at ``path`` < ``env`` < ``overrides``."""
-        values: dict[str, Any] = {}
-        if path is not None:
-            with open(path, "rb") as f:  # startup only; not on the event loop's hot path
-                data = tomllib.load(f)
-            values.update(data.get("router", {}))
-            values.update({k: v for k, v in data.items() if k != "router"})
-        values.update(_from_env(os.environ if env is None else env))
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls.from_mapping(values)
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> RouterConfig:
-        known = {f.name: f for f in fields(cls)}
-        unknown = set(values) - set(known)
-        if unknown:
-            raise ValueError(f"unknown router config key(s): {sorted(unknown)}")
-        kwargs = {k: _coerce(known[k].type, k, v) for k, v in values.items()}
-        return cls(**kwargs)
+        """defaults < TOML file at ``path`` (top level, or a ``[router]`` table) < ``env``
+        < ``overrides`` (see :mod:`gpumesh.config`)."""
+        return load_config(cls, file=path, env_prefix=ENV_PREFIX, environ=env,
+                           overrides=overrides, table="router",
+                           env_aliases={"ticket_secret": "GPUMESH_TICKET_SECRET"})
 
     def with_(self, **changes: Any) -> RouterConfig:
         return replace(self, **changes)
 
 
-def _coerce(type_name: Any, key: str, value: Any) -> Any:
-    t = str(type_name)
-    if key == "scorer_weights":
-        if isinstance(value, str):
-            value = _parse_weights([p for p in value.split(",") if p.strip()])
-        return {str(k): float(v) for k, v in dict(value).items()}
-    if key in ("peer_addresses", "foreign_nodes"):
-        if isinstance(value, str):
-            return tuple(p.strip() for p in value.split(",") if p.strip())
-        return tuple(value)
-    if t == "bool":
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    if t == "int":
-        return int(value)
-    if t == "float":
-        return float(value)
-    return str(value)
-
-
 def _parse_weights(items: list[str]) -> dict[str, float]:
     out: dict[str, float] = {}
     for item in items:
-        name, sep, weight = item.partition("=")
-        if not sep:
-            raise ValueError(f"scorer weight must be NAME=W, got {item!r}")
-        out[name.strip()] = float(weight)
-    return out
-
-
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if env.get("GPUMESH_TICKET_SECRET"):
-        out["ticket_secret"] = env["GPUMESH_TICKET_SECRET"]
-    for f in fields(RouterConfig):
-        key = ENV_PREFIX + f.name.upper()
-        if key in env:
-            out[f.name] = env[key]
+        for part in (p for p in item.split(",") if p.strip()):
+            name, sep, weight = part.partition("=")
+            if not sep:
+                raise ConfigError(f"scorer weight must be NAME=W, got {part!r}")
+            out[name.strip()] = float(weight)
     return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--config`` and one flag per field (all default to None = not given)."""
     parser.add_argument("--config", help="router TOML config file")
-    for f in fields(RouterConfig):
-        if f.name in ("scorer_weights", "ticket_secret"):
-            continue  # secrets do not belong on a command line; weights have their own flag
-        flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, dest=f.name, default=None,
-                            help=f"router {f.name} (default {_default_text(f)})")
+    add_flags(parser, RouterConfig, skip=("scorer_weights", "ticket_secret", "router_id"),
+              what="router")
+    # secrets do not belong on a command line; weights have their own flag
+    parser.add_argument("--router-id", dest="router_id", default=None,
+                        help="router router_id (default: random per process)")
     parser.add_argument("--scorer-weight", dest="scorer_weight", action="append", default=None,
                         metavar="NAME=W", help="scorer weight, may repeat")
 
@@ -243,16 +193,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterConfig:
     """The config for parsed CLI args (see ``add_arguments``)."""
     ns = vars(args)
-    overrides = {f.name: ns.get(f.name) for f in fields(RouterConfig) if ns.get(f.name) is not None}
+    overrides = flag_overrides(args, RouterConfig)
     if ns.get("scorer_weight"):
         env_or_file = RouterConfig.load(ns.get("config"), env)
         weights = dict(env_or_file.scorer_weights)
         weights.update(_parse_weights(ns["scorer_weight"]))
         overrides["scorer_weights"] = weights
     return RouterConfig.load(ns.get("config"), env, overrides)
-
-
-def _default_text(f: Any) -> str:
-    if f.name == "router_id":
-        return "random per process"
-    return repr(f.default)

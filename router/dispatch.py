@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from router import errors
-from router.config import RouterConfig
-from router.registry import Credit, Registry
-from router.scheduling import Decision, NoCandidate, Profile, RequestInfo, select_from
-from router.scheduling.filters import Filter
-from router.transport import NodeChannels, dispatch_metadata
+from gpumesh.router import errors
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.registry import Credit, Registry
+from gpumesh.router.scheduling import Decision, NoCandidate, Profile, RequestInfo, select_from
+from gpumesh.router.scheduling.filters import Filter
+from gpumesh.router.transport import NodeChannels, dispatch_metadata
 
 log = logging.getLogger(__name__)
 

@@ -61,10 +61,10 @@ from gpumesh.serial_worker import (
     WorkerClosed,
 )
 from gpumesh.v1 import inference_pb2 as pb
-from router.errors import NOT_ADMITTED_CODES
-from router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
-from router.scheduling.types import LoadSample
-from router.transport import NodeChannels
+from gpumesh.router.errors import NOT_ADMITTED_CODES
+from gpumesh.router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.scheduling.types import LoadSample
+from gpumesh.router.transport import NodeChannels
 
 log = logging.getLogger(__name__)
 

@@ -56,8 +56,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from router import errors
-from router.scheduling.types import Candidate, LoadSample, NodeState
+from gpumesh.router import errors
+from gpumesh.router.scheduling.types import Candidate, LoadSample, NodeState
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import grpc
 from gpumesh import metadata as md
 from gpumesh import tickets
 from gpumesh.v1 import control_pb2, control_pb2_grpc, inference_pb2
-from router import errors
-from router.config import RouterConfig
-from router.dispatch import Dispatcher, DispatchRecord
-from router.registry import (
+from gpumesh.router import errors
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.dispatch import Dispatcher, DispatchRecord
+from gpumesh.router.registry import (
     AccountSample,
     GpuStat,
     ModelSpec,
@@ -35,8 +35,8 @@ from router.registry import (
     Registry,
     Report,
 )
-from router.scheduling.types import LoadSample, NodeState, RequestInfo
-from router.telemetry import NOOP, RouterTelemetry, Trace
+from gpumesh.router.scheduling.types import LoadSample, NodeState, RequestInfo
+from gpumesh.router.telemetry import NOOP, RouterTelemetry, Trace
 
 log = logging.getLogger(__name__)
 

@@ -59,9 +59,9 @@ from gpumesh import metadata as md
 from gpumesh import telemetry as gt
 
 if TYPE_CHECKING:
-    from router.dispatch import DispatchRecord, Lease
-    from router.registry import Registry
-    from router.scheduling.types import Decision
+    from gpumesh.router.dispatch import DispatchRecord, Lease
+    from gpumesh.router.registry import Registry
+    from gpumesh.router.scheduling.types import Decision
 
 REQUEST_SPAN = "gpumesh.router.generate"
 PICK_SPAN = "gpumesh.router.pick"
@@ -206,7 +206,7 @@ class RouterRequestTrace:
                 self._span.add_event("gpumesh.first_chunk")
 
     def fail(self, exc: BaseException) -> None:
-        from router import errors
+        from gpumesh.router import errors
 
         code, message = errors.status_for(exc)
         self._status = gt.status_name(code)

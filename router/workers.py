@@ -24,7 +24,7 @@ import os
 import signal
 import socket
 
-from router.config import RouterConfig
+from gpumesh.router.config import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def _picklable(cfg: RouterConfig) -> dict[str, object]:
 
 
 def _run_worker(values: dict[str, object], log_level: int) -> None:
-    from router.app import serve
+    from gpumesh.router.app import serve
 
     cfg = RouterConfig(**values)  # type: ignore[arg-type]
 

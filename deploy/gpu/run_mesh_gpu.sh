@@ -13,7 +13,7 @@
 #    skipped when this warm machine has it) and the extras (.gpukit/extra,
 #    deploy/gpu/pack_extra.sh) into /tmp/site;
 # 2. runs the GPU test module tests/gpu (pytest -m gpu) unless GPU_TEST=0;
-# 3. runs `python -m gpumesh.bench.gpu run --phases PHASES` (routers with --workers,
+# 3. runs `python -m gpumesh_bench.gpu run --phases PHASES` (routers with --workers,
 #    load from gpumesh bench's multi-process generator), within BUDGET seconds in all;
 # 4. leaves at most 6 files in $OUT: log (copy of stdout), results.json, summary.md,
 #    plots.png, gpu_status_under_load.txt, logs.tgz (node/router/pytest/raw logs).
@@ -81,7 +81,7 @@ fi
 
 left=$(( BUDGET - $(elapsed) - 15 ))
 echo "== bench phases $PHASES ($(elapsed)s, ${left}s left)"
-timeout -k 10 $(( left > 30 ? left : 30 )) python3 -m gpumesh.bench.gpu run --phases "$PHASES" \
+timeout -k 10 $(( left > 30 ? left : 30 )) python3 -m gpumesh_bench.gpu run --phases "$PHASES" \
   --engine "$ENGINE" --out "$W/res" --model-root $MODELS --raw-tool .gpukit/tools/seed_table.py --budget "$left" \
   ${BENCH_ARGS:-}
 echo "== bench rc=$? ($(elapsed)s)"

@@ -5,7 +5,7 @@ a lazily read ``CandidateSource`` with power-of-d sampling on large fleets); ``b
 turns the configured policy into a profile. See ``scorers`` for the expected-wait formula.
 """
 
-from router.scheduling.profiles import (
+from gpumesh.router.scheduling.profiles import (
                                      NoCandidate,
                                      Profile,
                                      build_profile,
@@ -13,8 +13,8 @@ from router.scheduling.profiles import (
                                      select,
                                      select_from,
 )
-from router.scheduling.scorers import WaitModel, expected_wait_s
-from router.scheduling.types import (
+from gpumesh.router.scheduling.scorers import WaitModel, expected_wait_s
+from gpumesh.router.scheduling.types import (
                                      Candidate,
                                      CandidateScore,
                                      CandidateSource,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from router.scheduling.types import Candidate, NodeState
+from gpumesh.router.scheduling.types import Candidate, NodeState
 
 Filter = Callable[[Sequence[Candidate]], tuple[list[Candidate], dict[str, str]]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router.scheduling.types import CandidateScore
+from gpumesh.router.scheduling.types import CandidateScore
 
 TIE_EPSILON = 1e-9
 

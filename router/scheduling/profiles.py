@@ -34,11 +34,11 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
 
-from router.scheduling import scorers
-from router.scheduling.filters import Filter, healthy, kv_below, run_filters
-from router.scheduling.picker import TIE_EPSILON, pick_max
-from router.scheduling.scorers import WaitModel
-from router.scheduling.types import (
+from gpumesh.router.scheduling import scorers
+from gpumesh.router.scheduling.filters import Filter, healthy, kv_below, run_filters
+from gpumesh.router.scheduling.picker import TIE_EPSILON, pick_max
+from gpumesh.router.scheduling.scorers import WaitModel
+from gpumesh.router.scheduling.types import (
     Candidate,
     CandidateScore,
     CandidateSource,

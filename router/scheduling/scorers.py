@@ -117,7 +117,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.scheduling.types import Candidate
+from gpumesh.router.scheduling.types import Candidate
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from gpumesh import metadata as md
-from gpumesh.bench import cli
-from gpumesh.bench.loadgen import LoadConfig, run_load
-from gpumesh.bench.stats import SLO, summarize
-from gpumesh.bench.workload import LengthDist, WorkloadSpec, iter_requests
+from gpumesh_bench import cli
+from gpumesh_bench.loadgen import LoadConfig, run_load
+from gpumesh_bench.stats import SLO, summarize
+from gpumesh_bench.workload import LengthDist, WorkloadSpec, iter_requests
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 

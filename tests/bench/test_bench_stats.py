@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from gpumesh.bench.loadgen import RequestResult
-from gpumesh.bench.report import markdown_table
-from gpumesh.bench.stats import SLO, percentile, summarize, window_metrics
+from gpumesh_bench.loadgen import RequestResult
+from gpumesh_bench.report import markdown_table
+from gpumesh_bench.stats import SLO, percentile, summarize, window_metrics
 
 
 def test_percentile_matches_numpy_linear() -> None:

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from gpumesh.bench.workload import (
+from gpumesh_bench.workload import (
     LengthDist,
     WorkloadSpec,
     iter_requests,
@@ -16,7 +16,7 @@ from gpumesh.bench.workload import (
     save_trace,
     synth_prompt,
 )
-from node.sim_engine import SimEngine
+from gpumesh.node.sim_engine import SimEngine
 
 
 def take(spec: WorkloadSpec, n: int):

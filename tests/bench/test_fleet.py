@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from gpumesh.bench.fleet import NGINX, Fleet, RouterSpec, SimNodeSpec
-from gpumesh.bench.loadgen import LoadConfig, run_load
-from gpumesh.bench.stats import summarize
-from gpumesh.bench.workload import LengthDist, WorkloadSpec, iter_requests
+from gpumesh_bench.fleet import NGINX, Fleet, RouterSpec, SimNodeSpec
+from gpumesh_bench.loadgen import LoadConfig, run_load
+from gpumesh_bench.stats import summarize
+from gpumesh_bench.workload import LengthDist, WorkloadSpec, iter_requests
 
 
 def _alive(pids: list[int]) -> list[int]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.bench import gpu
-from node.config import load_node_config
+from gpumesh_bench import gpu
+from gpumesh.node.config import load_node_config
 
 pytestmark = [pytest.mark.slow]
 

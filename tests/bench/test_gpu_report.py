@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.bench.gpu import CpuSampler
-from gpumesh.bench.gpu_report import report_markdown
+from gpumesh_bench.gpu import CpuSampler
+from gpumesh_bench.gpu_report import report_markdown
 
 
 def _procs() -> dict[int, tuple[int, list[str], float]]:
     py = "/usr/bin/python3"
     return {
-        100: (1, [py, "-m", "gpumesh.bench.gpu", "run"], 1.0),          # the bench driver
+        100: (1, [py, "-m", "gpumesh_bench.gpu", "run"], 1.0),          # the bench driver
         101: (100, [py, "-c", "from multiprocessing.spawn import spawn_main"], 2.0),
         200: (1, [py, "-m", "gpumesh.cli", "node", "--config", "a.toml", "--node-id", "a05b"], 3.0),
         201: (200, ["VLLM::EngineCore"], 4.0),
@@ -113,7 +113,7 @@ def test_report_tables_interleaved_rounds_against_the_same_rounds_split() -> Non
 
 
 def test_fleet_sampler_summary_keeps_in_flight_and_the_decode_step() -> None:
-    from gpumesh.bench.gpu import FleetSampler
+    from gpumesh_bench.gpu import FleetSampler
 
     fs = FleetSampler("127.0.0.1:1", None)   # never started: samples set by hand
     base = {"node": "a", "waiting": 0, "kv": 0.1, "tok_s": 1000, "gpus": [], "gpu_model": ""}
@@ -217,7 +217,7 @@ def test_report_of_the_seventh_session_shows_both_calls_msg05_benches() -> None:
 
 
 def test_report_cli_reads_gzip_and_numbers_the_calls_of_several_files(tmp_path: Path) -> None:
-    from gpumesh.bench import gpu
+    from gpumesh_bench import gpu
 
     out = tmp_path / "s7.md"
     assert gpu.main(["report", str(S7), str(S7), "--md", str(out)]) == 0

@@ -7,8 +7,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from gpumesh.bench import coalesce_cost
-from gpumesh.bench.cli import main as bench_main
+from gpumesh_bench import coalesce_cost
+from gpumesh_bench.cli import main as bench_main
 from tests.integration.procs import free_port, node_proc, wait_serving
 
 

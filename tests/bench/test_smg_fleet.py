@@ -1,4 +1,4 @@
-"""gpumesh vs SMG on one simulated fleet (gpumesh.bench.smg_fleet): exact-size BPE prompts,
+"""gpumesh vs SMG on one simulated fleet (gpumesh_bench.smg_fleet): exact-size BPE prompts,
 the report, and a real run where a gpumesh router and a real SMG 1.13.0 gateway front the same
 sim nodes (skipped with the installer's reason when SMG cannot be installed)."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.bench import smg_fleet
-from gpumesh.bench.fleet import Fleet, RouterSpec, SimNodeSpec
-from gpumesh.bench.loadgen import LoadConfig
-from gpumesh.bench.smg_fleet import BpePrompts, SmgGateway, SmgSpec, Target, run_target
-from gpumesh.bench.stats import summarize
-from gpumesh.bench.workload import BenchRequest
+from gpumesh_bench import smg_fleet
+from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec
+from gpumesh_bench.loadgen import LoadConfig
+from gpumesh_bench.smg_fleet import BpePrompts, SmgGateway, SmgSpec, Target, run_target
+from gpumesh_bench.stats import summarize
+from gpumesh_bench.workload import BenchRequest
 from tests.interop.conftest import smg_exe  # noqa: F401 (the session fixture: installs SMG)
 
 pytest.importorskip("tokenizers")
@@ -34,7 +34,7 @@ def test_bpe_prompts_are_exactly_n_tokens(tiny_model_dir: Path) -> None:
 
 
 def test_trace_is_poisson_and_rescales(tmp_path: Path) -> None:
-    from gpumesh.bench.workload import LengthDist, load_trace
+    from gpumesh_bench.workload import LengthDist, load_trace
 
     path = tmp_path / "t.jsonl"
     assert smg_fleet.record_trace(LengthDist.parse("fixed:8"), LengthDist.parse("fixed:4"), 1,

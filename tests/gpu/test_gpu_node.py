@@ -1,7 +1,7 @@
 """The node on vLLM CUDA: a real router (in process) and a real node process on one GPU.
 
 Skipped without CUDA (and without vllm). The model is Qwen2.5-0.5B-Instruct shaped with dummy
-weights (``load_format="dummy"``) and the synthetic tokenizer (gpumesh.dummy_model), or the
+weights (``load_format="dummy"``) and the synthetic tokenizer (gpumesh_bench.dummy_model), or the
 folder in ``$GPUMESH_GPU_MODEL``. ``deploy/gpu/run_mesh_gpu.sh`` runs this module before the
 benchmarks; ``$GPUMESH_GPU_ARTIFACTS`` (optional) receives the `gpumesh status` table seen under
 load. CUDA graphs on (no enforce_eager), as in the raw-vLLM reference runs.
@@ -46,15 +46,15 @@ def gpu_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("GPUMESH_GPU_MODEL")
     if env and (Path(env) / "config.json").is_file():
         return Path(env)
-    from gpumesh.dummy_model import build_dummy_model
+    from gpumesh_bench.dummy_model import build_dummy_model
 
     return build_dummy_model(tmp_path_factory.mktemp("model") / "qwen-0.5b-dummy", "0.5b")
 
 
 @pytest.fixture(scope="module")
 async def gpu_mesh(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    from router.app import RouterServer
-    from router.config import RouterConfig
+    from gpumesh.router.app import RouterServer
+    from gpumesh.router.config import RouterConfig
 
     tmp = tmp_path_factory.mktemp("gpu-mesh")
     rport = free_port()
@@ -67,7 +67,7 @@ async def gpu_mesh(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         f'served_name = "{SERVED}"\nmax_model_len = 2048\nload_format = "dummy"\n'
         f'dtype = "bfloat16"\ntokenizer = "{gpu_model_dir / "tokenizer"}"\n'
         'gpu_memory_utilization = 0.85\nheartbeat_busy_interval_s = 0.25\ndrain_timeout_s = 5\n'
-        # As the benchmark's nodes (gpumesh.bench.gpu): vLLM's compile cache is then shared.
+        # As the benchmark's nodes (gpumesh_bench.gpu): vLLM's compile cache is then shared.
         '[engine_args]\nenable_prefix_caching = false\nseed = 0\n')
     nport = free_port()
     node = node_proc("gpu-node", nport, [raddr], model=str(gpu_model_dir), config=cfg)

@@ -14,8 +14,8 @@ import pytest
 from gpumesh.client import MeshClient, StreamResult, build_request
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
-from router.app import RouterServer
-from router.config import RouterConfig
+from gpumesh.router.app import RouterServer
+from gpumesh.router.config import RouterConfig
 from tests.integration.procs import Proc, free_port, node_proc, wait_serving
 
 SECRET = "dataplane-secret"

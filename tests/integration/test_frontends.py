@@ -21,8 +21,8 @@ from gpumesh.client import MeshClient, build_request, spread_target
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from router.app import RouterServer
-from router.config import RouterConfig
+from gpumesh.router.app import RouterServer
+from gpumesh.router.config import RouterConfig
 from tests.integration.procs import Proc, free_port, node_proc, wait_serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

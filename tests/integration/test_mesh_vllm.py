@@ -15,8 +15,8 @@ import pytest
 from gpumesh import metadata as md
 from gpumesh.client import MeshClient, StreamResult, build_request
 from gpumesh.v1 import control_pb2 as cpb
-from router.app import RouterServer
-from router.config import RouterConfig
+from gpumesh.router.app import RouterServer
+from gpumesh.router.config import RouterConfig
 from tests.integration.procs import free_port, node_proc, wait_serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

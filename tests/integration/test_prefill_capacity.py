@@ -11,13 +11,13 @@ import grpc
 import pytest
 
 from gpumesh.v1 import control_pb2, control_pb2_grpc
-from node.app import NodeServer
-from node.config import NodeConfig
-from node.engine import EngineRequest, Sampling
-from node.sim_engine import SimEngine, SimEngineConfig
-from router.app import RouterServer
-from router.config import RouterConfig
-from router.scheduling import WaitModel, expected_wait_s
+from gpumesh.node.app import NodeServer
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.engine import EngineRequest, Sampling
+from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.router.app import RouterServer
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.scheduling import WaitModel, expected_wait_s
 
 
 async def test_heartbeat_carries_prefill_capacity_to_the_router_and_get_fleet() -> None:

@@ -17,11 +17,11 @@ from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from node.app import NodeServer
-from node.config import NodeConfig
-from node.sim_engine import SimEngine, SimEngineConfig
-from router.app import RouterServer
-from router.config import RouterConfig
+from gpumesh.node.app import NodeServer
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.router.app import RouterServer
+from gpumesh.router.config import RouterConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from node.app import NodeServer
-from node.config import NodeConfig
-from node.engine import EngineRequest, Sampling
-from node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.app import NodeServer
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.engine import EngineRequest, Sampling
+from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
 from tests.interop.smgproc import SmgProcess, complete
 
 pytestmark = [pytest.mark.slow]

@@ -13,9 +13,9 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from node.app import NodeServer
-from node.config import NodeConfig
-from node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.app import NodeServer
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
 
 MODEL = "sim-interop"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from node.accounting import NodeLedger
+from gpumesh.node.accounting import NodeLedger
 
 
 def test_finished_counts_every_end_once_per_router() -> None:

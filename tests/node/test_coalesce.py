@@ -3,8 +3,8 @@ final flushed at once, a stalled engine never holds a token longer than one inte
 
 import asyncio
 
-from node.coalesce import MAX_FLUSH_INTERVAL_S, CoalescePolicy, coalesce
-from node.engine import EngineOutput, Finish
+from gpumesh.node.coalesce import MAX_FLUSH_INTERVAL_S, CoalescePolicy, coalesce
+from gpumesh.node.engine import EngineOutput, Finish
 
 
 async def _script(steps):

@@ -9,9 +9,9 @@ import pytest
 
 from gpumesh.client import build_request
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from node.coalesce import CoalescePolicy
-from node.servicer import InferenceServicer, NodeState
-from node.vllm_engine import VllmEngine, VllmEngineConfig
+from gpumesh.node.coalesce import CoalescePolicy
+from gpumesh.node.servicer import InferenceServicer, NodeState
+from gpumesh.node.vllm_engine import VllmEngine, VllmEngineConfig
 
 
 @pytest.fixture

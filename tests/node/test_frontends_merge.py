@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpumesh.v1 import control_pb2 as cpb
-from node.frontends import merge_reports
+from gpumesh.node.frontends import merge_reports
 
 
 def report(**kw) -> cpb.LoadReport:

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from gpumesh.v1 import control_pb2 as cpb
-from node.heartbeat import HeartbeatClient
+from gpumesh.node.heartbeat import HeartbeatClient
 from tests.integration.procs import RecordingControlPlane
 
 

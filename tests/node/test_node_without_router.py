@@ -4,9 +4,9 @@
 import asyncio
 
 from gpumesh.client import MeshClient, build_request
-from node.app import NodeServer
-from node.config import NodeConfig
-from node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.app import NodeServer
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
 from tests.integration.procs import RecordingControlPlane, free_port
 
 

@@ -24,12 +24,12 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from gpumesh.client import MeshClient, build_request
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from node.app import NodeServer
-from node.coalesce import CoalescePolicy
-from node.config import NodeConfig
-from node.engine import INLINE_PROMPT_CHARS, EngineRequest
-from node.servicer import InferenceServicer, NodeState
-from node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.app import NodeServer
+from gpumesh.node.coalesce import CoalescePolicy
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.engine import INLINE_PROMPT_CHARS, EngineRequest
+from gpumesh.node.servicer import InferenceServicer, NodeState
+from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
 
 TOKENIZE_S = 1.0
 # Long enough to leave the loop (PromptEncoder runs shorter prompts inline).

@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from gpumesh.client import MeshClient, build_request
-from node.app import NodeServer
-from node.coalesce import CoalescePolicy
-from node.config import NodeConfig, load_node_config
-from node.servicer import InferenceServicer, NodeState
-from node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.app import NodeServer
+from gpumesh.node.coalesce import CoalescePolicy
+from gpumesh.node.config import NodeConfig, load_node_config
+from gpumesh.node.servicer import InferenceServicer, NodeState
+from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
 
 
 class _Context:

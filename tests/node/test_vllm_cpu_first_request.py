@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from node.engine import EngineRequest, Finish, Sampling
-from node.vllm_engine import VllmEngine, VllmEngineConfig, _engine_kwargs
+from gpumesh.node.engine import EngineRequest, Finish, Sampling
+from gpumesh.node.vllm_engine import VllmEngine, VllmEngineConfig, _engine_kwargs
 
 
 @pytest.mark.vllm
@@ -23,7 +23,7 @@ async def test_a_short_first_prompt_on_a_fresh_engine_is_served(tiny_model_dir, 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
     config = VllmEngineConfig(model=str(tiny_model_dir), served_name="tiny", max_model_len=256,
                               num_gpu_blocks_override=8, enforce_eager=True)
-    assert _engine_kwargs(config)["worker_extension_cls"] == "node.vllm_engine.WorkerSetup"
+    assert _engine_kwargs(config)["worker_extension_cls"] == "gpumesh.node.vllm_engine.WorkerSetup"
     engine = VllmEngine(config)
     await engine.start()
     try:

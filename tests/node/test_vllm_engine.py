@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpumesh.tiny_model import build_tiny_model, is_complete_model
-from node.engine import (
+from gpumesh.node.engine import (
     Engine,
     EngineOutput,
     EngineRequest,
@@ -24,8 +24,8 @@ from node.engine import (
     PromptTooLong,
     Sampling,
 )
-from node.gpu import GpuSampler, visible_device_ids
-from node.vllm_engine import VllmEngine, VllmEngineConfig, _engine_kwargs, _LoadStatLogger
+from gpumesh.node.gpu import GpuSampler, visible_device_ids
+from gpumesh.node.vllm_engine import VllmEngine, VllmEngineConfig, _engine_kwargs, _LoadStatLogger
 
 GREEDY = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
 _ids = iter(range(1_000_000))
@@ -432,8 +432,8 @@ async def test_stream_interval_hands_over_tokens_in_groups(vllm_engine: VllmEngi
 
 
 def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) -> None:
-    from node.app import build_engine
-    from node.config import load_node_config
+    from gpumesh.node.app import build_engine
+    from gpumesh.node.config import load_node_config
 
     toml = tmp_path / "node.toml"
     toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 4\n')
@@ -447,7 +447,7 @@ def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) 
 
 def test_cuda_nodes_ask_for_full_cuda_graphs_unless_told_otherwise(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import node.vllm_engine as ve
+    import gpumesh.node.vllm_engine as ve
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     assert "compilation_config" not in _engine_kwargs(VllmEngineConfig(model="/m"))  # CPU here

@@ -18,8 +18,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from router.registry import AccountSample, Credit, ModelSpec, NodeRegistration, Registry
-from router.scheduling import (
+from gpumesh.router.registry import AccountSample, Credit, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.scheduling import (
     LoadSample,
     RequestInfo,
     WaitModel,
@@ -238,7 +238,7 @@ def test_a_finish_since_the_report_makes_its_node_lighter() -> None:
 def test_peer_share_factor() -> None:
     """All routers' admissions per one of ours, from the reports' accounts: 1 alone or with
     idle peers, 4 with three equal peers, 1 until enough data, a counter reset is skipped."""
-    from router.registry import PeerShare
+    from gpumesh.router.registry import PeerShare
 
     t = [0.0]
     p = PeerShare("r1", 10.0, lambda: t[0])

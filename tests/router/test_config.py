@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import RouterConfig, add_arguments, from_args
+from gpumesh.router.config import RouterConfig, add_arguments, from_args
 
 
 def test_defaults_are_valid_and_router_ids_unique() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.foreign import Tokenizer, _Detokenizer
+from gpumesh.router.foreign import Tokenizer, _Detokenizer
 
 TEXTS = [
     "The mesh routes tokens to nodes.",

@@ -24,12 +24,12 @@ import pytest
 from gpumesh.serial_worker import INLINE_PROMPT_CHARS
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from node.app import NodeServer
-from node.config import NodeConfig
-from node.sim_engine import SimEngine, SimEngineConfig
-from router.app import RouterServer
-from router.config import RouterConfig
-from router.foreign import Tokenizer
+from gpumesh.node.app import NodeServer
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.router.app import RouterServer
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.foreign import Tokenizer
 
 TOKENIZE_S = 1.0
 LONG_TEXT = " ".join(["mesh"] * 500)   # long enough to leave the loop

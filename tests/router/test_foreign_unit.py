@@ -6,8 +6,8 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import common_pb2 as smg_common
 
-from router.config import RouterConfig
-from router.foreign import ForeignSpec, _Detokenizer, _merge, load_from_record
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.foreign import ForeignSpec, _Detokenizer, _merge, load_from_record
 
 
 def test_spec_parse():

@@ -10,9 +10,9 @@ from collections import Counter
 import grpc
 import pytest
 
-from router.errors import RouterError
-from router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
-from router.scheduling import (
+from gpumesh.router.errors import RouterError
+from gpumesh.router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.scheduling import (
     LoadSample,
     NodeState,
     RequestInfo,
@@ -94,7 +94,7 @@ def test_heartbeat_from_another_stream_is_ignored() -> None:
 
 
 def test_lease_expiry(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="router.registry")
+    caplog.set_level(logging.INFO, logger="gpumesh.router.registry")
     c = Clock()
     r = make(c, lease_ttl_s=3.0)
     r.register(reg("a"), 1)

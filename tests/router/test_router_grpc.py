@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gpumesh import metadata as md
 from gpumesh import tickets
 from gpumesh.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from router.app import RouterServer
-from router.config import RouterConfig
+from gpumesh.router.app import RouterServer
+from gpumesh.router.config import RouterConfig
 from tests.integration.procs import free_port
 from tests.router.fakenode import FakeNode
 

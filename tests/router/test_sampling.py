@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from router.registry import AccountSample, Credit, ModelSpec, NodeRegistration, Registry
-from router.scheduling import (
+from gpumesh.router.registry import AccountSample, Credit, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.scheduling import (
     Candidate,
     ListCandidates,
     LoadSample,
@@ -24,7 +24,7 @@ from router.scheduling import (
     select,
     select_from,
 )
-from router.scheduling.profiles import NoCandidate
+from gpumesh.router.scheduling.profiles import NoCandidate
 
 WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.05, kv_usage_cap=0.98,
                decode_s_per_request=0.002, wait_scale_s=0.5, kv_output_allowance_tokens=64)

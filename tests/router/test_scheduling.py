@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from router.scheduling import (
+from gpumesh.router.scheduling import (
     Candidate,
     LoadSample,
     NodeState,
@@ -21,8 +21,8 @@ from router.scheduling import (
     scorers,
     select,
 )
-from router.scheduling.filters import healthy, kv_below
-from router.scheduling.profiles import NoCandidate
+from gpumesh.router.scheduling.filters import healthy, kv_below
+from gpumesh.router.scheduling.profiles import NoCandidate
 
 WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.25, kv_usage_cap=0.98,
                decode_s_per_request=0.0, wait_scale_s=0.5)

@@ -14,15 +14,15 @@ from dataclasses import replace
 
 import pytest
 
-from router.config import RouterConfig
-from router.registry import (
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.registry import (
     STEP_AVERAGE_S,
     AccountSample,
     ModelSpec,
     NodeRegistration,
     Registry,
 )
-from router.scheduling import (
+from gpumesh.router.scheduling import (
     Candidate,
     LoadSample,
     NodeState,

@@ -10,11 +10,11 @@ import pytest
 from opentelemetry import trace
 
 from gpumesh import telemetry as gt
-from node.telemetry import NOOP as NODE_NOOP
-from node.telemetry import NodeTelemetry
-from router.scheduling.types import CandidateScore, Decision
-from router.telemetry import NOOP as ROUTER_NOOP
-from router.telemetry import RouterTelemetry, decision_attributes
+from gpumesh.node.telemetry import NOOP as NODE_NOOP
+from gpumesh.node.telemetry import NodeTelemetry
+from gpumesh.router.scheduling.types import CandidateScore, Decision
+from gpumesh.router.telemetry import NOOP as ROUTER_NOOP
+from gpumesh.router.telemetry import RouterTelemetry, decision_attributes
 
 
 @pytest.mark.parametrize("env,expected", [

@@ -29,10 +29,10 @@ from typing import Any
 
 import grpc
 
-from gpumesh.bench.fleet import Child, free_port, group_cpu_s
-from gpumesh.bench.overhead import Sample, _one, medians, summarize
-from gpumesh.bench.report import write_json
-from gpumesh.bench.workload import synth_prompt
+from gpumesh_bench.fleet import Child, free_port, group_cpu_s
+from gpumesh_bench.overhead import Sample, _one, medians, summarize
+from gpumesh_bench.report import write_json
+from gpumesh_bench.workload import synth_prompt
 
 SMG = Path(__file__).resolve().parents[2] / ".smg-venv" / "bin" / "smg"
 

@@ -4,8 +4,8 @@ Driven by ``deploy/gpu/run_mesh_gpu.sh`` on a device machine (one ``run`` call p
 phases, the vLLM kit installed); also runs on CPU with ``--engine sim`` (simulated nodes, same
 processes, same router, same load generator) to check the logic before device time is spent.
 
-  python -m gpumesh.bench.gpu run --phases p05,share,unequal --out DIR [--engine vllm|sim]
-  python -m gpumesh.bench.gpu report DIR/results.json[.gz]... --md OUT.md --png OUT.png
+  python -m gpumesh_bench.gpu run --phases p05,share,unequal --out DIR [--engine vllm|sim]
+  python -m gpumesh_bench.gpu report DIR/results.json[.gz]... --md OUT.md --png OUT.png
 
 Phases (each starts its own nodes and routers and stops them, GPUs freed, before the next):
 
@@ -59,12 +59,12 @@ computed as the reference computes it: requests that started in the window and f
 inside it, divided by the window (this undercounts the completion rate by about latency /
 window; ``done_qps``, completions in the window per second, is reported beside it). Latency
 and TTFT percentiles are over the same requests. Load comes from ``gpumesh bench``'s own
-multi-process generator (``gpumesh.bench.cli.run_multi``, what ``gpumesh bench run --procs N``
+multi-process generator (``gpumesh_bench.cli.run_multi``, what ``gpumesh bench run --procs N``
 runs) and routers run with ``--workers N``.
 
 ``--pin on|both`` (data-parallel and main-table phases): each node's process tree (front end,
 engine core) runs on physical cores of its own near its GPU, routers and load on the rest
-(``gpumesh.bench.affinity``); ``both`` runs each data-parallel setup unpinned then pinned.
+(``gpumesh_bench.affinity``); ``both`` runs each data-parallel setup unpinned then pinned.
 
 Every bench also records the cores each process group used in its window (``CpuSampler``:
 node front end, vLLM engine processes, router, load generator, whole machine), which says
@@ -96,19 +96,19 @@ from typing import TYPE_CHECKING, Any, Self
 
 import grpc
 
-from gpumesh.bench.gpu_report import (
+from gpumesh_bench.gpu_report import (
     RAW_CONCURRENCY,
     cmd_report,
     fmt,
     plot,
     report_markdown,
 )
-from gpumesh.bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
+from gpumesh_bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
 from gpumesh.ports import free_port
-from node.config import NodeConfig
+from gpumesh.node.config import NodeConfig
 
 if TYPE_CHECKING:
-    from gpumesh.bench.affinity import Placement
+    from gpumesh_bench.affinity import Placement
 
 SERVED = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
@@ -205,7 +205,7 @@ class Env:
     # Load processes round-robin over a multi-worker router's processes (bench --spread-workers)
     spread_workers: bool = False
     # Data-parallel phases: "off", "on" (every bench with node processes on physical cores of
-    # their own, gpumesh.bench.affinity), "both" (each setup unpinned then pinned, interleaved)
+    # their own, gpumesh_bench.affinity), "both" (each setup unpinned then pinned, interleaved)
     pin: str = "off"
     # The reference's workload by default; another output length mix (e.g. uniform:128:384)
     # keeps a closed loop's streams from finishing in lock-step waves
@@ -262,7 +262,7 @@ def node_toml(env: Env, spec: NodeSpec) -> str:
         tables["engine_args"] = {"enable_prefix_caching": False, "seed": 0, **env.engine_args,
                                  **spec.engine_args}
     else:
-        from node.sim_engine import SimEngineConfig
+        from gpumesh.node.sim_engine import SimEngineConfig
 
         base = SimEngineConfig.for_shape(spec.shape)
         top.update(engine="sim", model=SERVED[spec.shape], tensor_parallel_size=spec.tp)
@@ -304,8 +304,8 @@ class Group:
 
     def placement(self) -> Placement:
         """Each node's process tree on physical cores of its own (near its GPUs), routers
-        and the load generator on the rest (gpumesh.bench.affinity)."""
-        from gpumesh.bench.affinity import Placement
+        and the load generator on the rest (gpumesh_bench.affinity)."""
+        from gpumesh_bench.affinity import Placement
 
         kids = {c.name: c for c in self.children}
         nodes = {kids[s.name].popen.pid: [int(g) for g in s.gpus.split(",")]
@@ -591,7 +591,7 @@ class CpuSampler:
     def label(pid: int, procs: dict[int, tuple[int, list[str], float]], me: int) -> str | None:
         """The group a process belongs to, by its nearest gpumesh ancestor (None: not ours).
         A node's other front-end processes (``frontends``) count as its front end."""
-        from node.frontends import PROCESS_TITLE
+        from gpumesh.node.frontends import PROCESS_TITLE
 
         own = procs[pid][1] if pid in procs else []
         front = pid if own and own[0].startswith(PROCESS_TITLE) else None
@@ -644,7 +644,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _pct(xs: Sequence[float], p: float) -> float:
-    from gpumesh.bench.stats import percentile
+    from gpumesh_bench.stats import percentile
 
     return percentile(list(xs), p)
 
@@ -664,10 +664,10 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     ``split``: instead of ``target``, these nodes directly, the concurrency and the load
     processes divided evenly between them (a client that spreads its own streams: data
     parallel without a router, the measure of what the router costs at that load)."""
-    from gpumesh.bench.cli import StreamSpec, run_multi, start_instant
-    from gpumesh.bench.loadgen import LoadConfig
-    from gpumesh.bench.stats import window_metrics
-    from gpumesh.bench.workload import LengthDist, WorkloadSpec
+    from gpumesh_bench.cli import StreamSpec, run_multi, start_instant
+    from gpumesh_bench.loadgen import LoadConfig
+    from gpumesh_bench.stats import window_metrics
+    from gpumesh_bench.workload import LengthDist, WorkloadSpec
 
     prompt, output = prompt or env.prompt, output or env.output
     warm = env.warmup_s if warmup_s is None else warmup_s
@@ -840,7 +840,7 @@ def _max(xs: Sequence[Any]) -> Any:
 
 def phase_eng(env: Env, shape: str, gpus: int) -> None:
     """The node's own engine in a closed loop in one process, without gRPC
-    (``gpumesh bench engine-loop``, gpumesh.bench.engine_loop), on the node TOML a node of this
+    (``gpumesh bench engine-loop``, gpumesh_bench.engine_loop), on the node TOML a node of this
     shape gets in the other phases (same engine arguments, ``--engine-arg`` included), at the
     raw reference's concurrency C: one loop on GPU 0, then (two GPUs or more) two loops at
     once on GPUs 0 and 1, C/2 each, starting their load together, recorded as one row the way
@@ -1366,7 +1366,7 @@ def _name_value(kv: str, flag: str) -> tuple[str, Any]:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from gpumesh.dummy_model import build_dummy_model
+    from gpumesh_bench.dummy_model import build_dummy_model
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1473,7 +1473,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpumesh.bench.gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m gpumesh_bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
@@ -1535,7 +1535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(gpumesh.client.spread_target) instead of one hashed connection each")
     r.add_argument("--pin", choices=["off", "on", "both"], default="off",
                    help="dp05/dp7: node process trees on physical cores of their own near their "
-                        "GPUs, routers and load on the rest (gpumesh.bench.affinity); both: each "
+                        "GPUs, routers and load on the rest (gpumesh_bench.affinity); both: each "
                         "setup unpinned then pinned")
     r.add_argument("--prompt", default=str(REFERENCE_PROMPT),
                    help="prompt tokens of the main benches (gpumesh bench's length syntax)")

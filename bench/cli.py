@@ -15,7 +15,7 @@
                             [--prompt DIST] [--output DIST] [--json OUT]
 
 DIST: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX] | bimodal:SHORT:LONG:P_LONG
-(see gpumesh.bench.workload). With --trace, arrivals come from the trace (--rate rescales
+(see gpumesh_bench.workload). With --trace, arrivals come from the trace (--rate rescales
 them to that mean rate). --procs N runs N processes that split the same request stream by
 index (and so the rate, or the concurrency); their results are merged into one file.
 """
@@ -33,16 +33,16 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gpumesh.bench.loadgen import LoadConfig, RequestResult, RunResult, run_load
-from gpumesh.bench.report import (
+from gpumesh_bench.loadgen import LoadConfig, RequestResult, RunResult, run_load
+from gpumesh_bench.report import (
     load_result,
     markdown_table,
     plot,
     result_document,
     write_json,
 )
-from gpumesh.bench.stats import SLO, summarize
-from gpumesh.bench.workload import (
+from gpumesh_bench.stats import SLO, summarize
+from gpumesh_bench.workload import (
     BenchRequest,
     LengthDist,
     WorkloadSpec,
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", required=True)
     pl.add_argument("--title", default="")
     pl.add_argument("--md", default="")
-    from gpumesh.bench import compare, overhead, scaling
+    from gpumesh_bench import compare, overhead, scaling
 
     cp = sub.add_parser("compare-policies", help="every policy + nginx on one fleet and one trace")
     compare.add_arguments(cp)
@@ -124,20 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_arguments(ov)
     sc = sub.add_parser("scaling", help="data-parallel scaling of sim (and vLLM CPU) nodes")
     scaling.add_arguments(sc)
-    from gpumesh.bench import vs_smg
+    from gpumesh_bench import vs_smg
 
     vs = sub.add_parser("vs-smg", help="gpumesh router vs SMG, each against one vLLM CPU worker")
     vs_smg.add_arguments(vs)
-    from gpumesh.bench import nodecpu
+    from gpumesh_bench import nodecpu
 
     nc = sub.add_parser("node-cpu", help="node-process CPU per output token, nodes interleaved")
     nodecpu.add_arguments(nc)
-    from gpumesh.bench import grpc_cost
+    from gpumesh_bench import grpc_cost
 
     gc = sub.add_parser("grpc-cost", help="grpc.aio's own server CPU per request and per "
                                           "stream message, on loopback")
     grpc_cost.add_arguments(gc)
-    from gpumesh.bench import engine_loop
+    from gpumesh_bench import engine_loop
 
     el = sub.add_parser("engine-loop", help="closed loop on a node's own engine, in process, "
                                             "no gRPC (the node's engine vs raw vLLM)")
@@ -274,31 +274,39 @@ def _cmd_plot(a: argparse.Namespace) -> int:
     return 0
 
 
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``gpumesh bench`` to the ``gpumesh`` command line (the ``gpumesh.commands`` entry
+    point); the arguments after ``bench`` go to :func:`main` unparsed."""
+    b = sub.add_parser("bench", help="gRPC load generator and policy comparisons", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=lambda a: main(a.rest))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(argv) if argv is not None else None)
     if a.cmd == "compare-policies":
-        from gpumesh.bench import compare
+        from gpumesh_bench import compare
 
         return compare.main(a)
     if a.cmd == "compare-report":
-        from gpumesh.bench import compare
+        from gpumesh_bench import compare
 
         return compare.report_main(a.files, a.md)
     if a.cmd in ("overhead", "scaling", "vs-smg"):
-        from gpumesh.bench import overhead, scaling, vs_smg
+        from gpumesh_bench import overhead, scaling, vs_smg
 
         return {"overhead": overhead.main, "scaling": scaling.main,
                 "vs-smg": vs_smg.main}[a.cmd](a)
     if a.cmd == "engine-loop":
-        from gpumesh.bench import engine_loop
+        from gpumesh_bench import engine_loop
 
         return engine_loop.main(a)
     if a.cmd == "grpc-cost":
-        from gpumesh.bench import grpc_cost
+        from gpumesh_bench import grpc_cost
 
         return grpc_cost.main(a)
     if a.cmd == "node-cpu":
-        from gpumesh.bench import nodecpu
+        from gpumesh_bench import nodecpu
 
         return nodecpu.cmd_node_cpu(a)
     return {"run": _cmd_run, "trace": _cmd_trace, "report": _cmd_report, "plot": _cmd_plot}[a.cmd](a)

@@ -6,7 +6,7 @@
    once against the same fleet (every node heartbeats to every router, only the one under
    load sees traffic);
 2. simulated nodes, ``nodes_per_proc`` of them per *fleet host* process (``python -m
-   gpumesh.bench.fleet host SPEC``: several :class:`node.app.NodeServer` in one event loop,
+   gpumesh_bench.fleet host SPEC``: several :class:`node.app.NodeServer` in one event loop,
    each its own gRPC server, engine and heartbeat client; nothing in ``node/`` changes);
 3. optionally nginx (``least_conn`` + ``grpc_pass`` over HTTP/2 keepalive connections, its
    config written into a temp dir);
@@ -46,7 +46,7 @@ from typing import Any
 import grpc
 
 from gpumesh.ports import free_port
-from node.config import NodeConfig
+from gpumesh.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class RouterSpec:
 
 def scaled_router_flags(time_scale: float) -> list[str]:
     """Router time constants for a fleet slowed ``time_scale`` times (see module docstring)."""
-    from router.config import RouterConfig
+    from gpumesh.router.config import RouterConfig
 
     if time_scale <= 0 or time_scale == 1:
         return []
@@ -283,7 +283,7 @@ class Fleet:
             path = self._tmp / f"host{k}.json"
             path.write_text(json.dumps(spec), encoding="utf-8")
             self.hosts.append(Child(f"host{k // self.nodes_per_proc}",
-                                    _py("-m", "gpumesh.bench.fleet", "host", str(path)),
+                                    _py("-m", "gpumesh_bench.fleet", "host", str(path)),
                                     self.log_dir, env, self.node_cpus))
         if self.use_nginx:
             self._start_nginx()
@@ -427,7 +427,7 @@ def _install_handlers() -> None:
 # --- the fleet host process -------------------------------------------------------------------
 
 async def _host(spec: dict[str, Any]) -> None:
-    from node.app import NodeServer, build_engine
+    from gpumesh.node.app import NodeServer, build_engine
 
     servers = []
     for n in spec["nodes"]:
@@ -454,7 +454,7 @@ async def _host(spec: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2 or args[0] != "host":
-        print("usage: python -m gpumesh.bench.fleet host SPEC.json", file=sys.stderr)
+        print("usage: python -m gpumesh_bench.fleet host SPEC.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[1]).read_text(encoding="utf-8"))
     logging.basicConfig(level=getattr(logging, spec.get("log_level", "warning").upper()),

@@ -1,6 +1,6 @@
-"""The GPU benchmark's report: markdown tables and plots from ``gpumesh.bench.gpu``'s records.
+"""The GPU benchmark's report: markdown tables and plots from ``gpumesh_bench.gpu``'s records.
 
-  python -m gpumesh.bench.gpu report DIR/results.json[.gz]... --md OUT.md --png OUT.png
+  python -m gpumesh_bench.gpu report DIR/results.json[.gz]... --md OUT.md --png OUT.png
 
 Holds the raw-vLLM reference figures the records are compared with (shared/gpu/README.md)
 and every derived line: ratios against the reference, the session's own raw run and the
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpumesh.bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
+from gpumesh_bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
 
 # Raw vLLM 0.26.0 on H200 (shared/gpu/README.md, seed_table.sh, 2026-11-29, nvidia-h200-x2):
 # (shape, setup) -> (QPS, p50 latency s, TTFT p50 s or None), input 32, output 256, ignore_eos.
@@ -56,7 +56,7 @@ def _setup_key(rec: dict[str, Any]) -> str:
     return "1gpu"
 
 
-# The raw reference's workload as (prompt, output) length specs (gpumesh.bench.workload).
+# The raw reference's workload as (prompt, output) length specs (gpumesh_bench.workload).
 REFERENCE_WORKLOAD = (str(REFERENCE_PROMPT), str(REFERENCE_OUTPUT))
 
 

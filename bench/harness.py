@@ -14,11 +14,11 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gpumesh.bench.fleet import group_cpu_s
-from gpumesh.bench.loadgen import LoadConfig, RequestResult, run_load
-from gpumesh.bench.report import result_document
-from gpumesh.bench.stats import SLO, percentile, summarize
-from gpumesh.bench.workload import BenchRequest
+from gpumesh_bench.fleet import group_cpu_s
+from gpumesh_bench.loadgen import LoadConfig, RequestResult, run_load
+from gpumesh_bench.report import result_document
+from gpumesh_bench.stats import SLO, percentile, summarize
+from gpumesh_bench.workload import BenchRequest
 
 
 async def measured_run(cfg: LoadConfig, requests: Iterable[BenchRequest], slo: SLO,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpumesh.bench.loadgen import RequestResult
+from gpumesh_bench.loadgen import RequestResult
 
 
 @dataclass(frozen=True)

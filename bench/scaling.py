@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpumesh.bench.fleet import Child, Fleet, RouterSpec, SimNodeSpec, free_port
-from gpumesh.bench.harness import closed_loop_throughput
-from gpumesh.bench.loadgen import LoadConfig, run_load
-from gpumesh.bench.report import write_json
-from gpumesh.bench.stats import summarize
-from gpumesh.bench.workload import LengthDist, WorkloadSpec, iter_requests
+from gpumesh_bench.fleet import Child, Fleet, RouterSpec, SimNodeSpec, free_port
+from gpumesh_bench.harness import closed_loop_throughput
+from gpumesh_bench.loadgen import LoadConfig, run_load
+from gpumesh_bench.report import write_json
+from gpumesh_bench.stats import summarize
+from gpumesh_bench.workload import LengthDist, WorkloadSpec, iter_requests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

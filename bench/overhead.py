@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpumesh.bench.fleet import Fleet, RouterSpec, SimNodeSpec, group_cpu_s
-from gpumesh.bench.report import write_json
-from gpumesh.bench.stats import percentile
-from gpumesh.bench.workload import synth_prompt
+from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec, group_cpu_s
+from gpumesh_bench.report import write_json
+from gpumesh_bench.stats import percentile
+from gpumesh_bench.workload import synth_prompt
 
 
 @dataclass
@@ -253,7 +253,7 @@ def main(a: argparse.Namespace) -> int:
             result["tracing"] = _tracing(node, a, out, pin)
             write_json(out / "overhead.json", result)
         if "decision" in parts:
-            from gpumesh.bench import microbench
+            from gpumesh_bench import microbench
 
             sizes = [int(x) for x in a.decision_sizes.split(",") if x]
             result["decision"] = microbench.run(sizes, a.decision_iters)
@@ -332,7 +332,7 @@ def markdown(r: dict[str, Any]) -> str:
                              f"{_f(v['ttft_p99_ms'], 2)} |")
             lines.append("")
     if "decision" in r:
-        from gpumesh.bench import microbench
+        from gpumesh_bench import microbench
 
         lines += ["### Routing decision time", "", microbench.markdown(r["decision"])]
     return "\n".join(lines) + "\n"

@@ -25,9 +25,9 @@ import time
 from collections import deque
 from typing import Any
 
-from router.config import RouterConfig
-from router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
-from router.scheduling import (
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.scheduling import (
     LoadSample,
     RequestInfo,
     WaitModel,
@@ -35,7 +35,7 @@ from router.scheduling import (
     default_filters,
     select_from,
 )
-from router.scheduling.profiles import Profile
+from gpumesh.router.scheduling.profiles import Profile
 
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
 
@@ -50,7 +50,7 @@ def _load(rng: random.Random) -> LoadSample:
 
 
 def build_registry(n: int, seed: int = 0) -> Registry:
-    logging.getLogger("router.registry").setLevel(logging.WARNING)  # one line per node otherwise
+    logging.getLogger("gpumesh.router.registry").setLevel(logging.WARNING)  # one line per node otherwise
     rng = random.Random(seed)
     clock = [1000.0]
     reg = Registry("bench-router", lease_ttl_s=3.0, freshness_s=1.5, max_concurrency_default=0,

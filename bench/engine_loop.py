@@ -3,7 +3,7 @@
   gpumesh bench engine-loop --config NODE.toml --concurrency C [--warmup S] [--seconds S]
                             [--prompt SPEC] [--output SPEC] [--seed N] [--json PATH]
                             [--sync-dir DIR --sync-count N]
-  python -m gpumesh.bench.engine_loop ...   (the same arguments)
+  python -m gpumesh_bench.engine_loop ...   (the same arguments)
 
 Why: on an H200 a gpumesh node is slower than a bare vLLM loop (.gpukit/tools/seed_table.py,
 the raw reference). This tool sits between the two. It builds the engine exactly as
@@ -15,13 +15,13 @@ gRPC. So raw vs engine loop is the engine's configuration, and engine loop vs no
 the node's serving path.
 
 Load: C streams, each sending its next request when its last one ended. Requests are
-``gpumesh bench``'s workload (``gpumesh.bench.workload``: ``--prompt`` / ``--output`` length
+``gpumesh bench``'s workload (``gpumesh_bench.workload``: ``--prompt`` / ``--output`` length
 specs such as ``fixed:32`` or ``uniform:128:384``, prompts synthesized from ``--seed`` and the
 request index); each prompt is tokenized with ``engine.tokenize`` as the node's servicer
 tokenizes a text prompt (before the request's clock starts), and sampled with the servicer's
 defaults (temperature 1, top_p 1) and ``ignore_eos``, so outputs have the asked length.
 
-Measurement: the raw reference's method (``gpumesh.bench.stats.window_metrics``): a warm-up of
+Measurement: the raw reference's method (``gpumesh_bench.stats.window_metrics``): a warm-up of
 ``--warmup`` s, then a window of ``--seconds`` s; when it ends, the requests still in flight are
 cancelled (aborted in the engine) and the engine is shut down. Besides the window metrics
 (``qps``, ``done_qps``, latency / TTFT / TPOT percentiles in seconds, ``out_tok_s``,
@@ -61,9 +61,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpumesh.bench.loadgen import RequestResult
-from gpumesh.bench.stats import window_metrics
-from gpumesh.bench.workload import (
+from gpumesh_bench.loadgen import RequestResult
+from gpumesh_bench.stats import window_metrics
+from gpumesh_bench.workload import (
     REFERENCE_OUTPUT,
     REFERENCE_PROMPT,
     BenchRequest,
@@ -72,7 +72,7 @@ from gpumesh.bench.workload import (
     iter_requests,
     prompt_text,
 )
-from node.engine import Engine, EngineError, EngineRequest, Sampling
+from gpumesh.node.engine import Engine, EngineError, EngineRequest, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +245,8 @@ async def run_engine_loop(config_file: str | Path | None, cfg: LoopConfig,
                           sync_timeout_s: float = 300.0) -> dict[str, Any]:
     """Build the engine as ``gpumesh node --config config_file`` does, start it, run the
     loop, shut it down (also on errors); returns the record."""
-    from node.app import build_engine
-    from node.config import load_node_config
+    from gpumesh.node.app import build_engine
+    from gpumesh.node.config import load_node_config
 
     node_cfg = load_node_config(config_file)
     engine = build_engine(node_cfg)
@@ -307,7 +307,7 @@ def main(a: argparse.Namespace) -> int:
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpumesh.bench.engine_loop", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m gpumesh_bench.engine_loop", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.add_argument("--log-level", default=os.environ.get("GPUMESH_LOG_LEVEL", "info"))

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import grpc
 
 from gpumesh import metadata as md
-from gpumesh.bench.workload import BenchRequest, prompt_text
+from gpumesh_bench.workload import BenchRequest, prompt_text
 from gpumesh.client import SPREAD_OPTIONS, spread_target
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc

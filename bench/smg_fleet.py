@@ -1,4 +1,4 @@
-"""``python -m gpumesh.bench.smg_fleet``: gpumesh vs SMG on the same simulated fleet (issue 6, 3).
+"""``python -m gpumesh_bench.smg_fleet``: gpumesh vs SMG on the same simulated fleet (issue 6, 3).
 
 One simulated fleet (default ``hetero-eqkv``: 8 nodes, speeds 1,1,1,1,2,2,0.5,0.5, 8,192 KV
 tokens each, ``max_num_seqs`` 32, as in docs/benchmarks.md section 1) is fronted at the same
@@ -21,7 +21,7 @@ gpumesh path sends those token ids (``GenerateRequest.token_ids``); the SMG path
 SSE ``usage.prompt_tokens`` is checked against N for every request). Output: ``max_tokens`` and
 ``ignore_eos``, the sim ignores temperature.
 
-Measurement is the load generator's (``gpumesh.bench.loadgen``): open-loop arrivals from one
+Measurement is the load generator's (``gpumesh_bench.loadgen``): open-loop arrivals from one
 recorded Poisson trace (rescaled to each load), TTFT = the first message carrying a token (gRPC
 chunk with token ids / SSE event with non-empty text), latency = end of stream, TPOT =
 (latency - TTFT) / (output tokens - 1) with output tokens from the final usage. Per-node share:
@@ -58,8 +58,8 @@ from typing import Any
 
 import grpc
 
-from gpumesh.bench.compare import HETERO_SPEEDS, WORKLOADS, parse_variants
-from gpumesh.bench.fleet import (
+from gpumesh_bench.compare import HETERO_SPEEDS, WORKLOADS, parse_variants
+from gpumesh_bench.fleet import (
     Child,
     Fleet,
     RouterSpec,
@@ -67,17 +67,17 @@ from gpumesh.bench.fleet import (
     group_cpu_s,
     hetero_nodes,
 )
-from gpumesh.bench.harness import closed_loop_throughput, median
-from gpumesh.bench.loadgen import (
+from gpumesh_bench.harness import closed_loop_throughput, median
+from gpumesh_bench.loadgen import (
     LoadConfig,
     RequestResult,
     RunResult,
     drive,
     send_message,
 )
-from gpumesh.bench.report import result_document, write_json
-from gpumesh.bench.stats import SLO, summarize
-from gpumesh.bench.workload import (
+from gpumesh_bench.report import result_document, write_json
+from gpumesh_bench.stats import SLO, summarize
+from gpumesh_bench.workload import (
     BenchRequest,
     LengthDist,
     WorkloadSpec,
@@ -696,7 +696,7 @@ def main(a: argparse.Namespace) -> int:
 
 
 def report_main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpumesh.bench.smg_fleet report")
+    p = argparse.ArgumentParser(prog="python -m gpumesh_bench.smg_fleet report")
     p.add_argument("files", nargs="+")
     a = p.parse_args(argv)
     docs, runs = [], []
@@ -716,7 +716,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["report"]:
         return report_main(args[1:])
-    p = argparse.ArgumentParser(prog="python -m gpumesh.bench.smg_fleet", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m gpumesh_bench.smg_fleet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return main(p.parse_args(args))

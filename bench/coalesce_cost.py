@@ -8,7 +8,7 @@ per-request output queues are woken once per step), the default 20 ms / 64-token
 implementation of ``coalesce`` (e.g. ``git show REV:node/coalesce.py > old.py``) in
 alternating rounds (ABAB) and prints the ratio of medians.
 
-  python -m gpumesh.bench.coalesce_cost --compare /tmp/coalesce_old.py --rounds 5
+  python -m gpumesh_bench.coalesce_cost --compare /tmp/coalesce_old.py --rounds 5
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from node.coalesce import CoalescePolicy, coalesce
-from node.engine import EngineOutput, Finish
+from gpumesh.node.coalesce import CoalescePolicy, coalesce
+from gpumesh.node.engine import EngineOutput, Finish
 
 Coalesce = Callable[..., AsyncIterator[EngineOutput]]
 
@@ -69,7 +69,7 @@ async def run_once(impl: Coalesce, streams: int, steps: int, step_s: float) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpumesh.bench.coalesce_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m gpumesh_bench.coalesce_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare", default="", help="a file with another coalesce() to compare")
     p.add_argument("--rounds", type=int, default=5)

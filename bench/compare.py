@@ -31,12 +31,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from gpumesh.bench.fleet import Fleet, RouterSpec, SimNodeSpec, hetero_nodes
-from gpumesh.bench.harness import measure_capacity, measured_run, median
-from gpumesh.bench.loadgen import LoadConfig
-from gpumesh.bench.report import write_json
-from gpumesh.bench.stats import SLO
-from gpumesh.bench.workload import (
+from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec, hetero_nodes
+from gpumesh_bench.harness import measure_capacity, measured_run, median
+from gpumesh_bench.loadgen import LoadConfig
+from gpumesh_bench.report import write_json
+from gpumesh_bench.stats import SLO
+from gpumesh_bench.workload import (
     LengthDist,
     WorkloadSpec,
     iter_requests,
@@ -222,7 +222,7 @@ def markdown(runs: list[dict[str, Any]], caps: dict[str, Any], ts: float) -> str
 
 
 def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
-    from gpumesh.bench.report import plot
+    from gpumesh_bench.report import plot
 
     made = []
     by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)

@@ -59,9 +59,9 @@ def _cpu_s(pids: tuple[int, ...]) -> float:
 
 
 def measure(target: str, pids: tuple[int, ...], a: argparse.Namespace) -> dict[str, Any]:
-    from gpumesh.bench.cli import StreamSpec, _proc_requests
-    from gpumesh.bench.loadgen import LoadConfig, run_load
-    from gpumesh.bench.workload import LengthDist, WorkloadSpec
+    from gpumesh_bench.cli import StreamSpec, _proc_requests
+    from gpumesh_bench.loadgen import LoadConfig, run_load
+    from gpumesh_bench.workload import LengthDist, WorkloadSpec
 
     cfg = LoadConfig(target=target, concurrency=a.concurrency, duration_s=a.duration,
                      timeout_s=120.0, seed=0, progress_s=0.0, spread_workers=True)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpumesh.bench.loadgen import RunResult
+from gpumesh_bench.loadgen import RunResult
 
 
 def _clean(x: Any) -> Any:
