@@ -59,9 +59,8 @@ async def spread_target(target: str, timeout: float = 10.0) -> str:
 
     Why: the workers share the public port through SO_REUSEPORT, and the kernel hashes each
     *connection* to a worker; a client's calls all ride its one connection, so a handful of
-    clients load the workers unevenly (8 connections over 4 workers: the busiest worker gets
-    3-4 of them, 1.5-2x its share, measured with 5 tries) and the busiest worker saturates
-    first. The same for a node with several front-end processes (``frontends``): their own
+    clients load the workers unevenly (a few connections over as many workers rarely land
+    one per worker) and the busiest worker saturates first. The same for a node with several front-end processes (``frontends``): their own
     addresses, from its ListModels. Returns ``target`` unchanged for a single-process router
     or node."""
     async with grpc.aio.insecure_channel(target) as ch:

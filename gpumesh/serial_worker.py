@@ -1,10 +1,10 @@
 """One worker thread for the calls into one resource that must not be called concurrently
 (a tokenizer), so that the long calls do not stall the asyncio event loop.
 
-Users: ``node.engine.PromptEncoder`` (prompt tokenization, one per node) and
-``router.foreign.Tokenizer`` (tokenization and detokenization for a vLLM gRPC worker, one per
-worker connection). The caller decides whether a call is short (the thresholds below, measured
-for HF fast tokenizers); a short call runs inline on the loop, but only while the thread is
+Users: the node's prompt encoder (prompt tokenization, one per node) and the router's
+tokenizer for stock vLLM gRPC workers (tokenization and detokenization, one per worker
+connection). The caller decides whether a call is short (the thresholds below, set for HF fast
+tokenizers); a short call runs inline on the loop, but only while the thread is
 idle, so calls into the resource stay serial whichever way they run.
 """
 
@@ -20,22 +20,17 @@ _T = TypeVar("_T")
 _Ts = TypeVarTuple("_Ts")
 
 # Prompts shorter than this (characters; for a chat, the roles and contents together) are
-# tokenized inline on the event loop, longer ones on the worker thread. Measured on the
-# 2-core dev box with the tiny model's HF fast tokenizer (byte-level BPE, ~2.5 chars/token),
-# medians: an encode costs ~40 us + ~0.3 us/char on the loop (200 chars 0.08 ms, 2,000 chars
-# 0.62 ms, 11,230 chars = 4,494 tokens 3.2 ms). Through the thread, a 200-char prompt takes
-# 190 us instead of 77 (the hop: +110 us) and still costs the loop 60 us of its own CPU (the
-# wake-up, and the encode's GIL-held Python parts), so a short prompt gains nothing there.
-# At 1,000 chars an inline encode stalls the loop ~0.35 ms, a few hops' worth; above that
-# the thread wins: 16 concurrent 4,494-token prompts stalled the loop 55 ms inline, ~1 ms
-# off it.
+# tokenized inline on the event loop, longer ones on the worker thread. Why a threshold: the
+# hop to the thread costs about as much loop time as encoding a short prompt (the wake-up and
+# the encode's GIL-held Python parts), so short prompts gain nothing there, while a long one
+# inline stalls every other stream on the loop. At about this size an HF fast tokenizer's
+# inline encode costs the loop as much as a few hops (docs/benchmarks.md, "Tokenization off
+# the event loop").
 INLINE_PROMPT_CHARS = 1000
 
 # Token ids fewer than this are decoded (one-shot, skipping special tokens) inline, more on
-# the worker thread. Same box and tokenizer, medians through transformers' ``decode``: ~0.2
-# us/id (200 ids 0.04 ms, 2,000 ids 0.41 ms, 8,000 ids 1.6 ms), so 1,500 ids stall the loop
-# about as long as a 1,000-char encode (~0.3 ms). An incremental decode step (a few ids) is
-# always short.
+# the worker thread: a decode of this many ids stalls the loop about as long as an encode of
+# INLINE_PROMPT_CHARS. An incremental decode step (a few ids) is always short.
 INLINE_DECODE_IDS = 1500
 
 
