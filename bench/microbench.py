@@ -1,6 +1,6 @@
 """Routing-decision micro-benchmark: the scheduler alone, over in-memory fleets.
 
-For each fleet size N, a ``router.registry.Registry`` is filled with N registered nodes, each
+For each fleet size N, a ``router.fleet.Registry`` is filled with N registered nodes, each
 with a fresh heartbeat (random load: running, waiting, pending prefill tokens, KV usage,
 throughputs, KV capacity), and this router's own in-flight counts. One decision is what the
 dispatcher does per request: ``registry.candidate_source(model)`` (the per-node cached
@@ -26,9 +26,8 @@ from collections import deque
 from typing import Any
 
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.fleet import Registry
 from gpumesh.router.scheduling import (
-    LoadSample,
     RequestInfo,
     WaitModel,
     build_profile,
@@ -36,34 +35,38 @@ from gpumesh.router.scheduling import (
     select_from,
 )
 from gpumesh.router.scheduling.profiles import Profile
+from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
 
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
 
 
-def _load(rng: random.Random) -> LoadSample:
-    return LoadSample(num_running=rng.randint(0, 256), num_waiting=rng.randint(0, 16),
+# Every report carries this router's account (the node has admitted one of its requests).
+_ACCOUNTS = (RouterAccount("bench-router", 1, 100, 1, 100),)
+
+
+def _load(rng: random.Random) -> LoadReport:
+    return LoadReport(num_running=rng.randint(0, 256), num_waiting=rng.randint(0, 16),
                       pending_prefill_tokens=rng.randint(0, 20_000),
                       kv_cache_usage=rng.random() * 0.95,
                       generation_tokens_per_s=rng.uniform(1000, 30_000),
                       prompt_tokens_per_s=rng.uniform(1000, 100_000), in_flight=10,
-                      kv_capacity_tokens=10_200_000)
+                      kv_capacity_tokens=10_200_000, router_accounts=_ACCOUNTS)
 
 
 def build_registry(n: int, seed: int = 0) -> Registry:
-    logging.getLogger("gpumesh.router.registry").setLevel(logging.WARNING)  # one line per node otherwise
+    logging.getLogger("gpumesh.router.fleet.registry").setLevel(logging.WARNING)  # one line per node otherwise
     rng = random.Random(seed)
     clock = [1000.0]
     reg = Registry("bench-router", lease_ttl_s=3.0, freshness_s=1.5, max_concurrency_default=0,
                    known_model_retention_s=60.0, clock=lambda: clock[0])
     for i in range(n):
         nid = f"node-{i:05d}"
-        reg.register(NodeRegistration(nid, f"10.0.{i // 250}.{i % 250}:50051",
-                                      (ModelSpec("m", (), 8704, 1, rng.choice((0.5, 1, 1, 2))),),
-                                      f"inc{i}"), stream_id=i + 1)
+        reg.register(Registration(nid, f"10.0.{i // 250}.{i % 250}:50051",
+                                  (ModelSpec("m", (), 8704, 1, rng.choice((0.5, 1, 1, 2))),),
+                                  f"inc{i}"), stream_id=i + 1)
         for _ in range(rng.randint(0, 6)):  # some of this router's requests in flight
             reg.charge(nid, rng.randint(64, 4096))
-        reg.heartbeat(nid, i + 1, 1, 0, _load(rng),
-                      [("bench-router", AccountSample(1, 100, 1, 100))])
+        reg.heartbeat(nid, i + 1, 1, 0, _load(rng))
     return reg
 
 
@@ -90,8 +93,7 @@ def bench_one(reg: Registry, profile: Profile, iters: int, rng: random.Random) -
             credits.popleft().finish()
         nid = churn.choice(ids)
         seqs[nid] += 1
-        reg.heartbeat(nid, int(nid[len("node-"):]) + 1, seqs[nid], 0, _load(churn),
-                      [("bench-router", AccountSample(1, 100, 1, 100))])
+        reg.heartbeat(nid, int(nid[len("node-"):]) + 1, seqs[nid], 0, _load(churn))
 
     for _ in range(min(50, iters)):
         chosen = select_from(profile, reg.candidate_source("m"), req, rng, filters, d).node_id

@@ -30,7 +30,7 @@ from gpumesh.v1 import control_pb2_grpc
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import Dispatcher
 from gpumesh.router.foreign import ForeignFleet
-from gpumesh.router.registry import Registry
+from gpumesh.router.fleet import Registry
 from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
 from gpumesh.router.servicer import (
     ControlPlaneServicer,

@@ -30,7 +30,7 @@ import grpc
 
 from gpumesh.router import errors
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.registry import Credit, Registry
+from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.scheduling import Decision, NoCandidate, Profile, RequestInfo, select_from
 from gpumesh.router.scheduling.filters import Filter
 from gpumesh.router.transport import NodeChannels, dispatch_metadata

@@ -60,7 +60,7 @@ from gpumesh import telemetry as gt
 
 if TYPE_CHECKING:
     from gpumesh.router.dispatch import DispatchRecord, Lease
-    from gpumesh.router.registry import Registry
+    from gpumesh.router.fleet import Registry
     from gpumesh.router.scheduling.types import Decision
 
 REQUEST_SPAN = "gpumesh.router.generate"

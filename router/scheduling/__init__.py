@@ -20,7 +20,6 @@ from gpumesh.router.scheduling.types import (
                                      CandidateSource,
                                      Decision,
                                      ListCandidates,
-                                     LoadSample,
                                      NodeState,
                                      RequestInfo,
 )
@@ -31,7 +30,6 @@ __all__ = [
                                      "CandidateSource",
                                      "Decision",
                                      "ListCandidates",
-                                     "LoadSample",
                                      "NoCandidate",
                                      "NodeState",
                                      "Profile",

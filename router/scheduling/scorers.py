@@ -133,7 +133,7 @@ class WaitModel:
     # T from the node's reported prefill capacity (RouterConfig.prefill_from_capacity)
     prefill_from_capacity: bool = True
     # With it, a running request costs this many of the node's measured decode steps
-    # (LoadSample.step_s) instead of decode_s_per_request / w; 0 = keep the constant.
+    # (Candidate.step_s) instead of decode_s_per_request / w; 0 = keep the constant.
     decode_steps_per_request: float = 1.0
 
 
@@ -155,8 +155,8 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
         # T = the node's capacity and (when measured) the decode step its own: both hold the
         # node's speed already, so w divides only the KV term (and a constant decode term).
         tps = max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
-        if r.step_s > 0 and m.decode_steps_per_request > 0:
-            return queued / tps + kv / weight + m.decode_steps_per_request * r.step_s * running
+        if c.step_s > 0 and m.decode_steps_per_request > 0:
+            return queued / tps + kv / weight + m.decode_steps_per_request * c.step_s * running
         return queued / tps + (kv + m.decode_s_per_request * running) / weight
     tps = max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
     return (queued / tps + kv + m.decode_s_per_request * running) / weight

@@ -3,7 +3,7 @@
 The registry turns its snapshot plus its own per-node counts into ``Candidate`` values (cached
 per node, rebuilt when their inputs change); policies read only these. ``Decision`` keeps the
 raw per-scorer scores of the best few candidates (the chosen one included) so a trace span
-(issue 4) can carry them.
+can carry them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Protocol
 
+from gpumesh.types import LoadReport
+
 
 class NodeState(str, Enum):
     HEALTHY = "healthy"
@@ -22,34 +24,15 @@ class NodeState(str, Enum):
 
 
 @dataclass(frozen=True)
-class LoadSample:
-    """One node's load report (from a heartbeat), as the router keeps it."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    pending_prefill_tokens: int = 0
-    kv_cache_usage: float = 0.0          # 0..1
-    prefix_cache_hit_rate: float = 0.0   # 0..1
-    generation_tokens_per_s: float = 0.0
-    prompt_tokens_per_s: float = 0.0
-    in_flight: int = 0
-    draining: bool = False
-    kv_capacity_tokens: int = 0          # 0 = unknown (KV usage then moves only with reports)
-    prefill_capacity_tokens_per_s: float = 0.0  # 0 = unknown (T falls back to the floor)
-    decode_step_s: float = 0.0           # as reported (the node's timed steps); 0 = unknown
-    # What the scorer uses, set by the registry (registry._with_step_time): the node's decode
-    # step time in seconds, decode_step_s where reported, else its num_running averaged over
-    # reports / generation_tokens_per_s; carried over reports without one; 0 = never measured.
-    step_s: float = 0.0
-
-
-@dataclass(frozen=True)
 class Candidate:
     """A node as one decision sees it.
 
     ``report`` is None when the node is STALE (or has not reported yet): scorers then use the
-    router's own counts only. Token counts are prompt tokens (router estimates for its own
-    requests, the node's exact count in ``report.pending_prefill_tokens``).
+    router's own counts only. Otherwise it is the node's last load report, its
+    ``prefill_capacity_tokens_per_s`` filled from the model's reference speed where the node
+    has measured none (``fleet.speed.ModelSpeeds``). Token counts are prompt tokens (router
+    estimates for its own requests, the node's exact count in
+    ``report.pending_prefill_tokens``).
     """
 
     node_id: str
@@ -57,7 +40,7 @@ class Candidate:
     state: NodeState
     capacity_weight: float
     max_concurrency: int                 # 0 = unlimited
-    report: LoadSample | None
+    report: LoadReport | None
     report_age_s: float                  # as of when this view was built; inf: never reported
     kv_cache_usage: float                # last known (0 when never reported)
     router_in_flight: int                # this router's requests on the node, any phase
@@ -66,11 +49,15 @@ class Candidate:
     unreported_prompt_tokens: int        # ... of those, not yet in the last report
     unreported_requests: int
     # This router's change to the node's requests since its last report, any phase
-    # (registry.NodeLedger.decode_delta; may be negative); None = not known (R uses U).
+    # (fleet.CreditLedger.decode_delta; may be negative); None = not known (R uses U).
     decode_delta: int | None = None
-    # All routers' dispatches per one of this router's (registry.PeerShare; >= 1, 1 = alone):
+    # All routers' dispatches per one of this router's (fleet.PeerShare; >= 1, 1 = alone):
     # the expected-wait model scales the unreported terms by it.
     peer_factor: float = 1.0
+    # The node's decode step time in seconds (fleet.speed): its own timing where it reports
+    # one, else its running count averaged over reports / its generation rate, else the
+    # model's reference step scaled by its weight; 0 = none measured or no fresh report.
+    step_s: float = 0.0
 
     @property
     def at_capacity(self) -> bool:
@@ -79,7 +66,7 @@ class Candidate:
 
 class CandidateSource(Protocol):
     """A decision's candidates, readable one by one so a sampled decision builds only those
-    it looks at (``router.registry.LazyCandidates``; ``ListCandidates`` for a plain list).
+    it looks at (``fleet.candidates.LazyCandidates``; ``ListCandidates`` for a plain list).
     Index order is node-id order."""
 
     def __len__(self) -> int: ...

@@ -18,15 +18,15 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from gpumesh.router.registry import AccountSample, Credit, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.scheduling import (
-    LoadSample,
     RequestInfo,
     WaitModel,
     build_profile,
     default_filters,
     select,
 )
+from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
 
 CAP = 128
 STREAMS = 256
@@ -73,7 +73,7 @@ def closed_loop(routers: int, seconds: float = 30.0, seed: int = 0,
     nodes = {n: _Node(n) for n in ("a", "b")}
     for reg in regs:
         for i, n in enumerate(nodes, 1):
-            reg.register(NodeRegistration(n, f"{n}:1", (ModelSpec("m"),), "i1"), i)
+            reg.register(Registration(n, f"{n}:1", (ModelSpec("m"),), "i1"), i)
     profile = build_profile(policy, {"expected_wait": 1.0}, WM)
     filters = default_filters(0.92)
     seq = [0]
@@ -81,14 +81,14 @@ def closed_loop(routers: int, seconds: float = 30.0, seed: int = 0,
     def report(node: _Node) -> None:
         seq[0] += 1
         pending = sum(1 for _ in node.waiting) * PROMPT
-        load = LoadSample(num_running=len(node.running), num_waiting=len(node.waiting),
+        accounts = tuple(RouterAccount(rid, node.admitted.get(rid, 0), 0, node.first.get(rid, 0),
+                                       0, node.finished.get(rid, 0) if report_finished else None)
+                         for rid in ids)
+        load = LoadReport(num_running=len(node.running), num_waiting=len(node.waiting),
                           pending_prefill_tokens=pending, in_flight=node.in_flight,
-                          kv_capacity_tokens=10_000_000)
-        accounts = [(rid, AccountSample(node.admitted.get(rid, 0), 0, node.first.get(rid, 0), 0,
-                                        node.finished.get(rid, 0) if report_finished else None))
-                    for rid in ids]
+                          kv_capacity_tokens=10_000_000, router_accounts=accounts)
         for reg in regs:
-            reg.heartbeat(node.name, 1 if node.name == "a" else 2, seq[0], 0, load, accounts)
+            reg.heartbeat(node.name, 1 if node.name == "a" else 2, seq[0], 0, load)
 
     def send(router: int) -> None:
         reg = regs[router]
@@ -197,14 +197,14 @@ def _pair(running_a: int, running_b: int) -> tuple[Registry, list[Credit]]:
     t = [1000.0]
     r = Registry("r1", lease_ttl_s=3.0, freshness_s=1.5, clock=lambda: t[0])
     for i, n in enumerate("ab", 1):
-        r.register(NodeRegistration(n, f"{n}:1", (ModelSpec("m"),), "i1"), i)
+        r.register(Registration(n, f"{n}:1", (ModelSpec("m"),), "i1"), i)
     credits = [r.charge("a", PROMPT) for _ in range(running_a)]
     credits += [r.charge("b", PROMPT) for _ in range(running_b)]
     for c in credits:
         c.first_token()
     for i, (n, run) in enumerate((("a", running_a), ("b", running_b)), 1):
-        r.heartbeat(n, i, 1, 0, LoadSample(num_running=run, in_flight=run),
-                    accounts=[("r1", AccountSample(run, run * PROMPT, run, run * PROMPT))])
+        r.heartbeat(n, i, 1, 0, LoadReport(num_running=run, in_flight=run, router_accounts=(
+                    RouterAccount("r1", run, run * PROMPT, run, run * PROMPT),)))
     return r, credits
 
 
@@ -238,13 +238,13 @@ def test_a_finish_since_the_report_makes_its_node_lighter() -> None:
 def test_peer_share_factor() -> None:
     """All routers' admissions per one of ours, from the reports' accounts: 1 alone or with
     idle peers, 4 with three equal peers, 1 until enough data, a counter reset is skipped."""
-    from gpumesh.router.registry import PeerShare
+    from gpumesh.router.fleet import PeerShare
 
     t = [0.0]
     p = PeerShare("r1", 10.0, lambda: t[0])
 
-    def acc(*counts: int) -> list[tuple[str, AccountSample]]:
-        return [(f"r{i}", AccountSample(c, 0, 0, 0)) for i, c in enumerate(counts, 1)]
+    def acc(*counts: int) -> list[RouterAccount]:
+        return [RouterAccount(f"r{i}", c, 0, 0, 0) for i, c in enumerate(counts, 1)]
 
     p.observe("a", acc(0, 0, 0, 0))
     p.observe("a", acc(1, 1, 1, 1))

@@ -11,9 +11,8 @@ import grpc
 import pytest
 
 from gpumesh.router.errors import RouterError
-from gpumesh.router.registry import AccountSample, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.fleet import Registry
 from gpumesh.router.scheduling import (
-    LoadSample,
     NodeState,
     RequestInfo,
     WaitModel,
@@ -22,6 +21,7 @@ from gpumesh.router.scheduling import (
     expected_wait_s,
     select,
 )
+from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
 
 RID = "r1"
 WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.25, kv_usage_cap=0.98,
@@ -38,8 +38,8 @@ class Clock:
 
 
 def reg(node_id: str, model: str = "m", *, weight: float = 1.0, incarnation: str = "i1",
-        aliases: tuple[str, ...] = (), max_concurrency: int = 0) -> NodeRegistration:
-    return NodeRegistration(node_id, f"{node_id}:1", (ModelSpec(model, aliases,
+        aliases: tuple[str, ...] = (), max_concurrency: int = 0) -> Registration:
+    return Registration(node_id, f"{node_id}:1", (ModelSpec(model, aliases,
                                                                 capacity_weight=weight),),
                             incarnation, max_concurrency=max_concurrency)
 
@@ -52,10 +52,10 @@ def make(clock: Clock, **kw) -> Registry:  # type: ignore[no-untyped-def]
 def hb(r: Registry, node_id: str, stream: int, seq: int, *, pending: int = 0, kv: float = 0.0,
        admitted: int = 0, first: int = 0, running: int = 0, draining: bool = False) -> bool:
     return r.heartbeat(node_id, stream, seq, 0,
-                       LoadSample(num_running=running, pending_prefill_tokens=pending,
-                                  kv_cache_usage=kv, draining=draining),
-                       accounts=[(RID, AccountSample(admitted, 0, first, 0)),
-                                 ("other-router", AccountSample(99, 0, 99, 0))])
+                       LoadReport(num_running=running, pending_prefill_tokens=pending,
+                                  kv_cache_usage=kv, draining=draining,
+                                  router_accounts=(RouterAccount(RID, admitted, 0, first, 0),
+                                                   RouterAccount("other-router", 99, 0, 99, 0))))
 
 
 # ---------------------------------------------------------------- membership
@@ -94,7 +94,7 @@ def test_heartbeat_from_another_stream_is_ignored() -> None:
 
 
 def test_lease_expiry(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gpumesh.router.registry")
+    caplog.set_level(logging.INFO, logger="gpumesh.router.fleet.registry")
     c = Clock()
     r = make(c, lease_ttl_s=3.0)
     r.register(reg("a"), 1)
@@ -244,8 +244,8 @@ def test_lookaside_credits_released_by_first_token_count_and_time() -> None:
 
 def _report(r: Registry, node: str, seq: int, running: int, admitted: int,
             finished: int | None) -> None:
-    r.heartbeat(node, 1, seq, 0, LoadSample(num_running=running),
-                accounts=[(RID, AccountSample(admitted, 0, admitted, 0, finished))])
+    r.heartbeat(node, 1, seq, 0, LoadReport(num_running=running, router_accounts=(
+                RouterAccount(RID, admitted, 0, admitted, 0, finished),)))
 
 
 def test_finish_seen_after_the_report_that_holds_it_is_not_subtracted_twice() -> None:
@@ -429,9 +429,9 @@ def _kv_burst(capacity: int) -> tuple[Registry, Clock, dict[str, list], random.R
     r = make(c)
     for i, n in enumerate(KV_START, 1):
         r.register(reg(n), i)
-        r.heartbeat(n, i, 1, 0, LoadSample(kv_cache_usage=KV_START[n],
-                                           kv_capacity_tokens=capacity),
-                    accounts=[(RID, AccountSample(0, 0, 0, 0))])
+        r.heartbeat(n, i, 1, 0, LoadReport(kv_cache_usage=KV_START[n],
+                                           kv_capacity_tokens=capacity,
+                                           router_accounts=(RouterAccount(RID, 0, 0, 0, 0),)))
     profile = build_profile("weighted_least_load", WEIGHTS, KV_WM)
     rng = random.Random(3)
     credits: dict[str, list] = {n: [] for n in KV_START}
@@ -466,9 +466,10 @@ def test_kv_bound_burst_spreads_and_next_heartbeat_does_not_herd() -> None:
     for i, n in enumerate(KV_START, 1):
         admitted = max(counts[n] - 2, 0)
         kv = KV_START[n] + admitted * 200 / 20_000
-        r.heartbeat(n, i, 2, 0, LoadSample(kv_cache_usage=kv, kv_capacity_tokens=20_000,
-                                           pending_prefill_tokens=admitted * 100),
-                    accounts=[(RID, AccountSample(admitted, 0, 0, 0))])
+        r.heartbeat(n, i, 2, 0, LoadReport(kv_cache_usage=kv, kv_capacity_tokens=20_000,
+                                           pending_prefill_tokens=admitted * 100,
+                                           router_accounts=(RouterAccount(RID, admitted, 0, 0,
+                                                                          0),)))
     after = {x.node_id: expected_wait_s(x, KV_WM) for x in r.candidates("m")}
     for n in KV_START:
         assert after[n] == pytest.approx(before[n]), (before, after)

@@ -11,11 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from gpumesh.router.registry import AccountSample, Credit, ModelSpec, NodeRegistration, Registry
+from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.scheduling import (
     Candidate,
     ListCandidates,
-    LoadSample,
     NodeState,
     RequestInfo,
     WaitModel,
@@ -25,6 +24,7 @@ from gpumesh.router.scheduling import (
     select_from,
 )
 from gpumesh.router.scheduling.profiles import NoCandidate
+from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
 
 WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.05, kv_usage_cap=0.98,
                decode_s_per_request=0.002, wait_scale_s=0.5, kv_output_allowance_tokens=64)
@@ -39,7 +39,7 @@ def cand(i: int, *, pending: int = 0, kv: float = 0.0, in_flight: int = 0,
          weight: float = 1.0) -> Candidate:
     return Candidate(node_id=f"n{i:04d}", address=f"n{i}:1", state=state,
                      capacity_weight=weight, max_concurrency=max_concurrency,
-                     report=LoadSample(pending_prefill_tokens=pending, kv_cache_usage=kv,
+                     report=LoadReport(pending_prefill_tokens=pending, kv_cache_usage=kv,
                                        draining=state is NodeState.DRAINING),
                      report_age_s=0.1, kv_cache_usage=kv, router_in_flight=in_flight,
                      outstanding_prompt_tokens=0, outstanding_requests=0,
@@ -247,19 +247,19 @@ def test_cached_candidates_match_a_full_rebuild(seed: int) -> None:
         if op < 0.08 or n not in streams:
             streams[n] = next(next_stream)
             inc = "i1" if rng.random() < 0.8 else f"i{rng.randrange(9)}"
-            r.register(NodeRegistration(n, f"{n}:1", (ModelSpec("m", capacity_weight=rng.choice(
+            r.register(Registration(n, f"{n}:1", (ModelSpec("m", capacity_weight=rng.choice(
                 (1.0, 2.0))),), inc, max_concurrency=rng.choice((0, 3))), streams[n])
         elif op < 0.35:
             seqs[n] += 1
             admitted[n] += rng.randrange(3)
             first[n] += rng.randrange(3)
             finished[n] += rng.randrange(3)
-            r.heartbeat(n, streams[n], seqs[n], 0, LoadSample(
+            r.heartbeat(n, streams[n], seqs[n], 0, LoadReport(
                 num_running=rng.randrange(9), pending_prefill_tokens=rng.randrange(5000),
                 kv_cache_usage=rng.random(), kv_capacity_tokens=rng.choice((0, 8192)),
-                draining=rng.random() < 0.05),
-                accounts=[(RID, AccountSample(admitted[n], 0, first[n], 0, finished[n]
-                                              if rng.random() < 0.5 else None))])
+                draining=rng.random() < 0.05,
+                router_accounts=(RouterAccount(RID, admitted[n], 0, first[n], 0, finished[n]
+                                               if rng.random() < 0.5 else None),)))
         elif op < 0.6:
             if r.entry(n) is not None:
                 blind = rng.random() < 0.5
@@ -290,8 +290,8 @@ def test_cached_candidates_match_a_full_rebuild(seed: int) -> None:
 def test_candidate_is_reused_until_an_input_changes() -> None:
     t = [1000.0]
     r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, clock=lambda: t[0])
-    r.register(NodeRegistration("a", "a:1", (ModelSpec("m"),), "i1"), 1)
-    r.heartbeat("a", 1, 1, 0, LoadSample(pending_prefill_tokens=10))
+    r.register(Registration("a", "a:1", (ModelSpec("m"),), "i1"), 1)
+    r.heartbeat("a", 1, 1, 0, LoadReport(pending_prefill_tokens=10))
     (c1,) = r.candidates("m")
     (c2,) = r.candidates("m")
     assert c1 is c2                                  # nothing changed: the same object
@@ -313,9 +313,9 @@ def test_heartbeat_is_constant_time_in_fleet_size() -> None:
     """A heartbeat updates its node's slot in place: no per-model rebuild."""
     r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, clock=lambda: 1000.0)
     for i in range(50):
-        r.register(NodeRegistration(f"n{i}", "x:1", (ModelSpec("m"),), "i1"), i + 1)
+        r.register(Registration(f"n{i}", "x:1", (ModelSpec("m"),), "i1"), i + 1)
     slots_before = r.candidate_source("m")._slots
-    r.heartbeat("n7", 8, 1, 0, LoadSample(pending_prefill_tokens=5))
+    r.heartbeat("n7", 8, 1, 0, LoadReport(pending_prefill_tokens=5))
     assert r.candidate_source("m")._slots is slots_before
     (n7,) = [c for c in r.candidates("m") if c.node_id == "n7"]
     assert n7.report is not None and n7.report.pending_prefill_tokens == 5
@@ -324,9 +324,9 @@ def test_heartbeat_is_constant_time_in_fleet_size() -> None:
 def test_a_join_keeps_the_other_nodes_cached_candidates() -> None:
     r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, clock=lambda: 1000.0)
     for i in range(3):
-        r.register(NodeRegistration(f"n{i}", "x:1", (ModelSpec("m"),), "i1"), i + 1)
+        r.register(Registration(f"n{i}", "x:1", (ModelSpec("m"),), "i1"), i + 1)
     before = {c.node_id: c for c in r.candidates("m")}
-    r.register(NodeRegistration("n9", "x:1", (ModelSpec("m"),), "i1"), 10)
+    r.register(Registration("n9", "x:1", (ModelSpec("m"),), "i1"), 10)
     after = {c.node_id: c for c in r.candidates("m")}
     assert set(after) == {"n0", "n1", "n2", "n9"}
     assert all(after[n] is before[n] for n in before)

@@ -11,7 +11,6 @@ import pytest
 
 from gpumesh.router.scheduling import (
     Candidate,
-    LoadSample,
     NodeState,
     RequestInfo,
     WaitModel,
@@ -23,6 +22,7 @@ from gpumesh.router.scheduling import (
 )
 from gpumesh.router.scheduling.filters import healthy, kv_below
 from gpumesh.router.scheduling.profiles import NoCandidate
+from gpumesh.types import LoadReport
 
 WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.25, kv_usage_cap=0.98,
                decode_s_per_request=0.0, wait_scale_s=0.5)
@@ -34,7 +34,7 @@ def cand(node_id: str = "n", *, weight: float = 1.0, pending: int = 0, kv: float
          tps: float = 0.0, running: int = 0, state: NodeState = NodeState.HEALTHY,
          in_flight: int = 0, outstanding: int = 0, unreported: int = 0, unreported_n: int = 0,
          max_concurrency: int = 0, stale: bool = False, capacity: float = 0.0) -> Candidate:
-    report = None if stale else LoadSample(num_running=running, pending_prefill_tokens=pending,
+    report = None if stale else LoadReport(num_running=running, pending_prefill_tokens=pending,
                                            kv_cache_usage=kv, prompt_tokens_per_s=tps,
                                            draining=state is NodeState.DRAINING,
                                            prefill_capacity_tokens_per_s=capacity)

@@ -15,16 +15,10 @@ from dataclasses import replace
 import pytest
 
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.registry import (
-    STEP_AVERAGE_S,
-    AccountSample,
-    ModelSpec,
-    NodeRegistration,
-    Registry,
-)
+from gpumesh.router.fleet import Registry
+from gpumesh.router.fleet.speed import STEP_AVERAGE_S
 from gpumesh.router.scheduling import (
     Candidate,
-    LoadSample,
     NodeState,
     RequestInfo,
     WaitModel,
@@ -33,6 +27,7 @@ from gpumesh.router.scheduling import (
     expected_wait_s,
     select,
 )
+from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
 
 RID = "r1"
 # Measured terms on (capacity T, step-time decode term), KV off so the decode term shows.
@@ -54,18 +49,18 @@ def registry(*nodes: tuple[str, float], from_report: bool = True) -> tuple[Regis
     r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, step_from_report=from_report,
                  clock=clock)
     for i, (node_id, weight) in enumerate(nodes, 1):
-        r.register(NodeRegistration(node_id, f"{node_id}:1",
-                                    (ModelSpec("m", capacity_weight=weight),), "i1"), i)
+        r.register(Registration(node_id, f"{node_id}:1",
+                                (ModelSpec("m", capacity_weight=weight),), "i1"), i)
     return r, clock
 
 
 def beat(r: Registry, node_id: str, stream: int, seq: int, *, running: int = 0,
          gen: float = 0.0, capacity: float = 50_000.0, reported: float = 0.0) -> None:
     assert r.heartbeat(node_id, stream, seq, 0,
-                       LoadSample(num_running=running, generation_tokens_per_s=gen,
+                       LoadReport(num_running=running, generation_tokens_per_s=gen,
                                   prefill_capacity_tokens_per_s=capacity,
-                                  decode_step_s=reported),
-                       accounts=[(RID, AccountSample(0, 0, 0, 0, 0))])
+                                  decode_step_s=reported,
+                                  router_accounts=(RouterAccount(RID, 0, 0, 0, 0, 0),)))
 
 
 def settle(r: Registry, clock: Clock, node_id: str, stream: int, seq: int, **kw: float) -> None:
@@ -80,7 +75,7 @@ def candidate(r: Registry, node_id: str) -> Candidate:
     return found[0]
 
 
-def report(r: Registry, node_id: str) -> LoadSample:
+def report(r: Registry, node_id: str) -> LoadReport:
     c = candidate(r, node_id)
     assert c.report is not None
     return c.report
@@ -89,13 +84,13 @@ def report(r: Registry, node_id: str) -> LoadSample:
 def test_registry_derives_the_step_time_and_keeps_it_while_the_node_is_idle() -> None:
     r, clock = registry(("a", 1.0))
     beat(r, "a", 1, 1)                                    # never busy: not measured
-    assert report(r, "a").step_s == 0.0
+    assert candidate(r, "a").step_s == 0.0
     settle(r, clock, "a", 1, 2, running=20, gen=2000.0)   # 20 tokens a step, 2000/s: 10 ms
-    assert report(r, "a").step_s == pytest.approx(0.010)
+    assert candidate(r, "a").step_s == pytest.approx(0.010)
     settle(r, clock, "a", 1, 3, running=0, gen=0.0)       # idle: the last measurement holds
-    assert report(r, "a").step_s == pytest.approx(0.010)
+    assert candidate(r, "a").step_s == pytest.approx(0.010)
     settle(r, clock, "a", 1, 4, running=10, gen=2000.0)   # re-measured: 5 ms
-    assert report(r, "a").step_s == pytest.approx(0.005)
+    assert candidate(r, "a").step_s == pytest.approx(0.005)
 
 
 def test_a_reported_step_time_is_used_as_reported() -> None:
@@ -104,17 +99,17 @@ def test_a_reported_step_time_is_used_as_reported() -> None:
     requests moves the count and the rate at different moments)."""
     r, clock = registry(("a", 1.0))
     settle(r, clock, "a", 1, 1, running=20, gen=1000.0, reported=0.008)
-    assert report(r, "a").step_s == pytest.approx(0.008)
+    assert candidate(r, "a").step_s == pytest.approx(0.008)
     clock.t += 0.25
     beat(r, "a", 1, 2, running=200, gen=1000.0, reported=0.009)   # no lag, no averaging
-    assert report(r, "a").step_s == pytest.approx(0.009)
+    assert candidate(r, "a").step_s == pytest.approx(0.009)
     clock.t += 0.25
     beat(r, "a", 1, 3, running=0, gen=0.0)       # an older node's report: inferred / kept
-    assert report(r, "a").step_s == pytest.approx(0.009)
+    assert candidate(r, "a").step_s == pytest.approx(0.009)
     # Off (RouterConfig.step_from_report): inferred from the same reports.
     r2, clock2 = registry(("a", 1.0), from_report=False)
     settle(r2, clock2, "a", 1, 1, running=20, gen=1000.0, reported=0.008)
-    assert report(r2, "a").step_s == pytest.approx(0.020)
+    assert candidate(r2, "a").step_s == pytest.approx(0.020)
 
 
 def test_step_from_report_is_a_router_setting() -> None:
@@ -127,11 +122,11 @@ def test_step_time_uses_the_running_count_averaged_like_the_rate() -> None:
     read as a slower step: the count is averaged over reports (time constant 2 s) first."""
     r, clock = registry(("a", 1.0))
     settle(r, clock, "a", 1, 1, running=4, gen=400.0)     # steady: 10 ms
-    assert report(r, "a").step_s == pytest.approx(0.010)
+    assert candidate(r, "a").step_s == pytest.approx(0.010)
     clock.t += 0.25
     beat(r, "a", 1, 2, running=20, gen=400.0)             # 5x the count 250 ms later
     w = 1 - math.exp(-0.25 / STEP_AVERAGE_S)
-    assert report(r, "a").step_s == pytest.approx((4 + w * 16) / 400.0)   # ~14 ms, not 50
+    assert candidate(r, "a").step_s == pytest.approx((4 + w * 16) / 400.0)   # ~14 ms, not 50
 
 
 def test_faster_measured_step_gets_the_lower_wait_for_the_same_running_count() -> None:
@@ -158,14 +153,13 @@ def test_measured_step_holds_the_speed_so_weight_does_not_divide_it() -> None:
 
 def cand(*, running: int, step_s: float = 0.0, capacity: float = 0.0, weight: float = 1.0,
          pending: int = 0, tps: float = 0.0) -> Candidate:
-    load = LoadSample(num_running=running, pending_prefill_tokens=pending,
-                      prompt_tokens_per_s=tps, prefill_capacity_tokens_per_s=capacity,
-                      step_s=step_s)
+    load = LoadReport(num_running=running, pending_prefill_tokens=pending,
+                      prompt_tokens_per_s=tps, prefill_capacity_tokens_per_s=capacity)
     return Candidate(node_id="n", address="n:1", state=NodeState.HEALTHY,
                      capacity_weight=weight, max_concurrency=0, report=load, report_age_s=0.1,
                      kv_cache_usage=0.0, router_in_flight=running,
                      outstanding_prompt_tokens=0, outstanding_requests=0,
-                     unreported_prompt_tokens=0, unreported_requests=0)
+                     unreported_prompt_tokens=0, unreported_requests=0, step_s=step_s)
 
 
 @pytest.mark.parametrize("c, expected", [
@@ -216,15 +210,15 @@ def test_a_node_never_busy_takes_the_models_measured_speed_scaled_by_weight() ->
     r, clock = registry(("a", 1.0), ("b", 1.0), ("c", 2.0))
     beat(r, "b", 2, 1, capacity=0.0)
     beat(r, "c", 3, 1, capacity=0.0)
-    assert report(r, "b").step_s == 0.0                       # nothing measured yet anywhere
+    assert candidate(r, "b").step_s == 0.0                       # nothing measured yet anywhere
     assert report(r, "b").prefill_capacity_tokens_per_s == 0.0
     settle(r, clock, "a", 1, 1, running=20, gen=2000.0)       # a: 10 ms steps
     settle(r, clock, "a", 1, 2, running=0, gen=0.0)           # and idle again
     beat(r, "b", 2, 2, capacity=0.0)
     beat(r, "c", 3, 2, capacity=0.0)
-    assert report(r, "b").step_s == pytest.approx(0.010)
+    assert candidate(r, "b").step_s == pytest.approx(0.010)
     assert report(r, "b").prefill_capacity_tokens_per_s == pytest.approx(50_000.0)
-    assert report(r, "c").step_s == pytest.approx(0.005)      # declared twice as fast
+    assert candidate(r, "c").step_s == pytest.approx(0.005)      # declared twice as fast
     assert report(r, "c").prefill_capacity_tokens_per_s == pytest.approx(100_000.0)
     a, b = candidate(r, "a"), candidate(r, "b")
     for pending in (0, 3):
@@ -233,5 +227,5 @@ def test_a_node_never_busy_takes_the_models_measured_speed_scaled_by_weight() ->
             pytest.approx(expected_wait_s(replace(b, unreported_requests=pending,
                                                   unreported_prompt_tokens=32 * pending), WM))
     settle(r, clock, "b", 2, 3, running=10, gen=2000.0, capacity=20_000.0)   # b's own: 5 ms
-    assert report(r, "b").step_s == pytest.approx(0.005)
+    assert candidate(r, "b").step_s == pytest.approx(0.005)
     assert report(r, "b").prefill_capacity_tokens_per_s == pytest.approx(20_000.0)
