@@ -13,15 +13,15 @@ credit is outstanding until the request's first token:
 A credit is "not yet in the last report" when its ordinal is above the report's
 ``admitted_requests`` (corrected for requests the node never admitted, e.g. rejected ones).
 
-The decode term's D (``decode_delta``, see router/scheduling/scorers.py) is this router's
-requests in flight now minus how many of them the last report held (the reported part capped
-at 0: requests the node had ended before the report whose ends are still on the way to the
-router are no change). A node that sends ``finished_requests`` says so itself (admitted -
-finished, bounded by this router's own reported requests in flight: an earlier process's
-requests under the same router id and lookaside requests are in the node's count but not in
-ours); without it (foreign engines) every in-flight request up to the cutoff is taken as
-held, so a finish seen after a report counts as one since it -- twice when the report
-already had it.
+The decode term's D (``decode_delta``, see router/scheduling/scorers/expected_wait.py) is
+this router's requests in flight now minus how many of them the last report held (the
+reported part capped at 0: requests the node had ended before the report whose ends are
+still on the way to the router are no change). A node that sends ``finished_requests`` says
+so itself (admitted - finished, bounded by this router's own reported requests in flight: an
+earlier process's requests under the same router id and lookaside requests are in the
+node's count but not in ours); without it (foreign engines) every in-flight request up to
+the cutoff is taken as held, so a finish seen after a report counts as one since it --
+twice when the report already had it.
 """
 
 from __future__ import annotations

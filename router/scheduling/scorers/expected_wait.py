@@ -1,7 +1,5 @@
-"""Scorers: each maps a candidate to [0, 1], 1 best. Pure functions of a ``Candidate``.
+"""The ``expected_wait`` scorer: seconds a new request would wait for prefill on a node.
 
-The expected-wait model (default profile ``weighted_least_load``)
------------------------------------------------------------------
 For node n with a fresh report (age <= freshness window)::
 
     P    = pending_prefill_tokens from n's last heartbeat (all routers' prompt tokens queued
@@ -12,28 +10,27 @@ For node n with a fresh report (age <= freshness window)::
     T    = max(n's prefill_capacity_tokens_per_s, n's prompt_tokens_per_s) when n reports a
            capacity (> 0) and ``prefill_from_capacity`` is on (the default, below); else
            max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback)
-    S    = n's measured decode step time (``LoadSample.step_s``, set by the registry): the
-           step n reports (decode_step_s, its engine's timed steps) or, from a node that
-           reports none, its num_running averaged over reports (time constant 2 s, about
-           the age of the rate's window) / generation_tokens_per_s (each running request
-           samples one token a step); an idle node keeps its last one; a node that never measured
-           its own (nor its capacity) takes the model's latest measured step x weight /
-           its weight (capacity / weight x its weight) at candidate build
-           (``Registry._with_model_speed``); 0 = none measured for the model yet
+    S    = n's decode step time (``Candidate.step_s``, router/fleet/speed.py): the step n
+           reports (decode_step_s, its engine's timed steps) or, from a node that reports
+           none, its num_running averaged over reports / generation_tokens_per_s (each
+           running request samples one token a step); an idle node keeps its last one; a
+           node that never measured its own (nor its capacity) takes the model's latest
+           measured step x weight / its weight (capacity / weight x its weight)
+           (``ModelSpeeds.fill``); 0 = none measured for the model yet
     K    = n's reported kv_capacity_tokens (0 = unknown)
     k    = min(kv_cache_usage + f * (C + U * kv_output_allowance_tokens) / K, kv_usage_cap)
            (the KV the router's own unreported requests will take; without K, k is the
            reported kv_cache_usage alone)
     D    = this router's change to n's requests since that report, whatever their phase:
            its requests in flight now minus those the report held
-           (``NodeLedger.decode_delta``). The report holds RouterAccount.admitted_requests -
+           (``CreditLedger.decode_delta``). The report holds RouterAccount.admitted_requests -
            finished_requests of them, the node's own count, so a finish that reached the
            node before the report and the router after it is not subtracted twice (nor
            counted as in flight while its end is on the way: that part is capped at 0); a node
            that does not send finished_requests is taken to hold every in-flight request up
            to its admission cutoff (a finish seen later counts as one since the report).
            Lookaside requests (finish unseen) count while their credit is held and not
-           reported, as before
+           reported
     f    = all routers' dispatches per one of this router's (``PeerShare.factor``, from every
            router's admission counts in the reports; 1 for a router alone)
     R    = max(num_running from the report + f * D, 0)
@@ -49,47 +46,38 @@ For node n with a fresh report (age <= freshness window)::
 Why T is the capacity, not the floor: the prompt rate a node reports is throughput (what
 arrived and was prefilled), so on a GPU it sits far below what the node could prefill and the
 floor decides T. With short prompts a dispatch then costs more estimated wait than a finish
-gives back (32 / 8000 s = 4 ms against decode_s_per_request = 2 ms), and when identical
-requests finish in waves the router sends most of a wave to the node that just freed slots
-(docs/benchmarks.md section 8). The reported capacity (a simulated node's step model; a vLLM
-node's measured lower bound) is what T stands for, so it replaces the floor outright, upwards
-and downwards: a node that measured a slow prefill should look slow even if the floor is
-higher, and the floor, a guess for nodes that report nothing, should not shrink a fast node's
-queue either. Taking the larger with the observed rate only guards a capacity estimate that
-lags the node's own throughput (a vLLM node measures a lower bound). A measured capacity
-already holds the node's speed, which w also declares, so w does not divide that term again
-(a speed-2 node's prefill queue would otherwise count a quarter, not a half).
+gives back, and when identical requests finish in waves the router sends most of a wave to
+the node that just freed slots (docs/benchmarks.md). The reported capacity (a simulated
+node's step model; a vLLM node's measured lower bound) is what T stands for, so it replaces
+the floor outright, upwards and downwards: a node that measured a slow prefill should look
+slow even if the floor is higher, and the floor, a guess for nodes that report nothing,
+should not shrink a fast node's queue either. Taking the larger with the observed rate only
+guards a capacity estimate that lags the node's own throughput (a vLLM node measures a lower
+bound). A measured capacity already holds the node's speed, which w also declares, so w does
+not divide that term again (a speed-2 node's prefill queue would otherwise count a quarter,
+not a half).
+
 Why the decode term is in steps of the node's own measured speed: with T a capacity the
-prefill term is in the node's real seconds, while a constant decode_s_per_request (2 ms a
+prefill term is in the node's real seconds, while a constant decode_s_per_request (seconds a
 running request per unit of weight, tuned against the floor-sized prefill term) weighs a
 running request against a queued prompt token by a ratio that depends on the deployment,
-not on the node (at the simulated data-parallel case's time scale 10, where the router's
-constants are not scaled, it is 10x too small against the node's seconds). In steps of S
-both terms scale with the node, so their ratio is the same on every deployment and time
-scale, and the node's measured speed replaces its declared weight in that term too.
-``decode_steps_per_request`` = 1: a running request costs one of the node's steps. It is a
-load proxy, not a physical delay (below a node's running ceiling a running request adds far
-less than a step to a new one's first token; at the ceiling a new request waits for a
-finish), sized like the constant it replaces on the fleet that constant was tuned on
-(section 7's speed-1 node: ~8 ms steps against 6 ms at its time scale 3). Measured
-(docs/benchmarks.md section 8, last subsection): 0.1 and 0.25 steps lost section 7's
-hetero-kvspeed/bimodal TTFT p99 (medians 99-103 / 84-85 ms against 82-92, with many more
-runs over 110 ms), 1 step did not (83 ms); 1 / G per running request (R / G = S, the
-literal step time whatever the load) balanced the data-parallel case no better than the
-constants (|A-B| p50 48, 0.89x of the client's split), where 1 step gave 0.99-1.00x. Why S
-averages the running count: the rate is a few seconds' average, the count is the report's
-instant, and at a few running requests a node their ratio swung 4-35 ms around a 7 ms
-step (simulated node, time scale 3); averaged, 3.5-11 ms. A node that reports a step time
-itself would be exact (not done: it needs a LoadReport field). 0 = the constant (the
-earlier form of the switch); ``prefill_from_capacity`` off = the floor and the constants.
+not on the node. In steps of S both terms scale with the node, so their ratio is the same on
+every deployment and time scale, and the node's measured speed replaces its declared weight
+in that term too. ``decode_steps_per_request`` = 1: a running request costs one of the
+node's steps. It is a load proxy, not a physical delay (below a node's running ceiling a
+running request adds far less than a step to a new one's first token; at the ceiling a new
+request waits for a finish), sized like the constant it replaces on the fleet that constant
+was tuned on; smaller fractions and 1 / G per request balanced worse (docs/benchmarks.md).
+Why S averages the running count: the rate is a few seconds' average, the count is the
+report's instant, and at a few running requests their ratio swings several-fold around the
+true step. 0 = the constant; ``prefill_from_capacity`` off = the floor and the constants.
 
-Why D and f, not U alone: a request is in
-the report's running count only from the next report on, so if R counted it only while its
-credit is pending (U), a node not at its running ceiling would look unchanged once each
-request's first token came back, and every request between two reports would go to it; and
-with several routers (``--workers``) each one sees only its own dispatches between reports,
-so all of them chase the node the last report showed lighter (docs/benchmarks.md section 8:
-two equal nodes behind a 4-worker router swung by ~50-180 in-flight requests).
+Why D and f, not U alone: a request is in the report's running count only from the next
+report on, so if R counted it only while its credit is pending (U), a node not at its
+running ceiling would look unchanged once each request's first token came back, and every
+request between two reports would go to it; and with several routers (``--workers``) each
+one sees only its own dispatches between reports, so all of them chase the node the last
+report showed lighter (docs/benchmarks.md).
 
 w is n's declared capacity weight (a TP=2 node or faster GPU declares more). Every term
 moves with this router's own dispatches between heartbeats (C and U grow at each one), so when
@@ -109,7 +97,7 @@ this router's requests on n. Credits (C) are released one by one: at each reques
 token in proxy mode, by the node's per-router first-token count (or a time bound) in lookaside
 mode, never wholesale at a heartbeat, so a report never makes a node look suddenly idle.
 
-``expected_wait`` then scores 1 / (1 + wait / wait_scale_s): 1 at zero wait, 0.5 at
+The curve: ``wait_score`` = 1 / (1 + wait / wait_scale_s): 1 at zero wait, 0.5 at
 wait_scale_s, falling towards 0 hyperbolically (monotone, so the max picks the least wait).
 """
 
@@ -180,17 +168,3 @@ def effective_kv_usage(c: Candidate, m: WaitModel) -> float:
 def wait_score(wait_s: float, m: WaitModel) -> float:
     """1 / (1 + wait / wait_scale_s): 1 at 0 s, 0.5 at wait_scale_s, -> 0 as wait grows."""
     return 1.0 / (1.0 + max(wait_s, 0.0) / m.wait_scale_s)
-
-
-def kv_headroom(c: Candidate, m: WaitModel | None = None) -> float:
-    """1 - KV usage (linear): the last known report's, moved by this router's unreported
-    requests (``effective_kv_usage``) when ``m`` is given; 1 when the node never reported."""
-    k = c.kv_cache_usage if m is None else effective_kv_usage(c, m)
-    return min(max(1.0 - k, 0.0), 1.0)
-
-
-def least_request(c: Candidate) -> float:
-    """1 / (1 + in_flight / w): this router's in-flight count per unit of capacity weight
-    (nginx ``least_conn`` with server weights). 1 when idle, 0.5 at one request per unit."""
-    weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
-    return 1.0 / (1.0 + c.router_in_flight / weight)
