@@ -27,19 +27,19 @@ from grpc_reflection.v1alpha import reflection
 
 from gpumesh import telemetry as otel
 from gpumesh.v1 import control_pb2_grpc
-from gpumesh.router.config import RouterConfig
-from gpumesh.router.dispatch import Dispatcher
-from gpumesh.router.foreign import ForeignFleet
-from gpumesh.router.fleet import Registry
-from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
-from gpumesh.router.servicer import (
-    ControlPlaneServicer,
-    InferenceServicer,
-    RouterServicer,
+from gpumesh.router.api import (
+    RouterControlPlaneServicer,
+    RouterInferenceServicer,
+    RouterOperatorServicer,
     inference_handler,
 )
+from gpumesh.router.backends import NodeChannels
+from gpumesh.router.backends.vllm_grpc import ForeignFleet
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.dispatch import Dispatcher
+from gpumesh.router.fleet import Registry
+from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
 from gpumesh.router.telemetry import RouterTelemetry
-from gpumesh.router.transport import NodeChannels
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,11 @@ class RouterServer:
         self.telemetry = telemetry or RouterTelemetry(
             otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)
         self.telemetry.register_gauges()
-        self.inference = InferenceServicer(config, self.registry, self.dispatcher, clock,
-                                           self.telemetry)
-        self.control = ControlPlaneServicer(config, self.registry)
-        self.router = RouterServicer(config, self.registry, self.dispatcher, clock, wall_clock,
-                                     self.telemetry)
+        self.inference = RouterInferenceServicer(config, self.registry, self.dispatcher, clock,
+                                                 self.telemetry)
+        self.control = RouterControlPlaneServicer(config, self.registry)
+        self.operator = RouterOperatorServicer(config, self.registry, self.dispatcher, clock,
+                                               wall_clock, self.telemetry)
         self.health = health.aio.HealthServicer()
         # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
         self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,
@@ -106,7 +106,7 @@ class RouterServer:
         ])
         server.add_generic_rpc_handlers((inference_handler(self.inference),))
         control_pb2_grpc.add_ControlPlaneServicer_to_server(self.control, server)
-        control_pb2_grpc.add_RouterServicer_to_server(self.router, server)
+        control_pb2_grpc.add_RouterServicer_to_server(self.operator, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)

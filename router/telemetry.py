@@ -39,7 +39,7 @@ state 0 healthy / 1 stale / 2 draining), ``gpumesh.router.heartbeat_age`` (s),
 again with a new stream); ``gpumesh.requests`` / ``gpumesh.request.duration`` /
 ``gpumesh.request.time_to_first_token`` with ``model``, ``node``, ``status``.
 
-Who calls it: ``router.servicer`` (``RouterTelemetry.start`` per request, then the
+Who calls it: ``router.api`` (``RouterTelemetry.start`` per request, then the
 ``RouterRequestTrace`` hooks) and ``router.dispatch`` (``attempt`` via its ``on_attempt``
 hook, which returns the metadata carrying the attempt's context); ``router.app`` builds it
 and calls ``on_sweep`` from its lease sweeper. Telemetry off: ``start`` returns a shared no-op.
@@ -59,7 +59,7 @@ from gpumesh import metadata as md
 from gpumesh import telemetry as gt
 
 if TYPE_CHECKING:
-    from gpumesh.router.dispatch import DispatchRecord, Lease
+    from gpumesh.router.dispatch import Assignment, DispatchRecord
     from gpumesh.router.fleet import Registry
     from gpumesh.router.scheduling.types import Decision
 
@@ -140,7 +140,7 @@ class RouterRequestTrace:
         self._ended = False
         self.trace_id = gt.span_trace_id(span) if span is not None else ""
         # The dispatcher calls this per attempt; None when there is no span to parent to.
-        self.on_attempt: Callable[[Lease], Sequence[tuple[str, str]]] | None = (
+        self.on_attempt: Callable[[Assignment], Sequence[tuple[str, str]]] | None = (
             self.attempt if span is not None else None)
 
     def routed(self, request: Any, model: str, prompt_tokens: int) -> None:
@@ -169,7 +169,7 @@ class RouterRequestTrace:
             return math.inf
         return reg.clock() - entry.report.received_at
 
-    def attempt(self, lease: Lease) -> tuple[tuple[str, str], ...]:
+    def attempt(self, slot: Assignment) -> tuple[tuple[str, str], ...]:
         """Starts the span of a new dispatch attempt (ending the previous one as failed) and
         returns the metadata that carries its context to the node."""
         prev = self._record.attempts[-2] if self._record and len(self._record.attempts) > 1 else None
@@ -177,10 +177,10 @@ class RouterRequestTrace:
         self._end_attempt(True, code, "attempt failed; retried on another node")
         self._attempts += 1
         assert self._span is not None
-        attrs = decision_attributes(lease.decision, self._report_age(lease.node_id),
-                                    lease.queued_s)
-        attrs.update({"gpumesh.attempt": self._attempts, "gpumesh.node.id": lease.node_id,
-                      "server.address": lease.address, "rpc.system": "grpc",
+        attrs = decision_attributes(slot.decision, self._report_age(slot.node_id),
+                                    slot.queued_s)
+        attrs.update({"gpumesh.attempt": self._attempts, "gpumesh.node.id": slot.node_id,
+                      "server.address": slot.address, "rpc.system": "grpc",
                       "rpc.service": "gpumesh.v1.Inference", "rpc.method": self._method})
         self._attempt_span = self._tel.tel.tracer.start_span(
             ATTEMPT_SPAN, context=trace.set_span_in_context(self._span),

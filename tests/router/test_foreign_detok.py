@@ -1,4 +1,5 @@
-"""router.foreign._Detokenizer on the real tiny-model tokenizer (byte-level BPE, like Qwen's):
+"""router.backends.vllm_grpc.Detokenizer on the real tiny-model tokenizer (byte-level BPE,
+like Qwen's):
 random chunkings of real multi-byte text, with special tokens mixed in, detokenize to exactly
 the one-shot decode; no delta but the last ends in a held-back U+FFFD; and the work per push
 stays proportional to the new ids (the old one re-decoded everything each time)."""
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.router.foreign import Tokenizer, _Detokenizer
+from gpumesh.router.backends.vllm_grpc import Detokenizer, Tokenizer
 
 TEXTS = [
     "The mesh routes tokens to nodes.",
@@ -38,7 +39,7 @@ def _chunks(ids: Sequence[int], rng: random.Random, max_size: int) -> list[list[
 
 
 def _stream(tok: Tokenizer, chunks: list[list[int]]) -> list[str]:
-    d = _Detokenizer(tok)
+    d = Detokenizer(tok)
     deltas = [d.push(c) for c in chunks]
     deltas.append(d.push((), final=True))
     return deltas
@@ -78,13 +79,13 @@ def test_random_ids_from_the_whole_vocab(tok):
 def test_a_split_character_is_held_back_until_completed(tok):
     ids = tok.encode("a😀b")
     assert len(ids) >= 5  # "a", four byte tokens for the emoji (in the tiny vocab), "b"
-    d = _Detokenizer(tok)
+    d = Detokenizer(tok)
     out = [d.push([i]) for i in ids]
     assert out[0] == "a"
     assert "".join(out) == "a😀b" and "😀" in out
     assert all(o in ("", "a", "😀", "b") for o in out)
     # Ending inside a character: the end flushes the U+FFFD.
-    d = _Detokenizer(tok)
+    d = Detokenizer(tok)
     assert d.push(tok.encode("x😀")[:-1]) == "x"
     assert d.push((), final=True) == "\ufffd"
 
@@ -104,7 +105,7 @@ class _CountingTok:
 def test_work_per_push_is_proportional_to_the_new_ids(tok):
     ids = (tok.encode(" ".join(TEXTS)) * 40)[:2000]
     counting = _CountingTok(tok)
-    d = _Detokenizer(counting)  # type: ignore[arg-type]
+    d = Detokenizer(counting)  # type: ignore[arg-type]
     text = "".join(d.push([i]) for i in ids) + d.push((), final=True)
     assert text == tok.decode(ids)
     # A window of a few pushes per step (~3 decodes of <= a held-back character's ids), not

@@ -1,8 +1,9 @@
 """The router tokenizes prompts for foreign nodes (vLLM gRPC workers) off its event loop
-(router.foreign.Tokenizer on a gpumesh.serial_worker.SerialWorker): a slow tokenization does
-not stall the router's other streams, not even those to the same worker; a client that
-cancels meanwhile sends nothing to the worker; a tokenizer error is the request's status and
-the router keeps serving; concurrent requests call each tokenizer object one at a time.
+(router.backends.vllm_grpc.Tokenizer on a gpumesh.serial_worker.SerialWorker): a slow
+tokenization does not stall the router's other streams, not even those to the same worker; a
+client that cancels meanwhile sends nothing to the worker; a tokenizer error is the request's
+status and the router keeps serving; concurrent requests call each tokenizer object one at a
+time.
 
 Real loopback gRPC: a RouterServer whose foreign node is a gpumesh sim node's VllmEngine
 service (vLLM's own proto), and the real tiny-model HF tokenizer; ``encode`` is wrapped to
@@ -26,10 +27,10 @@ from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh.node.app import NodeServer
 from gpumesh.node.config import NodeConfig
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from gpumesh.router.app import RouterServer
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.foreign import Tokenizer
+from gpumesh.router.backends.vllm_grpc import Tokenizer
 
 TOKENIZE_S = 1.0
 LONG_TEXT = " ".join(["mesh"] * 500)   # long enough to leave the loop

@@ -1,4 +1,5 @@
-"""router.foreign's pure parts: spec parsing, config, vLLM load -> LoadSample, detokenizing."""
+"""router.backends.vllm_grpc's pure parts: spec parsing, config, vLLM load -> LoadReport,
+detokenizing."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import common_pb2 as smg_common
 
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.foreign import ForeignSpec, _Detokenizer, _merge, load_from_record
+from gpumesh.router.backends.vllm_grpc import (
+    Detokenizer,
+    ForeignSpec,
+    load_from_record,
+    merge_scheduler_loads,
+)
 
 
 def test_spec_parse():
@@ -35,10 +41,11 @@ def test_load_mapping_prefers_the_servicers_prefill_count():
             s.generation_tokens_per_s, s.in_flight) == (3, 2, 100, 0.25, 50.0, 5)
     rec.prefill_pending_tokens = 160   # also counts prompts in prefill: the ledger's meaning
     assert load_from_record(rec).pending_prefill_tokens == 160
-    merged = _merge([vpb.SchedulerLoad(num_running_reqs=1, num_waiting_uncached_tokens=10,
-                                       token_usage=0.2, gen_throughput=5),
-                     vpb.SchedulerLoad(num_running_reqs=2, num_waiting_uncached_tokens=30,
-                                       token_usage=0.4, gen_throughput=7)])
+    merged = merge_scheduler_loads([
+        vpb.SchedulerLoad(num_running_reqs=1, num_waiting_uncached_tokens=10, token_usage=0.2,
+                          gen_throughput=5),
+        vpb.SchedulerLoad(num_running_reqs=2, num_waiting_uncached_tokens=30, token_usage=0.4,
+                          gen_throughput=7)])
     assert (merged.num_running, merged.pending_prefill_tokens, merged.generation_tokens_per_s) \
         == (3, 40, 12)
     assert merged.kv_cache_usage == pytest.approx(0.3)
@@ -52,7 +59,7 @@ class _ByteTok:
 
 
 def test_detokenizer_never_splits_a_character():
-    d = _Detokenizer(_ByteTok())  # type: ignore[arg-type]
+    d = Detokenizer(_ByteTok())  # type: ignore[arg-type]
     euro = list("€".encode())     # 3 bytes
     assert d.push([ord("a")] + euro[:1]) == "a"
     assert d.push(euro[1:2]) == ""

@@ -1,5 +1,5 @@
-"""Router -> node calls: one grpc.aio channel per node (per front-end process when the node
-has several), raw bytes both ways.
+"""Router -> gpumesh node calls: one grpc.aio channel per node (per front-end process when the
+node has several), raw bytes both ways.
 
 The router forwards the client's serialized GenerateRequest unchanged and hands the node's
 serialized responses back unchanged (no protobuf work per token chunk on the hot path).
@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 
 from gpumesh import metadata as md
-
-log = logging.getLogger(__name__)
 
 _GENERATE = "/gpumesh.v1.Inference/Generate"
 _GENERATE_STREAM = "/gpumesh.v1.Inference/GenerateStream"
@@ -97,50 +93,3 @@ class NodeClient:
 def dispatch_metadata(router_id: str, charged_tokens: int,
                       extra: Sequence[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
     return ((md.ROUTER_ID, router_id), (md.CHARGED_TOKENS, str(int(charged_tokens))), *extra)
-
-
-class NodeChannels:
-    """One NodeClient per (node id, address), created on first use."""
-
-    def __init__(self, keepalive_time_ms: int = 30_000, close_grace_s: float = 30.0) -> None:
-        self._clients: dict[str, NodeClient] = {}
-        self._keepalive_time_ms = keepalive_time_ms
-        self._close_grace_s = close_grace_s
-        self._closing: set[asyncio.Task[None]] = set()
-
-    def get(self, node_id: str, address: str, frontends: Sequence[str] = ()) -> NodeClient:
-        c = self._clients.get(node_id)
-        if c is None or c.address != address or getattr(c, "frontends", ()) != tuple(frontends):
-            if c is not None:
-                self._close_later(c)
-            c = NodeClient(node_id, address, self._keepalive_time_ms, frontends)
-            self._clients[node_id] = c
-        return c
-
-    def adopt(self, client: NodeClient | Any) -> None:
-        """Use ``client`` for its ``node_id`` from now on: a foreign node's translating client
-        (router.foreign) with NodeClient's interface. Removal (``forget``) drops it as usual."""
-        old = self._clients.get(client.node_id)
-        if old is not None and old is not client:
-            self._close_later(old)
-        self._clients[client.node_id] = client
-
-    def forget(self, node_id: str) -> None:
-        """The node left: close its channel once its in-flight calls end (bounded grace)."""
-        c = self._clients.pop(node_id, None)
-        if c is not None:
-            self._close_later(c)
-
-    def _close_later(self, c: NodeClient) -> None:
-        task = asyncio.get_running_loop().create_task(c.close(self._close_grace_s))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def aclose(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        await asyncio.gather(*(c.close(None) for c in clients), *self._closing,
-                             return_exceptions=True)
-
-    def __contains__(self, node_id: str) -> bool:
-        return node_id in self._clients
-

@@ -1,0 +1,135 @@
+"""``RouterInferenceServicer``: the node's Inference contract (Generate, GenerateStream,
+ListModels), served by routing.
+
+Requests and responses travel as raw bytes: the router parses a request once to route it and
+forwards the client's bytes unchanged; the node's chunks are forwarded unparsed. Every failure
+becomes the call's gRPC status (``errors.status_for``); trailing metadata carries the dispatch
+record on success and on error (``intake.trailing``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import grpc
+
+from gpumesh.router import errors
+from gpumesh.router.api import intake
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.dispatch import Dispatcher, DispatchRecord
+from gpumesh.router.fleet import Registry
+from gpumesh.router.scheduling import RequestInfo
+from gpumesh.router.telemetry import RouterTelemetry, Trace
+from gpumesh.v1 import inference_pb2
+
+log = logging.getLogger(__name__)
+
+
+class RouterInferenceServicer:
+    """``in_flight`` / ``idle``: calls inside the servicer (shutdown drains them);
+    ``closing``: new calls are refused with UNAVAILABLE."""
+
+    def __init__(self, config: RouterConfig, registry: Registry, dispatcher: Dispatcher,
+                 clock: Callable[[], float], telemetry: RouterTelemetry | None = None) -> None:
+        self.config = config
+        self.telemetry = telemetry or RouterTelemetry.disabled()
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.clock = clock
+        self.in_flight = 0
+        self.closing = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def GenerateStream(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        async with self._call("GenerateStream", context) as (record, trace):
+            req = intake.parse_request(raw)
+            info, deadline = self._route(req, context)
+            trace.routed(req, info.model, info.prompt_tokens)
+            async with contextlib.aclosing(self.dispatcher.stream(
+                    raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
+                async for chunk in chunks:
+                    trace.chunk()
+                    await context.write(chunk)
+
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async with self._call("Generate", context) as (record, trace):
+            req = intake.parse_request(raw)
+            info, deadline = self._route(req, context)
+            trace.routed(req, info.model, info.prompt_tokens)
+            response = await self.dispatcher.unary(raw, info, deadline, record,
+                                                   on_attempt=trace.on_attempt)
+            trace.chunk()
+        return response
+
+    async def ListModels(self, request: inference_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
+        return inference_pb2.ListModelsResponse(models=[
+            inference_pb2.ModelInfo(name=m.name, aliases=m.aliases,
+                                    max_context_length=m.max_context_length,
+                                    tensor_parallel_size=m.tensor_parallel_size,
+                                    capacity_weight=m.capacity_weight, node_ids=m.node_ids)
+            for m in self.registry.models()])
+
+    def _route(self, req: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+               ) -> tuple[RequestInfo, float]:
+        if self.closing:
+            raise errors.RouterError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
+        return intake.request_info(req, self.config, self.registry, context, self.clock)
+
+    @contextlib.contextmanager
+    def _tracked(self) -> Iterator[None]:
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[tuple[DispatchRecord, Trace]]:
+        """One client call: its dispatch record and trace; every failure becomes the call's
+        gRPC status (errors.status_for) with the record in the trailing metadata."""
+        record = DispatchRecord()
+        trace = self.telemetry.start(method, context, record)
+        with self._tracked():
+            try:
+                yield record, trace
+            except (errors.RouterError, grpc.aio.AioRpcError) as e:
+                trace.fail(e)
+                await intake.abort(context, e, record, trace)
+            except asyncio.CancelledError:
+                trace.cancelled()
+                raise
+            except Exception as e:
+                log.exception("%s failed", method)
+                trace.fail(e)
+                await intake.abort(context, e, record, trace)
+            finally:
+                trace.finish(record)
+            context.set_trailing_metadata(intake.trailing(record, trace))
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def inference_handler(servicer: RouterInferenceServicer) -> grpc.GenericRpcHandler:
+    """Registers the Inference service with raw-bytes request/response for the Generate RPCs."""
+    return grpc.method_handlers_generic_handler("gpumesh.v1.Inference", {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, request_deserializer=_identity, response_serializer=_identity),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, request_deserializer=_identity,
+            response_serializer=_identity),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=inference_pb2.ListModelsRequest.FromString,
+            response_serializer=inference_pb2.ListModelsResponse.SerializeToString),
+    })

@@ -1,0 +1,70 @@
+"""What every routed call does on the way in and out: parse, size and time the request; put
+the dispatch record into the trailing metadata or the error status.
+
+A request's deadline is the client's remaining gRPC deadline, or ``request_timeout_s`` when it
+set none. Trailing metadata carries ``NODE_ID`` and ``ATTEMPTS`` (gpumesh.metadata), plus the
+trace id when tracing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import grpc
+
+from gpumesh import metadata as md
+from gpumesh.router import errors
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.dispatch import DispatchRecord
+from gpumesh.router.fleet import Registry
+from gpumesh.router.scheduling import RequestInfo
+from gpumesh.router.telemetry import NOOP, Trace
+from gpumesh.v1 import inference_pb2
+
+
+def estimate_prompt_tokens(req: inference_pb2.GenerateRequest, chars_per_token: float) -> int:
+    """Prompt size for routing: exact for token ids, UTF-8 bytes / chars_per_token for text,
+    plus a few tokens per chat message for the template. (The router has no tokenizer; the
+    node counts what the router charged via CHARGED_TOKENS, so both sides agree.)"""
+    kind = req.WhichOneof("prompt")
+    if kind == "token_ids":
+        return len(req.token_ids.ids)
+    if kind == "text":
+        return math.ceil(len(req.text.encode()) / chars_per_token)
+    if kind == "chat":
+        return sum(math.ceil(len(m.content.encode()) / chars_per_token) + 4
+                   for m in req.chat.messages)
+    return 0
+
+
+def parse_request(raw: bytes) -> inference_pb2.GenerateRequest:
+    try:
+        return inference_pb2.GenerateRequest.FromString(raw)
+    except Exception:  # noqa: BLE001 - any decode failure is the client's
+        raise errors.RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "GenerateRequest could not be parsed") from None
+
+
+def request_info(req: inference_pb2.GenerateRequest, config: RouterConfig, registry: Registry,
+                 context: grpc.aio.ServicerContext, clock: Callable[[], float]
+                 ) -> tuple[RequestInfo, float]:
+    """The request as routing sees it (model resolved, prompt sized) and its deadline on
+    ``clock``. Raises RouterError for a model the fleet does not serve."""
+    model = registry.resolve(req.model)
+    info = RequestInfo(model, estimate_prompt_tokens(req, config.chars_per_token),
+                       req.routing_key)
+    remaining = context.time_remaining()
+    return info, clock() + (config.request_timeout_s if remaining is None else remaining)
+
+
+def trailing(record: DispatchRecord, trace: Trace = NOOP) -> tuple[tuple[str, str], ...]:
+    return ((md.NODE_ID, record.node_id), (md.ATTEMPTS, str(len(record.attempts))),
+            *trace.trailing())
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException,
+                record: DispatchRecord, trace: Trace = NOOP) -> None:
+    """Ends the call with ``exc``'s status (errors.status_for) and the record's metadata."""
+    code, details = errors.status_for(exc)
+    await context.abort(code, details, trailing_metadata=trailing(record, trace))

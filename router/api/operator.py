@@ -1,0 +1,93 @@
+"""``RouterOperatorServicer``: the Router service — GetFleet (operators, ``gpumesh status``)
+and Pick (lookaside: choose and charge a node, answer a signed ticket for it).
+
+Pick needs ``ticket_secret`` (FAILED_PRECONDITION without it); its trailing metadata carries
+the dispatch record like a routed call's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import grpc
+
+from gpumesh import tickets, wire
+from gpumesh.router import errors
+from gpumesh.router.api import intake
+from gpumesh.router.config import RouterConfig
+from gpumesh.router.dispatch import Dispatcher, DispatchRecord
+from gpumesh.router.fleet import NodeView, Registry
+from gpumesh.router.scheduling.types import NodeState
+from gpumesh.router.telemetry import RouterTelemetry
+from gpumesh.v1 import control_pb2, control_pb2_grpc
+
+_STATE = {NodeState.HEALTHY: control_pb2.NODE_STATE_HEALTHY,
+          NodeState.STALE: control_pb2.NODE_STATE_STALE,
+          NodeState.DRAINING: control_pb2.NODE_STATE_DRAINING}
+
+
+def node_status(v: NodeView) -> control_pb2.NodeStatus:
+    reg = v.entry.registration
+    report = v.entry.report
+    return control_pb2.NodeStatus(
+        node_id=reg.node_id, address=reg.address, state=_STATE[v.state],
+        models=[wire.model_spec_to_proto(m) for m in reg.models],
+        load=(wire.load_report_to_proto(report.load) if report is not None
+              else control_pb2.LoadReport()),
+        last_heartbeat_age_s=v.report_age_s if math.isfinite(v.report_age_s) else -1.0,
+        router_in_flight=v.router_in_flight, engine=reg.engine, gpu_model=reg.gpu_model,
+        kind=reg.kind, frontend_addresses=reg.frontend_addresses)
+
+
+class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
+    """``clock``: monotonic seconds (deadlines); ``wall_clock``: Unix seconds (tickets)."""
+
+    def __init__(self, config: RouterConfig, registry: Registry, dispatcher: Dispatcher,
+                 clock: Callable[[], float], wall_clock: Callable[[], float],
+                 telemetry: RouterTelemetry | None = None) -> None:
+        self.config = config
+        self.telemetry = telemetry or RouterTelemetry.disabled()
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._picks = 0
+
+    async def GetFleet(self, request: control_pb2.GetFleetRequest,
+                       context: grpc.aio.ServicerContext) -> control_pb2.GetFleetResponse:
+        workers = self.config.peer_addresses if len(self.config.peer_addresses) > 1 else ()
+        return control_pb2.GetFleetResponse(
+            router_id=self.config.router_id, policy=self.config.policy,
+            nodes=[node_status(v) for v in self.registry.fleet()], worker_addresses=workers)
+
+    async def Pick(self, request: control_pb2.PickRequest,
+                   context: grpc.aio.ServicerContext) -> control_pb2.PickResponse:
+        record = DispatchRecord()
+        trace = self.telemetry.start("Pick", context, record)
+        try:
+            if not self.config.ticket_secret:
+                raise errors.lookaside_disabled()
+            req = request.request
+            info, deadline = intake.request_info(req, self.config, self.registry, context,
+                                                 self.clock)
+            trace.routed(req, info.model, info.prompt_tokens)
+            slot = await self.dispatcher.pick(info, deadline, record,
+                                              frozenset(request.exclude_node_ids))
+            ticket, expires_ms = tickets.issue(
+                self.config.ticket_secret_bytes, self.config.router_id, slot.node_id,
+                info.prompt_tokens, self.config.ticket_ttl_s, now=self.wall_clock())
+        except (errors.RouterError, ValueError) as e:
+            if isinstance(e, ValueError):
+                e = errors.RouterError(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            trace.fail(e)
+            await intake.abort(context, e, record, trace)
+        finally:
+            trace.finish(record)
+        context.set_trailing_metadata(intake.trailing(record, trace))
+        address = slot.address
+        if slot.frontends:  # a node with several front-end processes: each in turn
+            self._picks += 1
+            address = slot.frontends[self._picks % len(slot.frontends)]
+        return control_pb2.PickResponse(node_id=slot.node_id, address=address, ticket=ticket,
+                                        expires_unix_ms=expires_ms, model=info.model)

@@ -1,0 +1,27 @@
+"""Foreign nodes: stock vLLM gRPC workers (``vllm.grpc.engine.VllmEngine``) in the fleet.
+
+A worker started with vLLM's own launcher (``python -m vllm.entrypoints.launchers.grpc_server``)
+speaks no gpumesh: no Registration, no heartbeats, no ``gpumesh.v1.Inference``. The router does
+both halves a gpumesh node does itself: ``membership`` registers and reports each worker
+(``load`` maps vLLM's load messages), ``client`` is its node transport (``translate`` turns
+gpumesh requests into vLLM's, ``tokenizer`` tokenizes prompts and detokenizes the worker's
+token ids, ``call`` gives the result the grpc.aio call shape the dispatcher uses).
+"""
+
+from gpumesh.router.backends.vllm_grpc.client import ForeignClient, SentCounts
+from gpumesh.router.backends.vllm_grpc.load import (
+    load_from_record,
+    load_from_scheduler,
+    merge_scheduler_loads,
+)
+from gpumesh.router.backends.vllm_grpc.membership import (
+    KIND,
+    ForeignFleet,
+    ForeignMember,
+    ForeignSpec,
+)
+from gpumesh.router.backends.vllm_grpc.tokenizer import Detokenizer, Tokenizer
+
+__all__ = ["KIND", "Detokenizer", "ForeignClient", "ForeignFleet", "ForeignMember",
+           "ForeignSpec", "SentCounts", "Tokenizer", "load_from_record", "load_from_scheduler",
+           "merge_scheduler_loads"]
