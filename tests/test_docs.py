@@ -62,6 +62,23 @@ def test_documented_env_vars_and_flags_follow_the_rule() -> None:
             assert f"`{prefix}{name.upper()}`" in row.group(0), f"{name}: env var not in its row"
 
 
+def _subcommand_flags(name: str) -> set[str]:
+    from gpumesh.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    return {o for a in sub.choices[name]._actions for o in a.option_strings}
+
+
+@pytest.mark.parametrize(("heading", "command"), [("Router", "router"), ("Node", "node")])
+def test_documented_flags_exist(heading: str, command: str) -> None:
+    section = _section(CONFIG_DOC.read_text(encoding="utf-8"), heading)
+    rows = [r for r in section.splitlines() if re.match(r"^\|\s*`[a-z0-9_]+`\s*\|", r)]
+    flags = {f for r in rows for f in re.findall(r"`(--[a-z][a-z0-9-]*)", r.rsplit("|", 2)[1])}
+    assert flags, "no flags found in the Flag column"
+    unknown = sorted(flags - _subcommand_flags(command))
+    assert not unknown, f"gpumesh {command} has no flag(s) {unknown}"
+
+
 def test_router_example_loads() -> None:
     cfg = RouterConfig.load(EXAMPLES / "router.toml", env={})
     assert cfg.policy == "weighted_least_load"
