@@ -19,14 +19,14 @@ from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh.node.app import NodeServer
 from gpumesh.node.config import NodeConfig
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from gpumesh.router.app import RouterServer
 from gpumesh.router.config import RouterConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-async def _until(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
+async def _until(cond, timeout_s: float = 120.0, what: str = "condition") -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not cond():
@@ -37,17 +37,24 @@ async def _until(cond, timeout_s: float = 30.0, what: str = "condition") -> None
 
 @pytest.fixture(scope="module")
 async def mesh(vllm_grpc_worker: str, tiny_model_dir: Path):
-    router = RouterServer(RouterConfig(port=0, host="127.0.0.1",
+    # A long lease: nothing here waits for one to expire, and a worker busy with long streams
+    # on shared cores can answer a load poll later than the default lease allows.
+    router = RouterServer(RouterConfig(port=0, host="127.0.0.1", lease_ttl_s=30.0,
                                        foreign_nodes=(f"{vllm_grpc_worker}?node_id=stock-vllm",)))
     await router.start()
     member = router.foreign.members[0]
     try:
-        await _until(lambda: (e := router.registry.entry("stock-vllm")) is not None
-                     and e.report is not None, 60, "the foreign node's first report")
+        await _reported(router, "stock-vllm", "the foreign node's first report")
         async with grpc.aio.insecure_channel(router.address) as ch:
             yield router, member, ch
     finally:
         await router.stop(1)
+
+
+async def _reported(router: RouterServer, node_id: str, what: str) -> None:
+    """Waits until ``node_id`` is in the fleet with a load report (each test starts so)."""
+    await _until(lambda: (e := router.registry.entry(node_id)) is not None
+                 and e.report is not None, 300, what)
 
 
 def _req(model: Path, max_tokens: int, **prompt) -> pb.GenerateRequest:
@@ -59,9 +66,10 @@ async def test_stream_and_unary_through_the_router(mesh, tiny_model_dir):
     from transformers import AutoTokenizer
 
     router, _, ch = mesh
+    await _reported(router, "stock-vllm", "the foreign node in the fleet")
     stub = pb_grpc.InferenceStub(ch)
     req = _req(tiny_model_dir, 16, text="The mesh routes tokens")
-    call = stub.GenerateStream(req, timeout=120)
+    call = stub.GenerateStream(req, timeout=300)
     chunks = [c async for c in call]
     assert dict(await call.trailing_metadata()).get(md.NODE_ID) == "stock-vllm"
     ids = [t for c in chunks for t in c.token_ids]
@@ -71,21 +79,22 @@ async def test_stream_and_unary_through_the_router(mesh, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     assert "".join(c.text for c in chunks) == tok.decode(ids, skip_special_tokens=True)
 
-    unary = await stub.Generate(req, timeout=120)
+    unary = await stub.Generate(req, timeout=300)
     assert list(unary.token_ids) == ids   # greedy: same ids either way
     assert unary.text == "".join(c.text for c in chunks)
 
     by_ids = await stub.Generate(_req(tiny_model_dir, 4, token_ids=pb.TokenIds(
-        ids=tok.encode("The mesh routes tokens"))), timeout=120)
+        ids=tok.encode("The mesh routes tokens"))), timeout=300)
     assert list(by_ids.token_ids) == ids[:4]
     chat = await stub.Generate(_req(tiny_model_dir, 4, chat=pb.ChatMessages(
-        messages=[pb.ChatMessage(role="user", content="hello")])), timeout=120)
+        messages=[pb.ChatMessage(role="user", content="hello")])), timeout=300)
     assert len(chat.token_ids) == 4
     assert router.registry.ledger("stock-vllm").in_flight == 0
 
 
 async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
     router, member, ch = mesh
+    await _reported(router, "stock-vllm", "the foreign node in the fleet")
     stub = pb_grpc.InferenceStub(ch)
     calls: list[grpc.aio.UnaryStreamCall] = []
     started = 0
@@ -97,7 +106,7 @@ async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
         nonlocal started
         calls[:] = [c for c in calls if not c.done()]
         fresh = [stub.GenerateStream(_req(tiny_model_dir, 400, text=f"load {started + i} " * 20),
-                                     timeout=300) for i in range(3 - len(calls))]
+                                     timeout=600) for i in range(3 - len(calls))]
         started += len(fresh)
         for c in fresh:
             await c.read()       # admitted and streaming
@@ -108,12 +117,12 @@ async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
         seen: list[cpb.NodeStatus] = []
 
         async def busy() -> bool:
-            f = await fleet_stub.GetFleet(cpb.GetFleetRequest(), timeout=5)
+            f = await fleet_stub.GetFleet(cpb.GetFleetRequest(), timeout=60)
             seen[:] = [n for n in f.nodes if n.node_id == "stock-vllm"]
             return bool(seen) and seen[0].load.num_running >= 1
 
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 60
+        deadline = loop.time() + 180
         while True:
             await top_up()
             if await busy() or loop.time() > deadline:
@@ -125,23 +134,24 @@ async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
             f"the worker's load never showed a running request over {started} streams "
             f"(pushed {member.pushed}, polled {member.polled}): {node.load}")
         assert node.load.kv_cache_usage > 0
-        table = fleet_table(await fleet_stub.GetFleet(cpb.GetFleetRequest(), timeout=5))
+        table = fleet_table(await fleet_stub.GetFleet(cpb.GetFleetRequest(), timeout=60))
         row = next(line for line in table.splitlines() if line.startswith("stock-vllm"))
         assert "healthy" in row and str(tiny_model_dir) in row
         assert member.pushed + member.polled > 0
     finally:
         for c in calls:
             c.cancel()
-    await _until(lambda: router.registry.ledger("stock-vllm").in_flight == 0, 10,
+    await _until(lambda: router.registry.ledger("stock-vllm").in_flight == 0, 120,
                  "router in-flight back to 0")
     # The worker aborted them: its next reports show it idle.
     await _until(lambda: (e := router.registry.entry("stock-vllm")) is not None
-                 and e.report is not None and e.report.load.num_running == 0, 30,
+                 and e.report is not None and e.report.load.num_running == 0, 300,
                  "the worker idle again")
 
 
 async def test_mixed_fleet_routes_as_one(mesh, tiny_model_dir):
     router, _, ch = mesh
+    await _reported(router, "stock-vllm", "the foreign node in the fleet")
     vocab = 2048
     sim = NodeServer(NodeConfig(port=0, engine="sim", model=str(tiny_model_dir),
                                 served_name=str(tiny_model_dir), node_id="sim-peer",
@@ -150,11 +160,10 @@ async def test_mixed_fleet_routes_as_one(mesh, tiny_model_dir):
                                                max_context_length=512, time_scale=5.0)))
     await sim.start()
     try:
-        await _until(lambda: (e := router.registry.entry("sim-peer")) is not None
-                     and e.report is not None, 15, "the sim node's first heartbeat")
+        await _reported(router, "sim-peer", "the sim node's first heartbeat")
         stub = pb_grpc.InferenceStub(ch)
         calls = [stub.GenerateStream(_req(tiny_model_dir, 24, token_ids=pb.TokenIds(
-            ids=list(range(3, 200 + i)))), timeout=120) for i in range(8)]
+            ids=list(range(3, 200 + i)))), timeout=300) for i in range(8)]
         served: list[str] = []
         for c in calls:
             chunks = [x async for x in c]

@@ -32,7 +32,7 @@ from gpumesh.router.app import RouterServer
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.backends.vllm_grpc import Tokenizer
 
-TOKENIZE_S = 1.0
+TOKENIZE_S = 2.0   # the other stream must finish within half of it, even on a busy machine
 LONG_TEXT = " ".join(["mesh"] * 500)   # long enough to leave the loop
 assert len(LONG_TEXT) >= INLINE_PROMPT_CHARS
 
@@ -52,7 +52,10 @@ async def mesh(tiny_model_dir: Path):
                       SimEngine(SimEngineConfig(model_name=model, vocab_size=2048,
                                                 max_context_length=2048, time_scale=1.0)))
     await node.start()
-    router = RouterServer(RouterConfig(port=0, host="127.0.0.1", foreign_nodes=(
+    # A long lease: the tests block the shared event loop in the wrapped encode for
+    # TOKENIZE_S, and nothing here waits for a lease to expire.
+    router = RouterServer(RouterConfig(port=0, host="127.0.0.1", lease_ttl_s=30.0,
+                                       foreign_nodes=(
         f"127.0.0.1:{node.port}?node_id=foreign&tokenizer={model}",)))
     await router.start()
     try:

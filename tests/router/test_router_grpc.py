@@ -25,7 +25,7 @@ from tests.router.fakenode import FakeNode
 SECRET = "test-secret"
 
 
-async def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+async def wait_for(pred: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
@@ -131,7 +131,7 @@ async def test_finished_counts_reach_the_ledger_and_their_absence_is_kept() -> N
         assert acc["b"].finished_requests is None and acc["b"].admitted_requests > 0
         assert acc["a"].admitted_requests + acc["b"].admitted_requests == 6
         assert reg.ledger("a").decode_delta() == reg.ledger("b").decode_delta() == 0
-        fleet_resp = await f.admin.GetFleet(control_pb2.GetFleetRequest(), timeout=5)
+        fleet_resp = await f.admin.GetFleet(control_pb2.GetFleetRequest(), timeout=30)
         shown = {n.node_id: n for n in fleet_resp.nodes}
         (a_acc,) = [a for a in shown["a"].load.router_accounts if a.router_id == "rt"]
         assert a_acc.HasField("finished_requests") and a_acc.finished_requests > 0
