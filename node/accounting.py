@@ -2,7 +2,7 @@
 
 Counters are cumulative since this process started (the node's incarnation), so a router
 that misses a heartbeat loses nothing: it compares its own dispatch counts with the latest
-cumulative figures (see router.registry for how credits are cleared). ``admitted_requests -
+cumulative figures (the router clears its credits from them). ``admitted_requests -
 finished_requests`` is how many of a router's requests the node holds at the report (the
 router's exact change since it is its in-flight count now minus that).
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpumesh.types import RouterAccount
+
 
 @dataclass
 class _Account:
@@ -25,16 +27,6 @@ class _Account:
     finished_requests: int = 0
 
 
-@dataclass(frozen=True)
-class AccountSnapshot:
-    router_id: str
-    admitted_requests: int
-    admitted_prompt_tokens: int
-    first_token_requests: int
-    first_token_prompt_tokens: int
-    finished_requests: int   # admitted and ended (done, error, cancel)
-
-
 @dataclass
 class Admission:
     """One admitted request's ledger entry; the servicer calls first_token/finish on it."""
@@ -42,7 +34,7 @@ class Admission:
     router_id: str
     prompt_tokens: int
     charged_tokens: int
-    _ledger: NodeLedger = field(repr=False)
+    _ledger: AdmissionLedger = field(repr=False)
     _first: bool = False
     _done: bool = False
 
@@ -63,8 +55,9 @@ class Admission:
         self._ledger._on_finish(self)
 
 
-class NodeLedger:
-    """In-flight and per-router admission counts. Single event loop; not thread-safe."""
+class AdmissionLedger:
+    """What this node admitted: in-flight and per-router counts (a router keeps its own,
+    different ledger of what it dispatched). Single event loop; not thread-safe."""
 
     def __init__(self) -> None:
         self._accounts: dict[str, _Account] = {}
@@ -100,11 +93,11 @@ class NodeLedger:
         self.streaming -= 1
         self._accounts[a.router_id].finished_requests += 1
 
-    def accounts(self) -> tuple[AccountSnapshot, ...]:
+    def accounts(self) -> tuple[RouterAccount, ...]:
         return tuple(
-            AccountSnapshot(rid, a.admitted_requests, a.admitted_prompt_tokens,
-                            a.first_token_requests, a.first_token_prompt_tokens,
-                            a.finished_requests)
+            RouterAccount(rid, a.admitted_requests, a.admitted_prompt_tokens,
+                          a.first_token_requests, a.first_token_prompt_tokens,
+                          a.finished_requests)
             for rid, a in self._accounts.items()
             if rid
         )

@@ -19,19 +19,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpumesh import telemetry
-from gpumesh.v1 import control_pb2 as cpb
-from gpumesh.v1 import inference_pb2, inference_pb2_grpc
-from gpumesh.node.coalesce import CoalescePolicy
+from gpumesh.node.api.inference import NodeInferenceServicer
+from gpumesh.node.api.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
 from gpumesh.node.config import NodeConfig, new_incarnation
-from gpumesh.node.engine import Engine, PromptEncoder
-from gpumesh.node.frontends import FrontendGroup, merge_reports
+from gpumesh.node.engines.base import Engine
+from gpumesh.node.engines.prompts import PromptEncoder
+from gpumesh.node.frontends import FrontendGroup
 from gpumesh.node.heartbeat import HeartbeatClient
-from gpumesh.node.servicer import InferenceServicer, NodeState
+from gpumesh.node.report import build_load_report, merge_reports
+from gpumesh.node.state import ServingState
+from gpumesh.node.streaming.budget import CoalescePolicy
 from gpumesh.node.telemetry import NodeTelemetry
-from gpumesh.node.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
+from gpumesh.types import LoadReport, Registration
+from gpumesh.v1 import inference_pb2, inference_pb2_grpc
+from gpumesh.wire import load_report_to_proto, registration_to_proto
 
 if TYPE_CHECKING:
-    from gpumesh.node.vllm_engine import FrontendSlot
+    from gpumesh.node.engines.vllm import FrontendSlot
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +44,9 @@ INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_
 
 def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engine:
     """The one place that picks an engine implementation from config. ``frontend``: the
-    engine of one of the node's other front-end processes (node.frontends)."""
+    engine of one of the node's other front-end processes (gpumesh.node.frontends)."""
     if cfg.engine == "sim":
-        from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+        from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
         sim = dict(cfg.sim)
         sim.setdefault("model_name", cfg.resolved_served_name())
@@ -53,7 +57,7 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
         return SimEngine(SimEngineConfig(**sim))
     if cfg.engine == "vllm":
         from gpumesh.node.gpu import GpuSampler
-        from gpumesh.node.vllm_engine import VllmEngine, VllmEngineConfig
+        from gpumesh.node.engines.vllm import VllmEngine, VllmEngineConfig
 
         return VllmEngine(VllmEngineConfig(
             model=cfg.model, served_name=cfg.resolved_served_name(), aliases=cfg.aliases,
@@ -89,7 +93,7 @@ class NodeServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.own_address = ""  # this front end's own host:port (several front ends only)
-        self.state: NodeState | None = None
+        self.state: ServingState | None = None
         self.heartbeats: HeartbeatClient | None = None
         self.telemetry = NodeTelemetry.disabled()
         # Both services tokenize through it: one thread for the engine's tokenizer.
@@ -101,52 +105,29 @@ class NodeServer:
     def address(self) -> str:
         return self.cfg.advertise_address or f"{self.cfg.host}:{self.port}"
 
-    # --- load report (what heartbeats carry) --------------------------------------------
-    def load_report(self) -> cpb.LoadReport:
+    # --- load report and registration (what heartbeats carry) ------------------------
+    def load_report(self) -> LoadReport:
+        """This node's load now: all its front ends' when it has several."""
         assert self.state is not None
         eng = self.engine.load()
-        ledger = self.state.ledger
-        report = cpb.LoadReport(
-            num_running=eng.num_running, num_waiting=eng.num_waiting,
-            pending_prefill_tokens=max(0, ledger.pending_prefill_tokens),
-            kv_cache_usage=eng.kv_cache_usage, prefix_cache_hit_rate=eng.prefix_cache_hit_rate,
-            generation_tokens_per_s=eng.generation_tokens_per_s,
-            prompt_tokens_per_s=eng.prompt_tokens_per_s,
-            kv_capacity_tokens=max(0, eng.kv_capacity_tokens),
-            prefill_capacity_tokens_per_s=max(0.0, eng.prefill_capacity_tokens_per_s),
-            decode_step_s=max(0.0, eng.decode_step_s),
-            in_flight=ledger.in_flight, draining=self.state.draining,
-            gpus=[cpb.GpuStats(index=g.index, utilization=g.utilization,
-                               memory_used_bytes=g.memory_used_bytes,
-                               memory_total_bytes=g.memory_total_bytes) for g in eng.gpus],
-            router_accounts=[cpb.RouterAccount(
-                router_id=a.router_id, admitted_requests=a.admitted_requests,
-                admitted_prompt_tokens=a.admitted_prompt_tokens,
-                first_token_requests=a.first_token_requests,
-                first_token_prompt_tokens=a.first_token_prompt_tokens,
-                finished_requests=a.finished_requests)
-                for a in ledger.accounts()])
+        report = build_load_report(eng, self.state.ledger, self.state.draining)
         if self.peers is None:
             return report
         return merge_reports([(eng.stats_at, report), *self.peers.reports()])
 
-    def registration(self) -> cpb.Registration:
+    def registration(self) -> Registration:
         assert self.state is not None
-        spec = self.engine.model
-        return cpb.Registration(
-            node_id=self.state.node_id, address=self.address, incarnation=self.incarnation,
-            engine=self.engine.kind, max_concurrency=self.cfg.max_concurrency,
-            frontend_addresses=self.state.frontend_addresses,
+        return Registration(
+            node_id=self.state.node_id, address=self.address, models=(self.engine.model,),
+            incarnation=self.incarnation, engine=self.engine.kind,
             gpu_model=getattr(self.engine, "gpu_model", "") or "",
-            models=[cpb.ServedModel(
-                name=spec.name, aliases=spec.aliases, max_context_length=spec.max_context_length,
-                tensor_parallel_size=spec.tensor_parallel_size,
-                capacity_weight=spec.capacity_weight)])
+            max_concurrency=self.cfg.max_concurrency,
+            frontend_addresses=self.state.frontend_addresses)
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         self.server = grpc.aio.server(options=[
-            # several front-end processes share the port (node.frontends)
+            # several front-end processes share the port (gpumesh.node.frontends)
             ("grpc.so_reuseport", 1 if self.cfg.frontends > 1 else 0),
             ("grpc.max_concurrent_streams", 4096),
             # Routers ping their node channels (keepalive) during long prefills.
@@ -164,12 +145,12 @@ class NodeServer:
             if host.strip("[]") in ("", "0.0.0.0", "::"):
                 host = socket.gethostname()
             self.own_address = f"{host}:{own}"
-        self.state = NodeState(self.cfg.resolved_node_id(self.port))
+        self.state = ServingState(self.cfg.resolved_node_id(self.port))
         self.telemetry = self._init_telemetry()
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(
+        inference_pb2_grpc.add_InferenceServicer_to_server(NodeInferenceServicer(
             self.engine, self.state,
             # the budget is the node's (what its routers and clients receive): each of its
             # front ends sends its share over the streams it holds
@@ -194,7 +175,8 @@ class NodeServer:
             await self.peers.start(self)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.heartbeats = HeartbeatClient(
-            self.cfg.routers, self.registration, self.load_report,
+            self.cfg.routers, lambda: registration_to_proto(self.registration()),
+            lambda: load_report_to_proto(self.load_report()),
             self.cfg.heartbeat_busy_interval_s, self.cfg.heartbeat_idle_interval_s,
             self.cfg.reconnect_max_backoff_s, on_drain=self._drain_ordered)
         self.heartbeats.start()

@@ -41,12 +41,13 @@ class NodeConfig:
     enforce_eager: bool = False
     num_gpu_blocks_override: int = 0
     # vLLM emits a request's output every N tokens (the first and the last at once): less
-    # front-end CPU per token, the ceiling of a GPU node (docs/benchmarks-gpu.md: 7B on an
-    # H200, 4 -> 1.27x QPS through the router). Per-token streams then get N-token chunks.
+    # front-end CPU per token, which is what limits a busy GPU node. Per-token streams then
+    # get N-token chunks.
     stream_interval: int = 1
     # Front-end processes over the one engine (vLLM only), as `vllm serve --api-server-count`:
     # each serves gRPC on the port (SO_REUSEPORT) and processes its own requests' outputs, so
-    # the node's per-token work is no longer capped by one process's core (node.frontends).
+    # the node's per-token work is no longer capped by one process's core
+    # (gpumesh.node.frontends).
     frontends: int = 1
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs
     sim: Mapping[str, Any] = field(default_factory=dict)          # SimEngineConfig fields

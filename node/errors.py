@@ -36,7 +36,7 @@ def permission_denied(message: str) -> RequestError:
 
 def from_engine_exception(exc: BaseException) -> RequestError:
     """Engine failures: bad token ids and length errors are the caller's; the rest INTERNAL."""
-    from gpumesh.node.engine import (
+    from gpumesh.node.engines.base import (
         EngineOverloaded,
         EngineUnavailable,
         InvalidRequest,

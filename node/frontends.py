@@ -1,10 +1,10 @@
 """A node with several front-end processes over its one vLLM engine (``frontends = N``).
 
 Why: a node's process does vLLM's per-token front-end work (output processing, detokenizing)
-and serves gRPC on one core, and on an H200 with a 0.5B model that core is the node's
-ceiling (docs/benchmarks-gpu.md: the node at 0.9-1.0 core, 0.69x raw vLLM's QPS). vLLM's own
-answer is ``vllm serve --api-server-count N``: one engine core, N front-end processes, each
-an ``AsyncLLM`` client that gets only its own requests' outputs. This is that, for the node:
+and serves gRPC on one core, and with a small model on a fast GPU that core, not the GPU,
+limits the node. vLLM's own answer is ``vllm serve
+--api-server-count N``: one engine core, N front-end processes, each an ``AsyncLLM`` client
+that gets only its own requests' outputs. This is that, for the node:
 
 - The main process is front end 0. It binds the port (SO_REUSEPORT), starts the engine core
   and its own client (``VllmEngine(frontends=N)`` launches a ``SharedEngineCore``), then
@@ -12,13 +12,13 @@ an ``AsyncLLM`` client that gets only its own requests' outputs. This is that, f
   the node SERVING and only the main process heartbeats.
 - Each other front end (``_frontend_main``, a spawned process) joins the engine core with its
   ``FrontendSlot``, then serves the node's services on the same port (the kernel spreads
-  client connections over the processes), and sends its ``LoadReport`` to the main process
-  every ``REPORT_INTERVAL_S``. It drains and stops when the main process says so, and stops
-  if the main process goes away.
-- The node's one report is ``merge_reports`` of the main process's and the latest of each
-  other front end's: engine-wide figures from the freshest scheduler snapshot (vLLM returns
-  each step's scheduler stats to one front end only), what each front end counts of its own
-  requests summed.
+  client connections over the processes), and sends its ``LoadReport`` (the protobuf's
+  bytes) to the main process every ``REPORT_INTERVAL_S``. It drains and stops when the main
+  process says so, and stops if the main process goes away.
+- The node's one report is ``gpumesh.node.report.merge_reports`` of the main process's and
+  the latest of each other front end's: engine-wide figures from the freshest scheduler
+  snapshot (vLLM returns each step's scheduler stats to one front end only), what each front
+  end counts of its own requests summed.
 
 A front end that dies takes its connections' streams with it, and its requests keep running
 in the engine core to their end (nobody aborts them): the node then stops, as ``vllm serve``
@@ -35,67 +35,24 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from gpumesh.types import LoadReport
 from gpumesh.v1 import control_pb2 as cpb
+from gpumesh.wire import load_report_from_proto, load_report_to_proto
 
 if TYPE_CHECKING:
     from gpumesh.node.app import NodeServer
     from gpumesh.node.config import NodeConfig
-    from gpumesh.node.vllm_engine import FrontendSlot
+    from gpumesh.node.engines.vllm import FrontendSlot
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 0.1      # each front end's report to the main process
 PROCESS_TITLE = "gpumesh-frontend"  # + "-<index>": what ps and the GPU bench's CPU sampler see
 READY_TIMEOUT_S = 600.0      # a front end's start (imports, tokenizer, joining the core)
-
-
-def merge_reports(reports: Sequence[tuple[float, cpb.LoadReport]]) -> cpb.LoadReport:
-    """One node's report from its front ends' ``(stats_at, report)`` pairs, the main
-    process's first (its GPU samples are the node's).
-
-    - Engine-wide figures (running, waiting, KV usage and capacity, prefix hit rate) come
-      from the report whose scheduler snapshot is the freshest (``stats_at``, monotonic time
-      of the machine): vLLM sends each step's scheduler stats to one front end only.
-    - What each front end counts of its own requests is summed: in flight, pending prefill,
-      per-router accounts, generated and prompt tokens/s, and the prefill capacity (each
-      front end measures the prompt tokens of its own requests over the same spans; the sum
-      approximates the engine's).
-    - Decode step time: the smallest a front end measured. A front end times the intervals
-      between the scheduler stats it receives, which span several steps when another front
-      end got the stats in between, so larger figures are the inflated ones.
-    """
-    if not reports:
-        raise ValueError("no reports to merge")
-    out = cpb.LoadReport()
-    out.CopyFrom(max(reports, key=lambda r: r[0])[1])
-    rs = [r for _, r in reports]
-    out.in_flight = sum(r.in_flight for r in rs)
-    out.pending_prefill_tokens = sum(r.pending_prefill_tokens for r in rs)
-    out.generation_tokens_per_s = sum(r.generation_tokens_per_s for r in rs)
-    out.prompt_tokens_per_s = sum(r.prompt_tokens_per_s for r in rs)
-    out.prefill_capacity_tokens_per_s = sum(r.prefill_capacity_tokens_per_s for r in rs)
-    steps = [r.decode_step_s for r in rs if r.decode_step_s > 0]
-    out.decode_step_s = min(steps) if steps else 0.0
-    out.kv_capacity_tokens = max(r.kv_capacity_tokens for r in rs)
-    out.draining = any(r.draining for r in rs)
-    del out.gpus[:]
-    out.gpus.extend(rs[0].gpus)
-    accounts: dict[str, cpb.RouterAccount] = {}
-    for r in rs:
-        for a in r.router_accounts:
-            acc = accounts.setdefault(a.router_id, cpb.RouterAccount(router_id=a.router_id))
-            acc.admitted_requests += a.admitted_requests
-            acc.admitted_prompt_tokens += a.admitted_prompt_tokens
-            acc.first_token_requests += a.first_token_requests
-            acc.first_token_prompt_tokens += a.first_token_prompt_tokens
-            acc.finished_requests += a.finished_requests
-    del out.router_accounts[:]
-    out.router_accounts.extend(accounts.values())
-    return out
 
 
 class FrontendGroup:
@@ -106,7 +63,7 @@ class FrontendGroup:
         self._on_lost = on_lost
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
-        self._reports: dict[int, tuple[float, cpb.LoadReport]] = {}
+        self._reports: dict[int, tuple[float, LoadReport]] = {}
         self._ready: dict[int, str] = {}  # index -> the front end's own address
         self._stopping = False
         self._lock = threading.Lock()
@@ -116,7 +73,7 @@ class FrontendGroup:
     async def start(self, node: NodeServer) -> None:
         """Spawn one process per slot in ``node.engine.peer_slots`` on ``node.port``; return
         once every one serves. Raises RuntimeError if one exits or times out first."""
-        from gpumesh.node.vllm_engine import SharedEngineCore
+        from gpumesh.node.engines.vllm import SharedEngineCore
 
         self._loop = asyncio.get_running_loop()
         slots = list(getattr(node.engine, "peer_slots", ()))
@@ -169,7 +126,7 @@ class FrontendGroup:
                     self._lost(i)
                     continue
                 if msg[0] == "report":
-                    report = cpb.LoadReport.FromString(msg[2])
+                    report = load_report_from_proto(cpb.LoadReport.FromString(msg[2]))
                     with self._lock:
                         self._reports[i] = (msg[1], report)
                 elif msg[0] == "ready":
@@ -184,7 +141,7 @@ class FrontendGroup:
         log.error("%s: stopping the node", reason)
         self._loop.call_soon_threadsafe(self._on_lost, reason)
 
-    def reports(self) -> list[tuple[float, cpb.LoadReport]]:
+    def reports(self) -> list[tuple[float, LoadReport]]:
         with self._lock:
             return list(self._reports.values())
 
@@ -257,7 +214,7 @@ async def _serve_frontend(cfg: NodeConfig, slot: FrontendSlot, conn: Connection)
             while True:
                 with contextlib.suppress(OSError, ValueError):
                     conn.send(("report", engine.load().stats_at,
-                               node.load_report().SerializeToString()))
+                               load_report_to_proto(node.load_report()).SerializeToString()))
                 await asyncio.sleep(REPORT_INTERVAL_S)
 
         reporter = asyncio.create_task(report())

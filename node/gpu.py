@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from gpumesh.node.engine import GpuSample
+from gpumesh.types import GpuSample
 
 __all__ = ["GpuSampler", "visible_device_ids"]
 

@@ -28,8 +28,9 @@ Attributes (GenAI semantic conventions where they exist):
 Metrics: ``gpumesh.requests`` / ``gpumesh.request.duration`` / ``gpumesh.request.time_to_first_token``
 with ``model``, ``node``, ``status``; gauges for the node's own load (see ``register_gauges``).
 
-Who calls it: ``node.servicer.InferenceServicer`` (start / prepared / admitted / output / fail /
-cancelled / end, in that order) and ``node.app`` (``NodeTelemetry`` + ``register_gauges``).
+Who calls it: ``gpumesh.node.api.inference.NodeInferenceServicer`` (start / prepared /
+admitted / output / fail / cancelled / end, in that order) and ``gpumesh.node.app``
+(``NodeTelemetry`` + ``register_gauges``).
 With telemetry off, ``start`` returns a shared no-op whose methods do nothing.
 """
 
@@ -45,7 +46,7 @@ from opentelemetry import trace
 
 from gpumesh import telemetry as gt
 from gpumesh.v1 import inference_pb2 as pb
-from gpumesh.node.engine import EngineOutput, EngineRequest, Finish
+from gpumesh.node.engines.base import EngineOutput, EngineRequest, Finish
 
 SPAN_NAME = "gpumesh.node.generate"
 

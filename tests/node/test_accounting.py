@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from gpumesh.node.accounting import NodeLedger
+from gpumesh.node.accounting import AdmissionLedger
 
 
 def test_finished_counts_every_end_once_per_router() -> None:
     """A request counts as finished once, however it ends: done after its tokens, an error or
     a cancel before its first token (then also as past its first token, so the router's credit
     is released), or a second finish call. Direct clients ("") are not reported."""
-    led = NodeLedger()
+    led = AdmissionLedger()
     done = led.admit("r1", 10)
     done.first_token()
     done.finish()
@@ -31,7 +31,7 @@ def test_finished_counts_every_end_once_per_router() -> None:
 
 
 def test_streaming_counts_requests_past_their_first_token_until_they_end() -> None:
-    led = NodeLedger()
+    led = AdmissionLedger()
     queued = led.admit("r1", 10)
     a = led.admit("r1", 10)
     b = led.admit("", 10)

@@ -3,8 +3,9 @@ final flushed at once, a stalled engine never holds a token longer than one inte
 
 import asyncio
 
-from gpumesh.node.coalesce import MAX_FLUSH_INTERVAL_S, CoalescePolicy, coalesce
-from gpumesh.node.engine import EngineOutput, Finish
+from gpumesh.node.streaming.budget import MAX_FLUSH_INTERVAL_S, CoalescePolicy
+from gpumesh.node.streaming.coalesce import coalesce
+from gpumesh.node.engines.base import EngineOutput, Finish
 
 
 async def _script(steps):

@@ -9,9 +9,10 @@ import pytest
 
 from gpumesh.client import build_request
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from gpumesh.node.coalesce import CoalescePolicy
-from gpumesh.node.servicer import InferenceServicer, NodeState
-from gpumesh.node.vllm_engine import VllmEngine, VllmEngineConfig
+from gpumesh.node.streaming.budget import CoalescePolicy
+from gpumesh.node.api.inference import NodeInferenceServicer
+from gpumesh.node.state import ServingState
+from gpumesh.node.engines.vllm import VllmEngine, VllmEngineConfig
 
 
 @pytest.fixture
@@ -19,7 +20,7 @@ async def unstarted_node(tiny_model_dir):
     engine = VllmEngine(VllmEngineConfig(model=str(tiny_model_dir), served_name="tiny"))
     server = grpc.aio.server()
     pb_grpc.add_InferenceServicer_to_server(
-        InferenceServicer(engine, NodeState("starting"), CoalescePolicy()), server)
+        NodeInferenceServicer(engine, ServingState("starting"), CoalescePolicy()), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

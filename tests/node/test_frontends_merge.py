@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import pytest
 
+from gpumesh.types import LoadReport
 from gpumesh.v1 import control_pb2 as cpb
-from gpumesh.node.frontends import merge_reports
+from gpumesh.node.report import merge_reports
+from gpumesh.wire import load_report_from_proto
 
 
-def report(**kw) -> cpb.LoadReport:
+def report(**kw) -> LoadReport:
     accounts = kw.pop("accounts", ())
     gpus = kw.pop("gpus", ())
-    return cpb.LoadReport(
+    return load_report_from_proto(cpb.LoadReport(
         router_accounts=[cpb.RouterAccount(router_id=r, admitted_requests=a,
                                            admitted_prompt_tokens=10 * a,
                                            first_token_requests=f,
                                            first_token_prompt_tokens=10 * f,
                                            finished_requests=d) for r, a, f, d in accounts],
-        gpus=[cpb.GpuStats(index=i, utilization=u) for i, u in gpus], **kw)
+        gpus=[cpb.GpuStats(index=i, utilization=u) for i, u in gpus], **kw))
 
 
 def test_engine_figures_from_the_freshest_snapshot_own_counts_summed() -> None:

@@ -6,7 +6,7 @@ import asyncio
 from gpumesh.client import MeshClient, build_request
 from gpumesh.node.app import NodeServer
 from gpumesh.node.config import NodeConfig
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from tests.integration.procs import RecordingControlPlane, free_port
 
 

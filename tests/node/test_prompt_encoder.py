@@ -1,6 +1,6 @@
-"""Prompts are tokenized off the event loop (node.engine.PromptEncoder): a slow tokenization
-does not stall the node's other streams, a client that cancels meanwhile leaves nothing in the
-engine, and concurrent prompts use the real tokenizer one call at a time.
+"""Prompts are tokenized off the event loop (gpumesh.node.engines.prompts.PromptEncoder): a
+slow tokenization does not stall the node's other streams, a client that cancels meanwhile
+leaves nothing in the engine, and concurrent prompts use the real tokenizer one call at a time.
 
 Real loopback gRPC. The first tests run a real NodeServer over a TEST ENGINE: the labelled
 simulator (SimEngine) whose ``tokenize`` sleeps, standing in for a very long prompt on a real
@@ -25,11 +25,13 @@ from gpumesh.client import MeshClient, build_request
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh.node.app import NodeServer
-from gpumesh.node.coalesce import CoalescePolicy
+from gpumesh.node.streaming.budget import CoalescePolicy
 from gpumesh.node.config import NodeConfig
-from gpumesh.node.engine import INLINE_PROMPT_CHARS, EngineRequest
-from gpumesh.node.servicer import InferenceServicer, NodeState
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.base import EngineRequest
+from gpumesh.serial_worker import INLINE_PROMPT_CHARS
+from gpumesh.node.api.inference import NodeInferenceServicer
+from gpumesh.node.state import ServingState
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
 TOKENIZE_S = 1.0
 # Long enough to leave the loop (PromptEncoder runs shorter prompts inline).
@@ -172,7 +174,7 @@ async def test_concurrent_prompts_use_the_real_tokenizer_one_at_a_time(vllm_engi
     probe = _OverlapProbe(vllm_engine)
     server = grpc.aio.server()
     pb_grpc.add_InferenceServicer_to_server(
-        InferenceServicer(probe, NodeState("tok"), CoalescePolicy()), server)  # type: ignore[arg-type]
+        NodeInferenceServicer(probe, ServingState("tok"), CoalescePolicy()), server)  # type: ignore[arg-type]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     # Long prompts (~470 tokens, under the session engine's 512) go to the thread, short ones

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpumesh.node.engine import (
+from gpumesh.node.engines.base import (
     Engine,
     EngineOutput,
     EngineRequest,
@@ -16,7 +16,7 @@ from gpumesh.node.engine import (
     PromptTooLong,
     Sampling,
 )
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
 FAST = SimEngineConfig(time_scale=0.0)  # steps back to back: simulated time only
 
@@ -324,8 +324,8 @@ async def test_slow_consumer_still_gets_every_token_and_the_finish():
     receive the last delta (it was dropped when finish was re-read after the yield)."""
     import asyncio as _asyncio
 
-    from gpumesh.node.engine import EngineRequest, Sampling
-    from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+    from gpumesh.node.engines.base import EngineRequest, Sampling
+    from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
     eng = SimEngine(SimEngineConfig(model_name="m", time_scale=0))
     await eng.start()

@@ -11,10 +11,11 @@ import pytest
 
 from gpumesh.client import MeshClient, build_request
 from gpumesh.node.app import NodeServer
-from gpumesh.node.coalesce import CoalescePolicy
+from gpumesh.node.streaming.budget import CoalescePolicy
 from gpumesh.node.config import NodeConfig, load_node_config
-from gpumesh.node.servicer import InferenceServicer, NodeState
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.api.inference import NodeInferenceServicer
+from gpumesh.node.state import ServingState
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
 
 class _Context:
@@ -23,7 +24,7 @@ class _Context:
 
 
 async def test_the_budget_applies_to_the_default_interval_only():
-    servicer = InferenceServicer(SimEngine(SimEngineConfig(model_name="sim")), NodeState("n"),
+    servicer = NodeInferenceServicer(SimEngine(SimEngineConfig(model_name="sim")), ServingState("n"),
                                  CoalescePolicy(0.02, 64, messages_per_s=2000))
 
     async def policy(**options):

@@ -14,18 +14,20 @@ from types import SimpleNamespace
 import pytest
 
 from gpumesh.tiny_model import build_tiny_model, is_complete_model
-from gpumesh.node.engine import (
+from gpumesh.node.engines.base import (
     Engine,
     EngineOutput,
     EngineRequest,
     Finish,
-    GpuSample,
     InvalidRequest,
     PromptTooLong,
     Sampling,
 )
 from gpumesh.node.gpu import GpuSampler, visible_device_ids
-from gpumesh.node.vllm_engine import VllmEngine, VllmEngineConfig, _engine_kwargs, _LoadStatLogger
+from gpumesh.node.engines.vllm import VllmEngine, VllmEngineConfig
+from gpumesh.node.engines.vllm.engine_args import engine_kwargs
+from gpumesh.node.engines.vllm.stats import LoadStatLogger
+from gpumesh.types import GpuSample
 
 GREEDY = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
 _ids = iter(range(1_000_000))
@@ -130,7 +132,7 @@ def _iter(gen: int, prompt: int = 0) -> SimpleNamespace:
 
 def test_stat_adapter_counts_rates_and_prefix_window() -> None:
     now = [100.0]
-    s = _LoadStatLogger(rate_window_s=2.0, prefix_window_requests=4, clock=lambda: now[0])
+    s = LoadStatLogger(rate_window_s=2.0, prefix_window_requests=4, clock=lambda: now[0])
     assert s.snapshot().num_running == 0
 
     s.record(_sched(3, 2, 0.5, requests=2, queries=100, hits=50), _iter(3, prompt=40))
@@ -156,7 +158,7 @@ def test_stat_adapter_counts_rates_and_prefix_window() -> None:
 
 def test_stat_adapter_measures_prefill_capacity_over_spans_of_steps() -> None:
     now = [100.0]
-    s = _LoadStatLogger(rate_window_s=3.0, clock=lambda: now[0], capacity_span_s=0.05,
+    s = LoadStatLogger(rate_window_s=3.0, clock=lambda: now[0], capacity_span_s=0.05,
                         capacity_window_s=10.0, capacity_windows=2)
 
     def step(dt: float, prompt: int, gen: int = 0) -> None:
@@ -198,7 +200,7 @@ def test_stat_adapter_measures_prefill_capacity_over_spans_of_steps() -> None:
 
 def test_stat_adapter_times_the_engine_steps_while_requests_run() -> None:
     now = [100.0]
-    s = _LoadStatLogger(clock=lambda: now[0], step_window_s=1.0)
+    s = LoadStatLogger(clock=lambda: now[0], step_window_s=1.0)
 
     def step(dt: float, running: int) -> None:
         now[0] += dt
@@ -438,8 +440,8 @@ def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) 
     toml = tmp_path / "node.toml"
     toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 4\n')
     engine = build_engine(load_node_config(toml, environ={}))
-    assert _engine_kwargs(engine._config)["stream_interval"] == 4   # type: ignore[attr-defined]
-    assert _engine_kwargs(VllmEngineConfig(model="/m"))["stream_interval"] == 1
+    assert engine_kwargs(engine._config)["stream_interval"] == 4   # type: ignore[attr-defined]
+    assert engine_kwargs(VllmEngineConfig(model="/m"))["stream_interval"] == 1
     toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 0\n')
     with pytest.raises(ValueError, match="stream_interval must be >= 1"):
         load_node_config(toml, environ={})
@@ -447,20 +449,20 @@ def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) 
 
 def test_cuda_nodes_ask_for_full_cuda_graphs_unless_told_otherwise(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpumesh.node.vllm_engine as ve
+    import gpumesh.node.engines.vllm.engine_args as ve
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    assert "compilation_config" not in _engine_kwargs(VllmEngineConfig(model="/m"))  # CPU here
-    monkeypatch.setattr(ve, "_platform", lambda: SimpleNamespace(is_cpu=lambda: False,
-                                                                 is_cuda=lambda: True))
-    kwargs = _engine_kwargs(VllmEngineConfig(model="/m"))
+    assert "compilation_config" not in engine_kwargs(VllmEngineConfig(model="/m"))  # CPU here
+    monkeypatch.setattr(ve, "current_platform",
+                        lambda: SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True))
+    kwargs = engine_kwargs(VllmEngineConfig(model="/m"))
     assert kwargs["compilation_config"] == {"cudagraph_mode": "FULL"}
     assert "worker_extension_cls" not in kwargs
     assert AsyncEngineArgs(model="/m", compilation_config=kwargs["compilation_config"]
                            ).compilation_config.cudagraph_mode.name == "FULL"
-    assert "compilation_config" not in _engine_kwargs(VllmEngineConfig(model="/m",
-                                                                       enforce_eager=True))
+    assert "compilation_config" not in engine_kwargs(VllmEngineConfig(model="/m",
+                                                                      enforce_eager=True))
     mine = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
-    assert _engine_kwargs(VllmEngineConfig(model="/m", extra={"compilation_config": mine})
-                          )["compilation_config"] == mine
+    assert engine_kwargs(VllmEngineConfig(model="/m", extra={"compilation_config": mine})
+                         )["compilation_config"] == mine
     assert ve.CUDA_COMPILATION_CONFIG == {"cudagraph_mode": "FULL"}  # not mutated by a node

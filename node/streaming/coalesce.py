@@ -1,20 +1,12 @@
 """Coalesced token streams: fewer, larger messages so one router core carries many GPUs.
 
-Contract (issue 8): the first output goes out alone and at once (coalescing adds no TTFT);
-later outputs are merged until the flush interval has passed since the previous message was
-sent or ``max_tokens`` tokens are pending, whichever is first; the final output (with a finish
-reason) is sent at once with whatever is pending. No token waits longer than one flush
-interval after it arrived, even if the engine stalls (a timer, not only the next output,
-triggers the flush). Engines yield text deltas that never split a multi-byte character, and
-joining deltas preserves that; stop strings were already removed by the engine.
-
-The flush interval is ``flush_interval_s``, widened under load when the policy has a message
-budget (``messages_per_s``, the node's default policy): with S streams sending (past their
-first token, not ended) it is ``max(flush_interval_s, S / messages_per_s)``, at most
-``MAX_FLUSH_INTERVAL_S``, re-read at every message. A gRPC message costs the node's process
-far more than a token does (measured: docs/benchmarks.md, "Stream messages per node"), and
-that process is a GPU node's ceiling (docs/benchmarks-gpu.md), so a loaded node sends fewer,
-larger chunks; an idle one keeps the short interval.
+Contract: the first output goes out alone and at once (coalescing adds no TTFT); later outputs
+are merged until the flush interval (:meth:`CoalescePolicy.interval`) has passed since the
+previous message was sent or ``max_tokens`` tokens are pending, whichever is first; the final
+output (with a finish reason) is sent at once with whatever is pending. No token waits longer
+than one flush interval after it arrived, even if the engine stalls (a timer, not only the
+next output, triggers the flush). Engines yield text deltas that never split a multi-byte
+character, and joining deltas preserves that; stop strings were already removed by the engine.
 """
 
 from __future__ import annotations
@@ -25,34 +17,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from gpumesh.node.engine import EngineOutput
-
-MAX_FLUSH_INTERVAL_S = 0.25   # the widest a message budget makes the interval
-
-
-@dataclass(frozen=True)
-class CoalescePolicy:
-    """flush_interval_s <= 0 or max_tokens <= 1 -> one message per engine output.
-
-    ``messages_per_s`` > 0: the node's budget of stream messages per second over all its
-    streams; the interval widens to ``streams / messages_per_s`` when that is longer (see the
-    module docstring). 0: the interval is fixed (a client that set its own interval gets it).
-    """
-
-    flush_interval_s: float = 0.02
-    max_tokens: int = 64
-    messages_per_s: float = 0.0
-
-    @property
-    def per_token(self) -> bool:
-        return self.flush_interval_s <= 0 or self.max_tokens <= 1
-
-    def interval(self, streams: int) -> float:
-        """The flush interval (s) with ``streams`` streams sending on the node."""
-        if self.messages_per_s <= 0:
-            return self.flush_interval_s
-        return max(self.flush_interval_s,
-                   min(MAX_FLUSH_INTERVAL_S, streams / self.messages_per_s))
+from gpumesh.node.engines.base import EngineOutput
+from gpumesh.node.streaming.budget import CoalescePolicy
 
 
 def _merge(parts: list[EngineOutput]) -> EngineOutput:
@@ -74,7 +40,7 @@ async def coalesce(outputs: AsyncIterator[EngineOutput], policy: CoalescePolicy,
     A pump task drains the engine into a buffer; this generator sends the buffer once per
     flush interval (at once for the first tokens, the final output, the token cap, an error).
     Per engine output that costs one append, not a task and a timed wait: the node's process
-    is the ceiling of a GPU node (docs/benchmarks-gpu.md), so per-token work matters.
+    is what limits a GPU node, so per-token work matters.
     """
     it = aiter(outputs)
     if policy.per_token:

@@ -1,38 +1,27 @@
-"""The engine seam: what the node servicer needs from an inference engine.
+"""The engine seam: what the node's servicers need from an inference engine.
 
-Two implementations: ``node.vllm_engine.VllmEngine`` (the real vLLM AsyncLLM; the only module
-that imports vllm) and ``node.sim_engine.SimEngine`` (a labelled simulator for fleet-scale
-benchmarks). The servicer, heartbeats and accounting are shared, so both report load through
-the same code path.
+Two implementations: ``gpumesh.node.engines.vllm.VllmEngine`` (vLLM's AsyncLLM; that package
+is the only one that imports vllm) and ``gpumesh.node.engines.sim.SimEngine`` (a labelled
+simulator for fleet-scale benchmarks). The servicers, heartbeats and accounting are shared,
+so both report load through the same code path. The served model is a
+:class:`gpumesh.types.ModelSpec`; GPU samples are :class:`gpumesh.types.GpuSample`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-# INLINE_PROMPT_CHARS (PromptEncoder's default, measured there) is also read from here.
-from gpumesh.serial_worker import INLINE_PROMPT_CHARS, SerialWorker, WorkerClosed
+from gpumesh.types import GpuSample, ModelSpec
 
 
 class Finish(str, Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model the engine serves. ``max_context_length`` in tokens."""
-
-    name: str
-    aliases: tuple[str, ...] = ()
-    max_context_length: int = 2048
-    tensor_parallel_size: int = 1
-    capacity_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -69,14 +58,6 @@ class EngineOutput:
 
 
 @dataclass(frozen=True)
-class GpuSample:
-    index: int
-    utilization: float  # 0..1
-    memory_used_bytes: int
-    memory_total_bytes: int
-
-
-@dataclass(frozen=True)
 class EngineLoad:
     """The engine's own view of its load, from its scheduler (vLLM: a StatLoggerBase).
 
@@ -99,7 +80,7 @@ class EngineLoad:
     decode_step_s: float = 0.0
     # time.monotonic() of the scheduler snapshot above (0 = unknown): with several front-end
     # processes on one engine, vLLM sends each step's stats to one of them, and the node
-    # reports the freshest (node.frontends)
+    # reports the freshest (gpumesh.node.frontends)
     stats_at: float = 0.0
 
 
@@ -182,46 +163,3 @@ class Engine(Protocol):
     def load(self) -> EngineLoad: ...
 
     async def shutdown(self) -> None: ...
-
-
-_T = TypeVar("_T")
-_A = TypeVar("_A")
-
-
-class PromptEncoder:
-    """Runs an engine's ``tokenize`` / ``render_chat`` off the event loop.
-
-    One per node, shared by its services (``node.app`` wires it; both servicers call it per
-    request): one dedicated worker thread (``gpumesh.serial_worker.SerialWorker``), because an
-    HF fast tokenizer is not meant for concurrent calls ("RuntimeError: Already borrowed") and
-    vLLM keeps its own tokenization serial the same way. The tokenizer releases the GIL while
-    it encodes, so the loop keeps serving other streams meanwhile. Prompts under
-    ``inline_chars`` run inline (see ``INLINE_PROMPT_CHARS``, measured there), but only while
-    the thread is idle: a lock keeps the calls serial.
-
-    Cancelling the awaiting task drops a call that has not started; one that has finishes on
-    the thread and its result is discarded. Errors are the engine's, unchanged;
-    ``EngineUnavailable`` after ``close()``.
-    """
-
-    def __init__(self, engine: Engine, inline_chars: int = INLINE_PROMPT_CHARS) -> None:
-        self._engine = engine
-        self._inline_chars = inline_chars
-        self._worker = SerialWorker("gpumesh-tokenize")
-
-    async def tokenize(self, text: str) -> list[int]:
-        return await self._call(len(text), self._engine.tokenize, text)
-
-    async def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        chars = sum(len(role) + len(content) for role, content in messages)
-        return await self._call(chars, self._engine.render_chat, messages)
-
-    async def _call(self, chars: int, fn: Callable[[_A], _T], arg: _A) -> _T:
-        try:
-            return await self._worker.run(fn, arg, inline=chars < self._inline_chars)
-        except WorkerClosed as exc:  # the node is stopping
-            raise EngineUnavailable("node is shutting down") from exc
-
-    def close(self) -> None:
-        """Refuse new calls; the thread ends after the calls already queued. Idempotent."""
-        self._worker.close()

@@ -22,17 +22,16 @@ from gpumesh import metadata as md
 from gpumesh import tickets
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from gpumesh.node.accounting import Admission, NodeLedger
-from gpumesh.node.coalesce import CoalescePolicy, coalesce
-from gpumesh.node.engine import (
+from gpumesh.node.accounting import Admission
+from gpumesh.node.engines.base import (
     Engine,
     EngineError,
     EngineOutput,
     EngineRequest,
     Finish,
-    PromptEncoder,
     Sampling,
 )
+from gpumesh.node.engines.prompts import PromptEncoder
 from gpumesh.node.errors import (
     RequestError,
     from_engine_exception,
@@ -42,6 +41,9 @@ from gpumesh.node.errors import (
     permission_denied,
     unavailable,
 )
+from gpumesh.node.state import ServingState
+from gpumesh.node.streaming.budget import CoalescePolicy
+from gpumesh.node.streaming.coalesce import coalesce
 from gpumesh.node.telemetry import NOOP, NodeTelemetry, Trace
 
 log = logging.getLogger(__name__)
@@ -57,17 +59,6 @@ class Prepared:
     router_id: str
     charged_tokens: int | None
     coalescing: CoalescePolicy
-
-
-class NodeState:
-    """Mutable serving state shared by the servicer, heartbeats and drain."""
-
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
-        self.draining = False
-        self.ledger = NodeLedger()
-        # each front-end process's own host:port when the node has several (node.frontends)
-        self.frontend_addresses: tuple[str, ...] = ()
 
 
 def _sampling(p: pb.SamplingParams) -> Sampling:
@@ -87,13 +78,16 @@ def _sampling(p: pb.SamplingParams) -> Sampling:
                     stop=tuple(p.stop), ignore_eos=p.ignore_eos)
 
 
-class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, engine: Engine, state: NodeState, default_coalescing: CoalescePolicy,
+class NodeInferenceServicer(pb_grpc.InferenceServicer):
+    """``gpumesh.v1.Inference`` served by one node process over its engine (the router serves
+    the same service over its fleet)."""
+
+    def __init__(self, engine: Engine, state: ServingState, default_coalescing: CoalescePolicy,
                  ticket_secret: bytes = b"", require_ticket: bool = False,
                  telemetry: NodeTelemetry | None = None,
                  prompts: PromptEncoder | None = None) -> None:
         self._engine = engine
-        # The node's shared one (node.app); a servicer built alone gets its own.
+        # The node's shared one (gpumesh.node.app); a servicer built alone gets its own.
         self._prompts = prompts or PromptEncoder(engine)
         self._telemetry = telemetry or NodeTelemetry.disabled()
         self._state = state

@@ -1,0 +1,251 @@
+"""``SimEngine``: the simulated engine (the package docstring describes its model)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import zlib
+from array import array
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+from gpumesh.node.engines.base import (
+    EngineError,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    Finish,
+    PromptTooLong,
+    WindowMean,
+)
+from gpumesh.node.engines.sim.config import SimEngineConfig, SimStats
+from gpumesh.node.engines.sim.scheduler import SimRequest, SimScheduler
+from gpumesh.node.engines.sim.text import SimTokenizer, detokenize
+from gpumesh.types import ModelSpec
+
+log = logging.getLogger(__name__)
+# Window of decode_step_s (wall seconds): the mean length of the steps that ended in it.
+# The same as a vLLM node's (gpumesh.node.engines.vllm.stats): long enough to span a wave of
+# requests that start and finish together, so equal nodes report equal steps.
+STEP_WINDOW_S = 3.0
+
+
+class SimEngine(SimScheduler):
+    """A labelled simulator implementing :class:`gpumesh.node.engines.base.Engine` (see the
+    package docstring)."""
+
+    kind = "sim"
+
+    def __init__(self, config: SimEngineConfig | None = None) -> None:
+        super().__init__(config or SimEngineConfig())
+        cfg = self.config
+        self._spec = ModelSpec(
+            name=cfg.model_name,
+            aliases=tuple(cfg.aliases),
+            max_context_length=cfg.max_context_length,
+            tensor_parallel_size=1,
+            capacity_weight=cfg.capacity_weight,
+        )
+        self._tok = SimTokenizer(cfg.vocab_size)
+        self._prefill_capacity = self.prefill_capacity_tokens_per_s()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        # counters (the scheduler keeps the others)
+        self._steps = 0
+        self._busy = 0.0
+        self._prefill = 0
+        self._samples: deque[tuple[float, int, int]] = deque()  # (wall t, gen, prefill)
+        # the wall-clock lengths of the steps of the last STEP_WINDOW_S
+        self._step_log = WindowMean(STEP_WINDOW_S)
+
+    # --- Engine protocol ---------------------------------------------------------------
+
+    @property
+    def model(self) -> ModelSpec:
+        return self._spec
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        if self._closed:
+            raise EngineError("engine is shut down")
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name=f"sim-engine:{self._spec.name}")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        parts = [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages]
+        parts.append("<|im_start|>assistant\n")
+        return self._tok.encode("".join(parts))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Queue the request at the first iteration (as vLLM's AsyncLLM does) and yield deltas.
+
+        Errors (PromptTooLong, duplicate id, engine not running) raise from that first
+        iteration. Deltas that pile up while the consumer is busy are merged into one output,
+        like vLLM's RequestOutputCollector; a prompt consumer sees one output per step.
+        """
+        req = self._add(request)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if req.sent == len(req.out) and req.finish is None:
+                    fut = req.waiter = loop.create_future()
+                    await fut
+                ids = req.out[req.sent:]
+                req.sent += len(ids)
+                if req.stop:
+                    end = len(req.text) if req.finish is not None else len(req.text) - req.hold
+                    text = req.text[req.text_sent:end] if end > req.text_sent else ""
+                    req.text_sent = max(req.text_sent, end)
+                else:
+                    text = detokenize(ids, self._eos)
+                # Read finish once: the step loop may finish the request while this generator
+                # is suspended at the yield, and that last delta must still be delivered.
+                finish = req.finish
+                yield EngineOutput(tuple(ids), text, finish)
+                if finish is not None:
+                    return
+        finally:
+            if req.finish is None:  # consumer cancelled or closed the stream
+                self._drop(req, Finish.ABORT)
+
+    async def abort(self, request_id: str) -> None:
+        req = self._reqs.get(request_id)
+        if req is not None:
+            self._drop(req, Finish.ABORT)
+
+    def load(self) -> EngineLoad:
+        gen_rate, prompt_rate = self._rates()
+        return EngineLoad(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_cache_usage=(self._total_blocks - self._free_blocks) / self._total_blocks,
+            prefix_cache_hit_rate=0.0,
+            generation_tokens_per_s=gen_rate,
+            prompt_tokens_per_s=prompt_rate,
+            kv_capacity_tokens=self._total_blocks * self._block,
+            prefill_capacity_tokens_per_s=self._prefill_capacity,
+            decode_step_s=self.decode_step_s(),
+        )
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        for req in list(self._reqs.values()):
+            self._drop(req, Finish.ABORT)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # --- introspection (tests, benchmarks) -----------------------------------------------
+
+    @property
+    def stats(self) -> SimStats:
+        return SimStats(self._steps, self._busy, self._gen, self._prefill, self._preempt,
+                        self._finished, self._aborted)
+
+    # --- requests ------------------------------------------------------------------------
+
+    def _add(self, request: EngineRequest) -> SimRequest:
+        if self._task is None or self._closed:
+            raise EngineError("engine not running")
+        rid = request.request_id
+        if rid in self._reqs:
+            raise EngineError(f"duplicate request id {rid!r}")
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt < 1:
+            raise EngineError("empty prompt")
+        room = self.config.max_context_length - n_prompt
+        if room < 1:
+            raise PromptTooLong(
+                f"prompt of {n_prompt} tokens leaves no room in a context of "
+                f"{self.config.max_context_length}")
+        s = request.sampling
+        if s.seed is not None:
+            seed = s.seed
+        elif s.temperature == 0.0:
+            seed = zlib.crc32(array("q", request.prompt_token_ids).tobytes())
+        else:
+            seed = self.config.seed * 1_000_003 + zlib.crc32(rid.encode())
+        req = SimRequest(rid, n_prompt, min(s.max_tokens, room), random.Random(seed),
+                         0.0 if s.ignore_eos else self.config.eos_probability, tuple(s.stop))
+        self._reqs[rid] = req
+        self._waiting.append(req)
+        assert self._wake is not None
+        self._wake.set()
+        return req
+
+    # --- the step loop -----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        wake = self._wake
+        scale = self.config.time_scale
+        max_lag = 0.05  # wall s: beyond this behind schedule, stop catching up (CPU overload)
+        t = loop.time()
+        while True:
+            if not self._running and not self._waiting:
+                wake.clear()
+                await wake.wait()
+                t = loop.time()
+                continue
+            scheduled, n_dec, n_pre = self._schedule()
+            if not scheduled:  # cannot happen with a valid config; never spin
+                wake.clear()
+                await wake.wait()
+                t = loop.time()
+                continue
+            dt = self.step_time_s(n_dec, n_pre)
+            self._steps += 1
+            self._busy += dt
+            self._prefill += n_pre
+            if scale > 0:
+                t += dt * scale
+                delay = t - loop.time()
+                if delay < -max_lag:
+                    t = loop.time()
+                await asyncio.sleep(max(0.0, delay))
+            else:
+                await asyncio.sleep(0)
+            self._apply(scheduled)
+            now = loop.time()
+            self._step_log.add(now, dt * scale if scale > 0 else dt)
+            if not self._samples or now - self._samples[-1][0] >= 0.25:
+                self._sample(now)
+
+    def decode_step_s(self) -> float:
+        """Mean wall-clock length of the steps of the last ``STEP_WINDOW_S`` (the last busy
+        window while idle); per simulated second when ``time_scale`` is 0; 0 before a step."""
+        return self._step_log.mean
+
+    # --- rates -------------------------------------------------------------------------
+
+    def _sample(self, now: float) -> None:
+        s = self._samples
+        s.append((now, self._gen, self._prefill))
+        horizon = now - self.config.rate_window_s
+        while len(s) > 2 and s[1][0] <= horizon:
+            s.popleft()
+
+    def _rates(self) -> tuple[float, float]:
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:
+            return 0.0, 0.0
+        if not self._samples or now - self._samples[-1][0] >= 0.25:
+            self._sample(now)
+        t0, g0, p0 = self._samples[0]
+        span = now - t0
+        if span <= 0:
+            return 0.0, 0.0
+        span = max(span, 1.0)  # a fresh window does not report a burst as a huge rate
+        return (self._gen - g0) / span, (self._prefill - p0) / span

@@ -1,0 +1,224 @@
+"""The simulated engine's scheduler: vLLM v1's continuous batching over a paged KV cache, one
+step at a time, and the step-time model (the package docstring describes both). No asyncio:
+``SimEngine`` runs the steps and wakes the consumers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+
+from gpumesh.node.engines.base import Finish
+from gpumesh.node.engines.sim.config import SimEngineConfig
+from gpumesh.node.engines.sim.text import NWORDS, WORDS
+
+
+class SimRequest:
+    """One request's progress in the simulated engine (its ids, KV blocks and consumer)."""
+
+    __slots__ = (
+        "blocks",
+        "computed",
+        "eos_p",
+        "finish",
+        "hold",
+        "id",
+        "max_out",
+        "out",
+        "prompt_len",
+        "rng",
+        "sent",
+        "stop",
+        "text",
+        "text_sent",
+        "waiter",
+    )
+
+    def __init__(self, rid: str, prompt_len: int, max_out: int, rng: random.Random,
+                 eos_p: float, stop: tuple[str, ...]) -> None:
+        self.id = rid
+        self.prompt_len = prompt_len
+        self.max_out = max_out
+        self.rng = rng
+        self.eos_p = eos_p
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1  # chars held back for stops
+        self.out: list[int] = []  # generated ids
+        self.sent = 0  # ids delivered
+        self.text = ""  # full text, kept only when there are stop strings
+        self.text_sent = 0
+        self.computed = 0  # tokens whose KV is computed
+        self.blocks = 0
+        self.finish: Finish | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+
+class SimScheduler:
+    """The requests of one simulated engine, its KV blocks and its step model. ``SimEngine``
+    adds the Engine protocol, the step loop and the rates."""
+
+    def __init__(self, config: SimEngineConfig) -> None:
+        self.config = cfg = config
+        self._vocab = cfg.vocab_size
+        self._eos = cfg.eos
+        self._reqs: dict[str, SimRequest] = {}
+        self._running: list[SimRequest] = []
+        self._waiting: deque[SimRequest] = deque()
+        self._block = cfg.kv_block_size
+        self._total_blocks = cfg.kv_capacity_tokens // cfg.kv_block_size
+        self._free_blocks = self._total_blocks
+        self._gen = 0
+        self._preempt = 0
+        self._finished = 0
+        self._aborted = 0
+
+    def step_time_s(self, decode_tokens: int, prefill_tokens: int) -> float:
+        """Simulated duration of one step (seconds), before ``time_scale``."""
+        c = self.config
+        ms = c.step_a_ms + c.step_b_decode_ms * decode_tokens + c.step_b_prefill_ms * prefill_tokens
+        gpu_s = ms / c.speed / 1000.0
+        if c.front_end_tokens_per_s > 0:
+            return max(gpu_s, decode_tokens / c.front_end_tokens_per_s)
+        return gpu_s
+
+    def prefill_capacity_tokens_per_s(self) -> float:
+        """Prompt tokens per wall-clock second a full-budget prefill step does (package
+        docstring); per simulated second when ``time_scale`` is 0."""
+        c = self.config
+        budget = c.max_num_batched_tokens
+        rate = budget / self.step_time_s(0, budget)
+        return rate / c.time_scale if c.time_scale > 0 else rate
+
+    @property
+    def free_kv_blocks(self) -> int:
+        return self._free_blocks
+
+    def _free(self, req: SimRequest) -> None:
+        self._free_blocks += req.blocks
+        req.blocks = 0
+
+    def _drop(self, req: SimRequest, finish: Finish) -> None:
+        """Abort: free KV at once, unlink, wake the consumer."""
+        if req.finish is not None:
+            return
+        req.finish = finish
+        self._free(req)
+        self._reqs.pop(req.id, None)
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            try:
+                self._waiting.remove(req)
+            except ValueError:
+                pass
+        self._aborted += 1
+        w = req.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _schedule(self) -> tuple[list[tuple[SimRequest, int]], int, int]:
+        cfg = self.config
+        B = self._block
+        budget = cfg.max_num_batched_tokens
+        running = self._running
+        scheduled: list[tuple[SimRequest, int]] = []
+        n_dec = n_pre = 0
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = req.prompt_len + len(req.out) - req.computed
+            if n > budget:  # noqa: PLR1730 - cheaper than min() in the hot loop
+                n = budget
+            need = -(-(req.computed + n) // B) - req.blocks
+            if need > 0:
+                self_preempted = False
+                while need > self._free_blocks:
+                    # RECOMPUTE preemption of the newest running request (vLLM v1, FCFS).
+                    victim = running.pop()
+                    self._free(victim)
+                    victim.computed = 0
+                    self._waiting.appendleft(victim)
+                    self._preempt += 1
+                    preempted = True
+                    if victim is req:
+                        self_preempted = True
+                        break
+                if self_preempted:
+                    break
+                self._free_blocks -= need
+                req.blocks += need
+            scheduled.append((req, n))
+            budget -= n
+            if n == 1 and req.out:
+                n_dec += 1
+            else:
+                n_pre += n
+            i += 1
+        if not preempted:
+            waiting = self._waiting
+            while waiting and len(running) < cfg.max_num_seqs and budget > 0:
+                req = waiting[0]
+                n = req.prompt_len + len(req.out) - req.computed
+                if n > budget:  # noqa: PLR1730
+                    n = budget
+                need = -(-(req.computed + n) // B) - req.blocks
+                if need > self._free_blocks:
+                    break  # KV full: it waits
+                self._free_blocks -= need
+                req.blocks += need
+                waiting.popleft()
+                running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+                n_pre += n
+        return scheduled, n_dec, n_pre
+
+    def _apply(self, scheduled: list[tuple[SimRequest, int]]) -> None:
+        any_done = False
+        gen = 0
+        for req, n in scheduled:
+            if req.finish is not None:
+                continue  # aborted during the step
+            req.computed += n
+            out = req.out
+            if req.computed < req.prompt_len + len(out):
+                continue  # mid prefill (or mid recompute)
+            rng = req.rng
+            if req.eos_p and rng.random() < req.eos_p:
+                out.append(self._eos)
+                req.finish = Finish.STOP
+            else:
+                tid = int(rng.random() * self._vocab)
+                if tid == self._eos:  # an in-vocab EOS is only ever the EOS draw's
+                    tid = tid + 1 if tid + 1 < self._vocab else 0
+                out.append(tid)
+                if req.stop:
+                    self._check_stop(req, tid)
+            gen += 1
+            if req.finish is None and len(out) >= req.max_out:
+                req.finish = Finish.LENGTH
+            if req.finish is not None:
+                any_done = True
+                self._free(req)
+                del self._reqs[req.id]
+                self._finished += 1
+            w = req.waiter
+            if w is not None and not w.done():
+                w.set_result(None)
+        self._gen += gen
+        if any_done:
+            self._running = [r for r in self._running if r.finish is None]
+
+    @staticmethod
+    def _check_stop(req: SimRequest, tid: int) -> None:
+        start = max(0, len(req.text) - req.hold)
+        req.text += WORDS[tid % NWORDS]
+        best = -1
+        for s in req.stop:
+            k = req.text.find(s, start)
+            if k != -1 and (best == -1 or k < best):
+                best = k
+        if best != -1:
+            req.text = req.text[:best]
+            req.finish = Finish.STOP

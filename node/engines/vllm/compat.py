@@ -1,0 +1,54 @@
+"""What differs between the vLLM versions the node runs on, in one place: entry points,
+exception types, the platform, the environment cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def import_entry_points() -> tuple[Any, Any, Any]:
+    """(``AsyncEngineArgs``, ``AsyncLLM``, the usage context the node starts engines with)."""
+    from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncEngineArgs, AsyncLLM, UsageContext.OPENAI_API_SERVER
+
+
+def cache_vllm_envs() -> None:
+    """Freeze ``vllm.envs`` once the engine is built, as vLLM does in its engine-core and worker
+    processes but not in the front end: there, every scheduler step's stats update reads
+    ``envs.VLLM_COMPUTE_NANS_IN_LOGITS`` per request, two ``os.getenv`` calls each: per-token
+    work in the process that limits a GPU node. Environment changes after start-up are then not seen, as in
+    vLLM's own processes. Versions without the cache are left as they are."""
+    import vllm.envs
+
+    enable = getattr(vllm.envs, "enable_envs_cache", None)
+    if callable(enable):
+        enable()
+
+
+def vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(engine errors to map, overload errors, client errors) of the installed vLLM.
+
+    vLLM >= 0.28 has a ``VLLMError`` hierarchy (``VLLMClientError``, ``QueueOverflowError``,
+    ``MaxQueuedTokensError``); 0.26 (the CUDA kit) has none of these, only
+    ``VLLMValidationError`` / ``VLLMUnprocessableEntityError`` (ValueError subclasses) and
+    ``VLLMNotFoundError`` for bad requests. Names missing from this vLLM are skipped.
+    """
+    import vllm.exceptions as vex
+
+    def types(*names: str) -> tuple[type, ...]:
+        return tuple(t for n in names if isinstance(t := getattr(vex, n, None), type))
+
+    client = types("VLLMClientError", "VLLMValidationError", "VLLMUnprocessableEntityError",
+                   "VLLMNotFoundError")
+    return (types("VLLMError") + client, types("QueueOverflowError", "MaxQueuedTokensError"),
+            client)
+
+
+def current_platform() -> Any:
+    """vLLM's platform of this process (``is_cpu()``, ``is_cuda()``)."""
+    from vllm import platforms
+
+    return platforms.current_platform

@@ -1,0 +1,341 @@
+"""``VllmEngine``: the node's Engine over vLLM's ``AsyncLLM`` (see the package docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpumesh.node.engines.base import (
+    EngineError,
+    EngineLoad,
+    EngineOutput,
+    EngineOverloaded,
+    EngineRequest,
+    EngineUnavailable,
+    Finish,
+    InvalidRequest,
+    PromptTooLong,
+)
+from gpumesh.node.engines.vllm.compat import (
+    cache_vllm_envs,
+    import_entry_points,
+    vllm_error_types,
+)
+from gpumesh.node.engines.vllm.config import VllmEngineConfig
+from gpumesh.node.engines.vllm.engine_args import engine_kwargs
+from gpumesh.node.engines.vllm.shared_core import FrontendSlot, SharedEngineCore
+from gpumesh.node.engines.vllm.stats import LoadStatLogger, stat_logger_factory
+from gpumesh.node.engines.vllm.worker import prepare_cpu_workers
+from gpumesh.types import ModelSpec
+
+if TYPE_CHECKING:
+    from gpumesh.node.gpu import GpuSampler
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+
+
+def _shutdown_when_built(build: asyncio.Future[Any]) -> None:
+    if not build.cancelled() and build.exception() is None:
+        build.result().shutdown()
+
+
+class VllmEngine:
+    """``gpumesh.node.engines.base.Engine`` over vLLM's ``AsyncLLM``. One instance, one engine, one loop.
+
+    Life cycle: construct (cheap) -> ``await start()`` (~20 s on CPU: config, child process,
+    weights, KV cache) -> generate/abort/load -> ``await shutdown()``.
+    """
+
+    kind = "vllm"
+
+    def __init__(self, config: VllmEngineConfig, gpu_sampler: GpuSampler | None = None, *,
+                 frontends: int = 1, frontend: FrontendSlot | None = None) -> None:
+        """``frontends`` > 1: ``start()`` launches a ``SharedEngineCore`` for that many front
+        ends and joins it as front end 0; ``peer_slots`` then holds the others' slots, for the
+        node to hand to its other front-end processes (gpumesh.node.frontends). ``frontend``: join an
+        engine core launched elsewhere. Neither: a core of its own (one front end)."""
+        if frontends < 1 or (frontend is not None and frontends != 1):
+            raise ValueError("frontends must be >= 1, and 1 when joining with frontend=")
+        self._config = config
+        self._frontends = frontends
+        self._frontend = frontend
+        self._core: SharedEngineCore | None = None
+        self.peer_slots: list[FrontendSlot] = []
+        self._gpu_sampler = gpu_sampler
+        self._stats = LoadStatLogger()
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._max_model_len = config.max_model_len or 0
+        self._shut = False
+        self._sampler_task: asyncio.Task[None] | None = None
+
+    @property
+    def gpu_model(self) -> str:
+        """The GPU's NVML name (the node registers it), "" without a sampler or NVML."""
+        return getattr(self._gpu_sampler, "device_name", "") or ""
+
+    # -- Engine protocol -----------------------------------------------------------------
+
+    @property
+    def model(self) -> ModelSpec:
+        """The served model; ``max_context_length`` is vLLM's ``max_model_len`` once started."""
+        return ModelSpec(
+            name=self._config.name,
+            aliases=tuple(self._config.aliases),
+            max_context_length=self._max_model_len or 2048,
+            tensor_parallel_size=self._config.tensor_parallel_size,
+            capacity_weight=self._config.capacity_weight,
+        )
+
+    async def start(self) -> None:
+        """Build the engine. Idempotent. Raises ``EngineError`` if vLLM fails to start.
+
+        Does not block the event loop (the slow construction runs in a worker thread), so
+        the node can serve health checks (NOT_SERVING) meanwhile. Cancelling ``start()``
+        shuts the half-built engine down once its construction finishes.
+        """
+        if self._llm is not None:
+            return
+        # The first vllm import takes seconds, and some vllm modules keep an import-time
+        # exception (with its frames) alive: importing in a worker thread keeps the loop
+        # responsive and keeps this frame, and with it the engine, out of those tracebacks.
+        AsyncEngineArgs, AsyncLLM, serving = await asyncio.to_thread(import_entry_points)
+        if self._frontends > 1 and self._core is None:
+            core = SharedEngineCore(self._config, self._frontends)
+            launch = asyncio.ensure_future(asyncio.to_thread(core.launch))
+            try:
+                slots = await asyncio.shield(launch)
+            except asyncio.CancelledError:
+                loop = asyncio.get_running_loop()
+                launch.add_done_callback(lambda _: loop.run_in_executor(None, core.shutdown))
+                raise
+            self._core, self._frontend, self.peer_slots = core, slots[0], slots[1:]
+        args = AsyncEngineArgs(**engine_kwargs(self._config))
+        factory = stat_logger_factory(self._stats)
+        t0 = time.monotonic()
+        # Building the engine blocks for the whole engine-core start-up (tens of seconds:
+        # config, child process, weights, KV cache, warm-up), so it runs in a worker thread.
+        # AsyncLLM supports construction without a running loop: its output handler and
+        # ZMQ sockets bind to the loop lazily, on first use, which is then this loop.
+        # usage_context = the OpenAI server's, so unset scheduler limits take `vllm serve`'s
+        # defaults for the hardware instead of the bare-engine fallback, whose lower
+        # max_num_seqs would cap the requests a large GPU runs at once.
+        if self._frontend is None:
+            build = asyncio.ensure_future(
+                asyncio.to_thread(AsyncLLM.from_engine_args, args, usage_context=serving,
+                                  stat_loggers=[factory])
+            )
+        else:
+            # One client of an engine core started elsewhere (SharedEngineCore): the config
+            # says which of how many front ends this is, as vLLM's API-server processes do.
+            slot = self._frontend
+            args._api_process_count = slot.count
+            args._api_process_rank = slot.index
+
+            def build_client() -> Any:
+                return AsyncLLM.from_vllm_config(
+                    args.create_engine_config(usage_context=serving), usage_context=serving,
+                    stat_loggers=[factory], client_addresses=dict(slot.addresses),
+                    client_count=slot.count, client_index=slot.index)
+
+            build = asyncio.ensure_future(asyncio.to_thread(build_client))
+        try:
+            llm = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            # The thread cannot be interrupted; stop whatever it builds once it is done.
+            build.add_done_callback(_shutdown_when_built)
+            self._stop_core_later(build)
+            raise
+        except Exception as e:  # vLLM raises many types here; one boundary, one mapping
+            self._stop_core_later(build)
+            raise EngineError(f"vLLM failed to start for {self._config.model}: {e}") from e
+        try:
+            await prepare_cpu_workers(llm, args)
+        except Exception as e:  # the engine is up but unusable: stop it, one mapping
+            await asyncio.to_thread(llm.shutdown)
+            self._stop_core_later(build)
+            raise EngineError(f"vLLM worker set-up failed for {self._config.model}: {e}") from e
+        self._llm = llm
+        self._shut = False
+        # Start the output handler now (as AsyncLLM does when built on a loop) so an engine
+        # core that dies before the first request is noticed.
+        run_handler = getattr(llm, "_run_output_handler", None)
+        if callable(run_handler):
+            run_handler()
+        self._max_model_len = int(self._llm.model_config.max_model_len)
+        self._tokenizer = self._llm.get_tokenizer()
+        cache_vllm_envs()
+        if self._gpu_sampler is not None and self._sampler_task is None:
+            # One reading now, so the first heartbeat (sent once start() returns) carries GPU
+            # samples and the registration its gpu_model; then one a second.
+            await self._gpu_sampler.sample()
+            self._sampler_task = asyncio.create_task(self._gpu_sampler.run(1.0))
+        sched = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
+        logger.info(
+            "vLLM engine ready: model=%s max_model_len=%d max_num_seqs=%s "
+            "max_num_batched_tokens=%s in %.1fs",
+            self._config.name, self._max_model_len, getattr(sched, "max_num_seqs", "?"),
+            getattr(sched, "max_num_batched_tokens", "?"), time.monotonic() - t0,
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` as vLLM would tokenize a text prompt (special tokens added)."""
+        return list(self._tok().encode(text))
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Apply the model's chat template to (role, content) pairs, generation prompt added."""
+        tok = self._tok()
+        try:
+            text = tok.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as e:  # no template, or a template that rejects the roles
+            raise EngineError(f"chat template failed: {e}") from e
+        # The template already wrote any BOS/special tokens it wants.
+        return list(tok.encode(text, add_special_tokens=False))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream deltas for ``request``; the last one carries ``finish``.
+
+        Closing or cancelling the iteration aborts the request in vLLM. Errors come out as
+        ``EngineError``: ``PromptTooLong`` (over the context window), ``InvalidRequest``
+        (vLLM validation, e.g. a token id out of vocabulary), ``EngineOverloaded`` (vLLM's
+        queue limits), else plain ``EngineError``.
+        """
+        from vllm.inputs import tokens_input
+
+        engine_errors, overloaded, client_errors = vllm_error_types()
+
+        llm = self._engine()
+        n = len(request.prompt_token_ids)
+        if n >= self._max_model_len:
+            raise PromptTooLong(
+                f"prompt has {n} tokens; the model's context window is {self._max_model_len}"
+            )
+        params = self._sampling_params(request)
+        # An already-rendered engine input: vLLM skips its (deprecated) raw-prompt path.
+        prompt = tokens_input(list(request.prompt_token_ids))
+        try:
+            async with contextlib.aclosing(
+                llm.generate(prompt, params, request.request_id)
+            ) as stream:
+                async for out in stream:
+                    c = out.outputs[0]
+                    finish = None
+                    if out.finished:
+                        if c.finish_reason == "error":
+                            raise EngineError(f"vLLM failed request {request.request_id}")
+                        # Anything else vLLM may add later ends the stream like a stop.
+                        finish = _FINISH.get(c.finish_reason or "", Finish.STOP)
+                    if not c.token_ids and not c.text and finish is None:
+                        continue
+                    yield EngineOutput(tuple(c.token_ids), c.text, finish)
+        except engine_errors as e:
+            if "maximum model length" in str(e) or "max_model_len" in str(e):
+                raise PromptTooLong(str(e)) from e
+            if isinstance(e, overloaded):
+                raise EngineOverloaded(str(e)) from e
+            if isinstance(e, client_errors):
+                raise InvalidRequest(str(e)) from e
+            raise EngineError(f"{type(e).__name__}: {e}") from e
+
+    async def abort(self, request_id: str) -> None:
+        """Abort by the request id given to ``generate``; its stream ends with ``ABORT``."""
+        if self._llm is None:
+            return
+        await self._llm.abort(request_id)
+
+    def load(self) -> EngineLoad:
+        """Latest scheduler snapshot plus the latest GPU sample; O(1), no I/O."""
+        snap = self._stats.snapshot()
+        if self._gpu_sampler is not None:
+            return EngineLoad(
+                num_running=snap.num_running,
+                num_waiting=snap.num_waiting,
+                kv_cache_usage=snap.kv_cache_usage,
+                prefix_cache_hit_rate=snap.prefix_cache_hit_rate,
+                generation_tokens_per_s=snap.generation_tokens_per_s,
+                prompt_tokens_per_s=snap.prompt_tokens_per_s,
+                gpus=self._gpu_sampler.latest,
+                kv_capacity_tokens=snap.kv_capacity_tokens,
+                prefill_capacity_tokens_per_s=snap.prefill_capacity_tokens_per_s,
+                decode_step_s=snap.decode_step_s,
+                stats_at=snap.stats_at,
+            )
+        return snap
+
+    async def shutdown(self) -> None:
+        """Abort what is left and stop the engine core process. Idempotent."""
+        if self._sampler_task is not None:
+            self._sampler_task.cancel()
+            await asyncio.gather(self._sampler_task, return_exceptions=True)
+            self._sampler_task = None
+        if self._llm is None:
+            return
+        self._shut = True
+        llm = self._llm
+        # Stop vLLM's output handler first: otherwise it sees the engine core vanish and
+        # logs an EngineDeadError traceback for what is an orderly stop.
+        handler = getattr(llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        # Joins the engine core process (seconds): blocking, so off the loop.
+        await asyncio.to_thread(llm.shutdown)
+        if self._core is not None:  # a shared core: its other front ends have stopped
+            await asyncio.to_thread(self._core.shutdown)
+            self._core = None
+        # Drop it now: AsyncLLM.__del__ shuts down again, which fails noisily if it only
+        # runs at interpreter exit.
+        self._llm = None
+        self._stats.mark_idle()
+        logger.info("vLLM engine stopped: model=%s", self._config.name)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _stop_core_later(self, build: asyncio.Future[Any]) -> None:
+        """Start-up failed or was cancelled: stop a shared core this engine launched once its
+        client's construction (which cannot be interrupted) is over."""
+        core, self._core = self._core, None
+        if core is not None:  # (blocking: off the loop)
+            loop = asyncio.get_running_loop()
+            build.add_done_callback(lambda _: loop.run_in_executor(None, core.shutdown))
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise EngineUnavailable("engine shut down" if self._shut else "engine still starting")
+        return self._llm
+
+    def _tok(self) -> Any:
+        if self._tokenizer is None:
+            raise EngineUnavailable("engine shut down" if self._shut else "engine still starting")
+        return self._tokenizer
+
+    @staticmethod
+    def _sampling_params(request: EngineRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        return SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            include_stop_str_in_output=False,
+            ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=True,
+            skip_special_tokens=True,
+        )
+
