@@ -22,8 +22,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from gpumesh.node.coalesce import CoalescePolicy, coalesce
-from gpumesh.node.engine import EngineOutput, Finish
+from gpumesh.node.streaming.budget import CoalescePolicy
+from gpumesh.node.streaming.coalesce import coalesce
+from gpumesh.node.engines.base import EngineOutput, Finish
 
 Coalesce = Callable[..., AsyncIterator[EngineOutput]]
 

@@ -72,7 +72,7 @@ from gpumesh_bench.workload import (
     iter_requests,
     prompt_text,
 )
-from gpumesh.node.engine import Engine, EngineError, EngineRequest, Sampling
+from gpumesh.node.engines.base import Engine, EngineError, EngineRequest, Sampling
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ async def vllm_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
     default of 1, so both paths are exercised).
     """
     pytest.importorskip("vllm")
-    from gpumesh.node.vllm_engine import VllmEngine, VllmEngineConfig
+    from gpumesh.node.engines.vllm import VllmEngine, VllmEngineConfig
 
     engine = VllmEngine(VllmEngineConfig(
         model=str(tiny_model_dir), served_name="tiny", aliases=("tiny-alias",),

@@ -16,7 +16,7 @@ from gpumesh_bench.workload import (
     save_trace,
     synth_prompt,
 )
-from gpumesh.node.sim_engine import SimEngine
+from gpumesh.node.engines.sim import SimEngine
 
 
 def take(spec: WorkloadSpec, n: int):

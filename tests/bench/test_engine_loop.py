@@ -22,7 +22,7 @@ import pytest
 from gpumesh_bench import gpu, gpu_report
 from gpumesh_bench.engine_loop import LoopConfig, record, run_engine_loop, run_loop
 from gpumesh_bench.workload import LengthDist, WorkloadSpec, iter_requests
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import pytest
 from gpumesh.v1 import control_pb2, control_pb2_grpc
 from gpumesh.node.app import NodeServer
 from gpumesh.node.config import NodeConfig
-from gpumesh.node.engine import EngineRequest, Sampling
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.base import EngineRequest, Sampling
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from gpumesh.router.app import RouterServer
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.scheduling import WaitModel, expected_wait_s

@@ -13,8 +13,8 @@ import pytest
 
 from gpumesh.node.app import NodeServer
 from gpumesh.node.config import NodeConfig
-from gpumesh.node.engine import EngineRequest, Sampling
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.base import EngineRequest, Sampling
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from tests.interop.smgproc import SmgProcess, complete
 
 pytestmark = [pytest.mark.slow]

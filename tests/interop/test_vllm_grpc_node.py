@@ -15,7 +15,7 @@ from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh.node.app import NodeServer
 from gpumesh.node.config import NodeConfig
-from gpumesh.node.sim_engine import SimEngine, SimEngineConfig
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
 MODEL = "sim-interop"
 
