@@ -100,7 +100,7 @@ def decision_attributes(decision: Decision, report_age_s: float, queue_wait_s: f
     return attrs
 
 
-class _NoopTrace:
+class _NoopRouterTrace:
     __slots__ = ()
     on_attempt = None   # dispatch skips the hook entirely
 
@@ -118,7 +118,7 @@ class _NoopTrace:
         return ()
 
 
-NOOP = _NoopTrace()
+NOOP = _NoopRouterTrace()
 
 
 class RouterRequestTrace:
@@ -262,7 +262,7 @@ class RouterRequestTrace:
         return ((md.TRACE_ID, self.trace_id),) if self.trace_id else ()
 
 
-Trace = RouterRequestTrace | _NoopTrace
+Trace = RouterRequestTrace | _NoopRouterTrace
 
 
 class RouterTelemetry:
