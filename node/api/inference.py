@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from gpumesh import tickets
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh.node.accounting import Admission
+from gpumesh.node.api.sampling import check_sampling_ranges
 from gpumesh.node.engines.base import (
     Engine,
     EngineError,
@@ -67,12 +67,7 @@ def _sampling(p: pb.SamplingParams) -> Sampling:
     top_p = p.top_p if p.HasField("top_p") else 1.0
     if max_tokens < 1:
         raise invalid("sampling.max_tokens must be >= 1")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise invalid(f"sampling.temperature must be >= 0, got {temperature}")
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise invalid(f"sampling.top_p must be in (0, 1], got {top_p}")
-    if any(s == "" for s in p.stop):
-        raise invalid("sampling.stop must not contain empty strings")
+    check_sampling_ranges(temperature, top_p, p.stop, "sampling.")
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
                     stop=tuple(p.stop), ignore_eos=p.ignore_eos)

@@ -3,12 +3,12 @@ for the field semantics)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 
+from gpumesh.node.api.sampling import check_sampling_ranges
 from gpumesh.node.engines.base import Finish, PromptTooLong, Sampling
 from gpumesh.node.errors import RequestError, from_engine_exception, invalid
 
@@ -36,12 +36,7 @@ def request_params(p: vpb.SamplingParams, prompt_len: int, context_len: int) -> 
         raise invalid("structured outputs (constraints) are not supported by this node")
     temperature = p.temperature if p.HasField("temperature") else 1.0
     top_p = p.top_p if p.top_p != 0.0 else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise invalid(f"temperature must be >= 0, got {temperature}")
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise invalid(f"top_p must be in (0, 1], got {top_p}")
-    if any(s == "" for s in p.stop):
-        raise invalid("stop must not contain empty strings")
+    check_sampling_ranges(temperature, top_p, p.stop)
     room = context_len - prompt_len
     if p.HasField("max_tokens"):
         max_tokens = p.max_tokens
