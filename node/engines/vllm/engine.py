@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -257,19 +258,7 @@ class VllmEngine:
         """Latest scheduler snapshot plus the latest GPU sample; O(1), no I/O."""
         snap = self._stats.snapshot()
         if self._gpu_sampler is not None:
-            return EngineLoad(
-                num_running=snap.num_running,
-                num_waiting=snap.num_waiting,
-                kv_cache_usage=snap.kv_cache_usage,
-                prefix_cache_hit_rate=snap.prefix_cache_hit_rate,
-                generation_tokens_per_s=snap.generation_tokens_per_s,
-                prompt_tokens_per_s=snap.prompt_tokens_per_s,
-                gpus=self._gpu_sampler.latest,
-                kv_capacity_tokens=snap.kv_capacity_tokens,
-                prefill_capacity_tokens_per_s=snap.prefill_capacity_tokens_per_s,
-                decode_step_s=snap.decode_step_s,
-                stats_at=snap.stats_at,
-            )
+            return dataclasses.replace(snap, gpus=self._gpu_sampler.latest)
         return snap
 
     async def shutdown(self) -> None:
