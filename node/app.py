@@ -56,8 +56,8 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
             sim.setdefault("max_context_length", cfg.max_model_len)
         return SimEngine(SimEngineConfig(**sim))
     if cfg.engine == "vllm":
-        from gpumesh.node.gpu import GpuSampler
         from gpumesh.node.engines.vllm import VllmEngine, VllmEngineConfig
+        from gpumesh.node.gpu import GpuSampler
 
         return VllmEngine(VllmEngineConfig(
             model=cfg.model, served_name=cfg.resolved_served_name(), aliases=cfg.aliases,
