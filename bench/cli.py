@@ -278,8 +278,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Adds ``gpumesh bench`` to the ``gpumesh`` command line (the ``gpumesh.commands`` entry
     point); the arguments after ``bench`` go to :func:`main` unparsed."""
     b = sub.add_parser("bench", help="gRPC load generator and policy comparisons", add_help=False)
+    # argparse hands a leading option to no REMAINDER positional: `bench --help` is its own flag
+    b.add_argument("-h", "--help", action="store_true", dest="bench_help")
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=lambda a: main(a.rest))
+    b.set_defaults(func=lambda a: main((["--help"] if a.bench_help else []) + a.rest))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

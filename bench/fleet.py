@@ -6,7 +6,7 @@
    once against the same fleet (every node heartbeats to every router, only the one under
    load sees traffic);
 2. simulated nodes, ``nodes_per_proc`` of them per *fleet host* process (``python -m
-   gpumesh_bench.fleet host SPEC``: several :class:`node.app.NodeServer` in one event loop,
+   gpumesh_bench.fleet_host SPEC``: several :class:`node.app.NodeServer` in one event loop,
    each its own gRPC server, engine and heartbeat client; nothing in ``node/`` changes);
 3. optionally nginx (``least_conn`` + ``grpc_pass`` over HTTP/2 keepalive connections, its
    config written into a temp dir);
@@ -27,13 +27,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,8 +43,9 @@ from typing import Any
 
 import grpc
 
-from gpumesh.ports import free_port
+from gpumesh.launcher import ChildProcess, free_port, stop_all, wait_until_async
 from gpumesh.node.config import NodeConfig
+from gpumesh_bench import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +99,6 @@ def hetero_nodes(speeds: Sequence[float], kv_tokens: int, kv_grows: bool,
 
 # --- processes -------------------------------------------------------------------------------
 
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def group_cpu_s(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid``."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -135,40 +129,12 @@ def group_pids(pgid: int) -> list[int]:
     return out
 
 
-class Child:
-    """A child process in its own session (= process group), logging to a file."""
-
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
-                 cpus: str = "") -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
-        if cpus:
-            argv = ["taskset", "-c", cpus, *argv]
-        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
-                                      start_new_session=True,
-                                      preexec_fn=_pdeathsig)  # noqa: PLW1509 (prctl only)
-        self.pid = self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def cpu_s(self) -> float:
-        return group_cpu_s(self.pid)
-
-    def signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, sig)
-
-    def tail(self, n: int = 3000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-n:]
-        return ""
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._log.close()
+def bench_child(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
+                cpus: str = "", term_signal: int = signal.SIGTERM) -> ChildProcess:
+    """A benchmark's child (gpumesh.launcher): ``<log_dir>/<name>.log``, signalled as a whole
+    process group, and killed with this process even when it dies by SIGKILL."""
+    return ChildProcess(name, argv, log_dir / f"{name}.log", env=env, cpus=cpus,
+                        die_with_parent=True, term_signal=term_signal, term_group=True)
 
 
 def _py(*args: str) -> list[str]:
@@ -177,7 +143,7 @@ def _py(*args: str) -> list[str]:
 
 # --- nginx ------------------------------------------------------------------------------------
 
-NGINX_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "grpc-least-conn.conf.template"
+NGINX_TEMPLATE = REPO_ROOT / "deploy" / "nginx" / "grpc-least-conn.conf.template"
 
 
 def nginx_config(port: int, upstreams: Sequence[tuple[str, int]], prefix: Path,
@@ -213,11 +179,11 @@ class Fleet:
         self._tmp = Path(tempfile.mkdtemp(prefix="gpumesh-fleet-"))
         self.log_dir = Path(log_dir) if log_dir else self._tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.routers: dict[str, Child] = {}
+        self.routers: dict[str, ChildProcess] = {}
         self.router_ports: dict[str, int] = {}
-        self.hosts: list[Child] = []
+        self.hosts: list[ChildProcess] = []
         self.node_ports: dict[str, int] = {}
-        self.nginx: Child | None = None
+        self.nginx: ChildProcess | None = None
         self.nginx_port = 0
         self._stopped = False
 
@@ -230,10 +196,10 @@ class Fleet:
     def node_address(self, node_id: str) -> str:
         return f"127.0.0.1:{self.node_ports[node_id]}"
 
-    def component(self, name: str) -> Child:
+    def component(self, name: str) -> ChildProcess:
         return self.nginx if name == "nginx" and self.nginx else self.routers[name]  # type: ignore[return-value]
 
-    def children(self) -> list[Child]:
+    def children(self) -> list[ChildProcess]:
         return [*self.routers.values(), *self.hosts, *([self.nginx] if self.nginx else [])]
 
     def pids(self) -> list[int]:
@@ -266,8 +232,8 @@ class Fleet:
                        "--host", "127.0.0.1", "--port", str(port), "--policy", r.policy,
                        "--router-id", f"bench-{r.name}".replace(".", "-").replace("_", "-"),
                        *(["--workers", str(r.workers)] if r.workers > 1 else []), *scaled, *r.flags)
-            self.routers[r.name] = Child(f"router-{r.name}", argv, self.log_dir,
-                                         {**env, **r.env}, r.cpus)
+            self.routers[r.name] = bench_child(f"router-{r.name}", argv, self.log_dir,
+                                               {**env, **r.env}, r.cpus)
         for n in self.nodes:
             self.node_ports[n.node_id] = free_port()
         routers = [f"127.0.0.1:{p}" for p in self.router_ports.values()]
@@ -282,9 +248,9 @@ class Fleet:
                     "nodes": [{**asdict(n), "port": self.node_ports[n.node_id]} for n in group]}
             path = self._tmp / f"host{k}.json"
             path.write_text(json.dumps(spec), encoding="utf-8")
-            self.hosts.append(Child(f"host{k // self.nodes_per_proc}",
-                                    _py("-m", "gpumesh_bench.fleet", "host", str(path)),
-                                    self.log_dir, env, self.node_cpus))
+            self.hosts.append(bench_child(f"host{k // self.nodes_per_proc}",
+                                          _py("-m", "gpumesh_bench.fleet_host", str(path)),
+                                          self.log_dir, env, self.node_cpus))
         if self.use_nginx:
             self._start_nginx()
         _run_sync(self._wait_ready(timeout_s))
@@ -299,8 +265,10 @@ class Fleet:
                for n in self.nodes]
         conf = prefix / "nginx.conf"
         conf.write_text(nginx_config(self.nginx_port, ups, prefix), encoding="utf-8")
-        self.nginx = Child("nginx", [NGINX, "-p", str(prefix), "-c", str(conf),
-                                     "-g", "daemon off;"], self.log_dir, None, self.nginx_cpus)
+        # nginx stops gracefully on SIGQUIT (SIGTERM is its fast shutdown)
+        self.nginx = bench_child("nginx", [NGINX, "-p", str(prefix), "-c", str(conf),
+                                           "-g", "daemon off;"], self.log_dir, None,
+                                 self.nginx_cpus, term_signal=signal.SIGQUIT)
 
     async def _wait_ready(self, timeout_s: float) -> None:
         from gpumesh.v1 import control_pb2 as cpb
@@ -310,60 +278,43 @@ class Fleet:
 
         deadline = time.monotonic() + timeout_s
         want = {n.node_id for n in self.nodes}
+        kids = self.children()
 
-        def check_alive() -> None:
-            for c in self.children():
-                if not c.alive():
-                    raise RuntimeError(f"{c.name} exited ({c.popen.returncode}):\n{c.tail()}")
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
 
         for name in self.router_ports:
             async with grpc.aio.insecure_channel(self.address(name)) as ch:
                 stub = cpb_grpc.RouterStub(ch)
-                while True:
-                    check_alive()
-                    with contextlib.suppress(grpc.aio.AioRpcError):
-                        fleet = await stub.GetFleet(cpb.GetFleetRequest(), timeout=2)
-                        ok = {n.node_id for n in fleet.nodes
-                              if n.state == cpb.NodeState.Value("NODE_STATE_HEALTHY")}
-                        if want <= ok:
-                            break
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"router {name}: fleet not healthy in {timeout_s} s")
-                    await asyncio.sleep(0.2)
+
+                async def healthy() -> bool:
+                    fleet = await stub.GetFleet(cpb.GetFleetRequest(), timeout=2)
+                    return want <= {n.node_id for n in fleet.nodes
+                                    if n.state == cpb.NodeState.Value("NODE_STATE_HEALTHY")}
+
+                await wait_until_async(healthy, left(), watch=kids, poll_s=0.2,
+                                       what=f"router {name}: fleet healthy")
         if not self.router_ports or self.use_nginx:  # no router to tell us: ask each node
             targets = [self.node_address(n) for n in want]
             targets += [self.address("nginx")] if self.use_nginx else []
             for t in targets:
                 async with grpc.aio.insecure_channel(t) as ch:
                     stub = pb_grpc.InferenceStub(ch)
-                    while True:
-                        check_alive()
-                        try:
-                            await stub.ListModels(pb.ListModelsRequest(), timeout=2)
-                            break
-                        except grpc.aio.AioRpcError:
-                            if time.monotonic() > deadline:
-                                raise TimeoutError(f"{t} not answering in {timeout_s} s") from None
-                            await asyncio.sleep(0.2)
+
+                    async def answers() -> bool:
+                        await stub.ListModels(pb.ListModelsRequest(), timeout=2)
+                        return True
+
+                    await wait_until_async(answers, left(), watch=kids, poll_s=0.2,
+                                           what=f"{t} answering")
 
     def stop(self, grace_s: float = 5.0) -> None:
         if self._stopped:
             return
         self._stopped = True
         _LIVE.discard(self)
-        kids = self.children()
         # nginx and routers first (no new work), then the nodes.
-        for c in kids:
-            c.signal(signal.SIGTERM if c is not self.nginx else signal.SIGQUIT)
-        deadline = time.monotonic() + grace_s
-        for c in kids:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.popen.wait(max(0.05, deadline - time.monotonic()))
-        for c in kids:  # whatever is left in each group (worker processes too)
-            c.signal(signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.popen.wait(5)
-            c.close()
+        stop_all(self.children(), grace_s)
         shutil.rmtree(self._tmp / "nginx", ignore_errors=True)
 
     async def wait_idle(self, router: str, timeout_s: float = 60.0) -> bool:
@@ -422,46 +373,3 @@ def _install_handlers() -> None:
 
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, on_term)
-
-
-# --- the fleet host process -------------------------------------------------------------------
-
-async def _host(spec: dict[str, Any]) -> None:
-    from gpumesh.node.app import NodeServer, build_engine
-
-    servers = []
-    for n in spec["nodes"]:
-        sim = {"speed": n["speed"], "kv_capacity_tokens": n["kv_capacity_tokens"],
-               "time_scale": spec["time_scale"], **n.get("sim", {})}
-        cfg = NodeConfig(node_id=n["node_id"], host="127.0.0.1", port=n["port"],
-                         routers=tuple(spec["routers"]), engine="sim", model=spec["model"],
-                         weight=float(n["weight"] if n.get("weight") is not None else n["speed"]),
-                         flush_interval_ms=int(spec["flush_interval_ms"]),
-                         stream_messages_per_s=float(spec["stream_messages_per_s"]),
-                         drain_timeout_s=1.0,
-                         ticket_secret=os.environ.get("GPUMESH_TICKET_SECRET", ""), sim=sim)
-        s = NodeServer(cfg, build_engine(cfg))
-        await s.start()
-        servers.append(s)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await asyncio.gather(*(s.stop(grace_s=0.5) for s in servers), return_exceptions=True)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "host":
-        print("usage: python -m gpumesh_bench.fleet host SPEC.json", file=sys.stderr)
-        return 2
-    spec = json.loads(Path(args[1]).read_text(encoding="utf-8"))
-    logging.basicConfig(level=getattr(logging, spec.get("log_level", "warning").upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_host(spec))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

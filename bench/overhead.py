@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpumesh_bench import REPO_ROOT
 from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec, group_cpu_s
 from gpumesh_bench.report import write_json
 from gpumesh_bench.stats import percentile
@@ -266,7 +267,7 @@ def main(a: argparse.Namespace) -> int:
 
 
 def _tracing(node: list[SimNodeSpec], a: argparse.Namespace, out: Path, pin: bool) -> dict[str, Any]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(REPO_ROOT))
     from tests.tracing.otlp_receiver import Receiver
 
     rx = Receiver().start()

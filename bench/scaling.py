@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import math
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from gpumesh_bench.fleet import Child, Fleet, RouterSpec, SimNodeSpec, free_port
+from gpumesh.launcher import ChildProcess, free_port, stop_all, wait_until
+from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec, bench_child
 from gpumesh_bench.harness import closed_loop_throughput
 from gpumesh_bench.loadgen import LoadConfig, run_load
 from gpumesh_bench.report import write_json
@@ -132,12 +130,12 @@ def vllm_scaling(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     logs.mkdir(parents=True, exist_ok=True)
     for n in (1, 2):
         rport = free_port()
-        kids = [Child("router", [sys.executable, "-m", "gpumesh.cli", "--log-level", "warning",
+        kids = [bench_child("router", [sys.executable, "-m", "gpumesh.cli", "--log-level", "warning",
                                  "router", "--host", "127.0.0.1", "--port", str(rport)], logs)]
         try:
             for i in range(n):
                 env = {"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_KVCACHE_SPACE": "1"}
-                kids.append(Child(f"vllm{i}", [
+                kids.append(bench_child(f"vllm{i}", [
                     sys.executable, "-m", "gpumesh.cli", "--log-level", "warning", "node",
                     "--engine", "vllm", "--model", model, "--port", str(free_port()),
                     "--node-id", f"vllm{i}", "--router", f"127.0.0.1:{rport}",
@@ -148,39 +146,25 @@ def vllm_scaling(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
             rows.append({"nodes": n, "req_per_s": thr})
             print(f"[scaling] vLLM CPU N={n}: {thr:.2f} req/s", file=sys.stderr, flush=True)
         finally:
-            for k in kids:
-                k.signal(15)
-            for k in kids:
-                try:
-                    k.popen.wait(20)
-                except subprocess.TimeoutExpired:
-                    k.signal(9)
-                k.close()
+            stop_all(kids, 20.0)
     return rows
 
 
-def _wait_fleet(router: str, n: int, kids: list[Child], timeout_s: float) -> None:
+def _wait_fleet(router: str, n: int, kids: list[ChildProcess], timeout_s: float) -> None:
     import grpc
 
     from gpumesh.v1 import control_pb2 as cpb
     from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 
-    deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(router) as ch:
         stub = cpb_grpc.RouterStub(ch)
-        for _ in itertools.count():
-            for k in kids:
-                if not k.alive():
-                    raise RuntimeError(f"{k.name} exited:\n{k.tail()}")
-            try:
-                fl = stub.GetFleet(cpb.GetFleetRequest(), timeout=2)
-                if sum(x.state == cpb.NodeState.Value("NODE_STATE_HEALTHY") for x in fl.nodes) >= n:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("vLLM nodes not healthy in time")
-            time.sleep(1)
+
+        def healthy() -> bool:
+            fl = stub.GetFleet(cpb.GetFleetRequest(), timeout=2)
+            return sum(x.state == cpb.NodeState.Value("NODE_STATE_HEALTHY")
+                       for x in fl.nodes) >= n
+
+        wait_until(healthy, timeout_s, watch=kids, what="vLLM nodes healthy", poll_s=1.0)
 
 
 def markdown(res: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """``gpumesh bench vs-smg``: router overhead against one real vLLM CPU worker, gpumesh vs SMG.
 
-Each gateway is measured against its OWN direct baseline (issue 5, SMG.md's setup): the worker
+Each gateway is measured against its OWN direct baseline: the worker
 pinned to core 1 (``VLLM_CPU_OMP_THREADS_BIND=1``, taskset), the gateway and the load
 generator on core 0. Streaming requests, 64-token prompts, 32 output tokens (ignore_eos),
 closed loop at 8 and 32 in flight; direct and routed runs interleaved, medians.
@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -29,12 +28,14 @@ from typing import Any
 
 import grpc
 
-from gpumesh_bench.fleet import Child, free_port, group_cpu_s
+from gpumesh.launcher import ChildProcess, free_port, stop_all, wait_until
+from gpumesh_bench import REPO_ROOT
+from gpumesh_bench.fleet import bench_child, group_cpu_s
 from gpumesh_bench.overhead import Sample, _one, medians, summarize
 from gpumesh_bench.report import write_json
 from gpumesh_bench.workload import synth_prompt
 
-SMG = Path(__file__).resolve().parents[2] / ".smg-venv" / "bin" / "smg"
+SMG = REPO_ROOT / ".smg-venv" / "bin" / "smg"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,32 +79,9 @@ async def _measure(send: Callable[[int], Awaitable[Sample]], conc: int, dur: flo
     return summarize(s, e, w, c1 - c0)
 
 
-def _wait(check: Callable[[], bool], kids: list[Child], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for k in kids:
-            if not k.alive():
-                raise RuntimeError(f"{k.name} exited:\n{k.tail()}")
-        try:
-            if check():
-                return
-        except Exception:  # noqa: BLE001,S110 (not up yet)
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready in {timeout_s} s")
-        time.sleep(1)
-
-
-def _stop(kids: list[Child]) -> None:
-    for k in kids:
-        k.signal(15)
-    for k in kids:
-        try:
-            k.popen.wait(20)
-        except subprocess.TimeoutExpired:
-            k.signal(9)
-            k.popen.wait(5)
-        k.close()
+def _wait(check: Callable[[], bool], kids: list[ChildProcess], timeout_s: float,
+          what: str) -> None:
+    wait_until(check, timeout_s, watch=kids, what=what, poll_s=1.0, not_up=(Exception,))
 
 
 async def _interleave(variants: dict[str, tuple[Callable[[int], Awaitable[Sample]], int | None]],
@@ -129,11 +107,11 @@ def gpumesh_phase(a: argparse.Namespace, logs: Path, concs: list[int]) -> dict[s
 
     rport, nport = free_port(), free_port()
     env = {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    kids = [Child("gm-router", [sys.executable, "-m", "gpumesh.cli", "--log-level", "warning",
+    kids = [bench_child("gm-router", [sys.executable, "-m", "gpumesh.cli", "--log-level", "warning",
                                 "router", "--host", "127.0.0.1", "--port", str(rport),
                                 "--policy", "least_request"], logs, cpus="0")]
     try:
-        kids.append(Child("gm-node", [sys.executable, "-m", "gpumesh.cli", "--log-level", "warning",
+        kids.append(bench_child("gm-node", [sys.executable, "-m", "gpumesh.cli", "--log-level", "warning",
                                       "node", "--engine", "vllm", "--model", a.model,
                                       "--served-name", "tiny", "--max-model-len", "512",
                                       "--port", str(nport), "--node-id", "vllm0", "--router",
@@ -168,7 +146,7 @@ def gpumesh_phase(a: argparse.Namespace, logs: Path, concs: list[int]) -> dict[s
 
         return asyncio.run(run())
     finally:
-        _stop(kids)
+        stop_all(kids, 20.0)
 
 
 def smg_phase(a: argparse.Namespace, logs: Path, concs: list[int]) -> dict[str, Any]:
@@ -179,7 +157,7 @@ def smg_phase(a: argparse.Namespace, logs: Path, concs: list[int]) -> dict[str, 
     wport, gport, mport = free_port(), free_port(), free_port()
     env = {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     model = str(Path(a.model).resolve())
-    kids = [Child("vllm-grpc", [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server",
+    kids = [bench_child("vllm-grpc", [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server",
                                 "--model", model, "--host", "127.0.0.1", "--port", str(wport),
                                 "--dtype", "bfloat16", "--max-model-len", "512",
                                 "--enforce-eager"], logs, env, cpus="1")]
@@ -190,7 +168,7 @@ def smg_phase(a: argparse.Namespace, logs: Path, concs: list[int]) -> dict[str, 
                                                                 timeout=2).healthy
 
         _wait(worker_ready, kids, 300, "vLLM gRPC worker")
-        kids.append(Child("smg", [a.smg, "launch", "--host", "127.0.0.1", "--port", str(gport),
+        kids.append(bench_child("smg", [a.smg, "launch", "--host", "127.0.0.1", "--port", str(gport),
                                   "--worker-urls", f"grpc://127.0.0.1:{wport}", "--policy",
                                   "least_load", "--model-path", model, "--prometheus-host",
                                   "127.0.0.1", "--prometheus-port", str(mport)], logs, cpus="0"))
@@ -269,7 +247,7 @@ def smg_phase(a: argparse.Namespace, logs: Path, concs: list[int]) -> dict[str, 
 
         return asyncio.run(run())
     finally:
-        _stop(kids)
+        stop_all(kids, 20.0)
 
 
 def markdown(res: dict[str, Any]) -> str:

@@ -9,59 +9,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
-import grpc
-
+from gpumesh.launcher import ChildProcess, stop_all, wait_until_async
 
 LOG_DIR = Path(os.environ.get("GPUMESH_DEMO_LOGS", "demo-logs"))
 
 
-async def _spawn(name: str, *args: str, env: dict[str, str] | None = None
-                 ) -> asyncio.subprocess.Process:
+def _spawn(name: str, *args: str, env: dict[str, str] | None = None) -> ChildProcess:
     """A child in its own session (Ctrl-C reaches only the demo, which stops children in
     order); its output goes to demo-logs/<name>.log so the terminal shows the demo alone."""
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with open(LOG_DIR / f"{name}.log", "wb") as log:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gpumesh.cli", *args, env={**os.environ, **(env or {})},
-            stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+    return ChildProcess.gpumesh(name, args, LOG_DIR / f"{name}.log", env=env)
 
 
 async def wait_for_fleet(router: str, nodes: int, timeout_s: float) -> None:
     from gpumesh.client import MeshClient
     from gpumesh.v1 import control_pb2 as cpb
 
-    deadline = time.monotonic() + timeout_s
     async with MeshClient(router) as client:
-        while True:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                fleet = await client.fleet(timeout=2.0)
-                healthy = [n for n in fleet.nodes if n.state == cpb.NODE_STATE_HEALTHY]
-                if len(healthy) >= nodes:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fleet did not reach {nodes} healthy nodes in {timeout_s:.0f}s")
-            await asyncio.sleep(0.5)
 
+        async def healthy() -> bool:
+            fleet = await client.fleet(timeout=2.0)
+            return sum(n.state == cpb.NODE_STATE_HEALTHY for n in fleet.nodes) >= nodes
 
-async def _stop(procs: list[asyncio.subprocess.Process], grace_s: float = 20.0) -> None:
-    for p in procs:
-        if p.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            await asyncio.wait_for(p.wait(), grace_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            await p.wait()
+        await wait_until_async(healthy, timeout_s, poll_s=0.5,
+                               what=f"fleet of {nodes} healthy nodes")
 
 
 async def run_demo(args: argparse.Namespace) -> int:
@@ -79,12 +54,12 @@ async def run_demo(args: argparse.Namespace) -> int:
                       "--max-model-len", "1024"]
     else:
         model_args = ["--engine", "sim", "--model", "tiny"]
-    procs: list[asyncio.subprocess.Process] = []
+    procs: list[ChildProcess] = []
     try:
-        procs.append(await _spawn("router", "router", "--host", "127.0.0.1",
+        procs.append(_spawn("router", "router", "--host", "127.0.0.1",
                                   "--port", str(args.port)))
         for i in range(2):
-            procs.append(await _spawn(
+            procs.append(_spawn(
                 f"node-{i}", "node", *model_args, "--port", "0", "--node-id", f"node-{i}", "--router", router,
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
                      "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}))
@@ -126,4 +101,4 @@ async def run_demo(args: argparse.Namespace) -> int:
         return 130
     finally:
         print("[demo] shutting down", file=sys.stderr)
-        await _stop(procs)
+        await asyncio.to_thread(stop_all, procs, 20.0)

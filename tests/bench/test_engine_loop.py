@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh_bench import gpu, gpu_report
+from gpumesh_bench.gpu import env as gpu_env
+from gpumesh_bench.gpu import records, reference, report
 from gpumesh_bench.engine_loop import LoopConfig, record, run_engine_loop, run_loop
 from gpumesh_bench.workload import LengthDist, WorkloadSpec, iter_requests
 from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
@@ -51,12 +52,13 @@ async def test_sim_node_config_gives_sane_window_metrics(tmp_path: Path) -> None
     assert 0.6 * little <= rec["done_qps"] <= 1.3 * little, (rec["done_qps"], little)
     assert rec["out_tokens_p50"] == 32
     assert rec["out_tok_s"] == pytest.approx(32 * rec["done_qps"], rel=0.01)
-    # the simulated step at batch ~8 is ~2.5 ms; event-loop overhead only adds to it
-    assert 0.0023 <= rec["tpot_p50"] < 0.02, rec["tpot_p50"]
+    # the simulated step at batch ~8 is ~2.5 ms; event-loop overhead (a busy machine's too)
+    # only adds to it: the bound above is seconds-vs-milliseconds sanity, not speed
+    assert 0.0023 <= rec["tpot_p50"] < 0.25, rec["tpot_p50"]
     assert 0 < rec["ttft_p50"] <= rec["lat_p50"] <= rec["lat_p99"]
     assert rec["engine_load"]["running_max"] <= 8
     assert rec["engine_load"]["running_mean"] > 4
-    assert 2.29 <= rec["engine_load"]["decode_step_ms_mean"] < 20
+    assert 2.29 <= rec["engine_load"]["decode_step_ms_mean"] < 250
     assert rec["cpu_cores"]["front end"] > 0
     assert rec["kv_tokens"] > 0
     json.dumps(rec, allow_nan=False)  # the RESULT line is strict JSON
@@ -146,8 +148,8 @@ def test_vllm_tiny_model_through_the_cli(tmp_path: Path, tiny_model_dir: Path) -
     assert 0 < rec["engine_load"]["decode_step_ms_mean"] < 1000 * rec["lat_p50"]
 
 
-def _env(tmp_path: Path) -> gpu.Env:
-    return gpu.Env(out=tmp_path, engine="sim", models={}, workers=1, procs=1, warmup_s=0.3,
+def _env(tmp_path: Path) -> gpu_env.Env:
+    return gpu_env.Env(out=tmp_path, engine="sim", models={}, workers=1, procs=1, warmup_s=0.3,
                    window_s=1.0, max_model_len=2048, sim_time_scale=1.0, small_kv_blocks=0,
                    engine_args={"stream_interval": 4}, output="fixed:32")
 
@@ -155,11 +157,11 @@ def _env(tmp_path: Path) -> gpu.Env:
 def test_gpu_phase_on_the_simulator_records_one_gpu_and_a_data_parallel_row(
         tmp_path: Path) -> None:
     env = _env(tmp_path)
-    gpu.phase_eng(env, "0.5b", gpus=2)
+    reference.phase_eng(env, "0.5b", gpus=2)
     one, dp = env.records
     assert (one["phase"], dp["phase"]) == ("eng", "eng")
-    assert one["setup"] == gpu.ENG_SETUPS[0] and dp["setup"] == gpu.ENG_SETUPS[1]
-    assert one["concurrency"] == dp["concurrency"] == gpu.RAW_CONCURRENCY["0.5b"]
+    assert one["setup"] == reference.ENG_SETUPS[0] and dp["setup"] == reference.ENG_SETUPS[1]
+    assert one["concurrency"] == dp["concurrency"] == records.RAW_CONCURRENCY["0.5b"]
     assert [p["concurrency"] for p in dp["parts"]] == [64, 64]
     assert dp["qps"] == pytest.approx(sum(p["qps"] for p in dp["parts"]), abs=0.02)
     assert dp["lat_p50"] == max(p["lat_p50"] for p in dp["parts"])
@@ -169,7 +171,7 @@ def test_gpu_phase_on_the_simulator_records_one_gpu_and_a_data_parallel_row(
     assert set(dp["engine_load"]) == {"gpu0", "gpu1"}
     # the node TOML the other phases write, for the same shape
     toml = (tmp_path / "logs" / "eng05b-1gpu-0.toml").read_text()
-    assert toml == gpu.node_toml(env, gpu.NodeSpec("a05b", "0.5b", "0", 0.85))
+    assert toml == gpu_env.node_toml(env, gpu_env.NodeSpec("a05b", "0.5b", "0", 0.85))
     assert json.loads((tmp_path / "results.json").read_text())["records"] == env.records
 
 
@@ -177,8 +179,9 @@ def test_gpu_phase_fails_fast_when_a_loop_dies_without_a_record(tmp_path: Path) 
     env = dataclasses.replace(_env(tmp_path), sim_max_num_seqs=-1)  # the engine refuses it
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="1 of 1 loops gave no result"):
-        gpu.phase_eng(env, "0.5b", gpus=2)
-    assert time.monotonic() - t0 < 60
+        reference.phase_eng(env, "0.5b", gpus=2)
+    # not run_eng's 300 s deadline: the dead loop ends the wait (a slow machine's start aside)
+    assert time.monotonic() - t0 < 240
     assert env.records == []
 
 
@@ -189,14 +192,14 @@ def test_report_puts_engine_loop_rows_in_the_main_table_against_raw() -> None:
             "qps": 120.0}
     rawdp = {**base, "phase": "raw", "setup": "raw vLLM data parallel (in session)",
              "concurrency": 128, "qps": 160.0}
-    eng1 = {**base, "phase": "eng", "setup": gpu.ENG_SETUPS[0], "concurrency": 128,
+    eng1 = {**base, "phase": "eng", "setup": reference.ENG_SETUPS[0], "concurrency": 128,
             "qps": 90.0, "done_qps": 95.0}
-    engdp = {**base, "phase": "eng", "setup": gpu.ENG_SETUPS[1], "concurrency": 128,
+    engdp = {**base, "phase": "eng", "setup": reference.ENG_SETUPS[1], "concurrency": 128,
              "qps": 120.0, "done_qps": 125.0}
-    assert [gpu_report._setup_key(r) for r in (raw1, rawdp, eng1, engdp)] == ["1gpu", "dp2", "1gpu", "dp2"]
-    md = gpu_report.report_markdown([raw1, rawdp, eng1, engdp], {})
+    assert [records._setup_key(r) for r in (raw1, rawdp, eng1, engdp)] == ["1gpu", "dp2", "1gpu", "dp2"]
+    md = report.report_markdown([raw1, rawdp, eng1, engdp], {})
     # x raw (session): 90 / 120 on one GPU, 120 / 160 data parallel; x raw ref: / 128, / 161
-    assert (f"| 0.5b | {gpu.ENG_SETUPS[0]} | 128 | reference | 90.0 | 95.0 | 0.90 | 1.00 | 0.020 "
+    assert (f"| 0.5b | {reference.ENG_SETUPS[0]} | 128 | reference | 90.0 | 95.0 | 0.90 | 1.00 | 0.020 "
             "| 3.00 | 128 / 0.92 | 0.70 | 0.75 |") in md
-    assert (f"| 0.5b | {gpu.ENG_SETUPS[1]} | 128 | reference | 120.0 | 125.0 | 0.90 | 1.00 | "
+    assert (f"| 0.5b | {reference.ENG_SETUPS[1]} | 128 | reference | 120.0 | 125.0 | 0.90 | 1.00 | "
             "0.020 | 3.00 | 161 / 0.72 | 0.75 | 0.75 |") in md

@@ -52,7 +52,8 @@ def test_fleet_router_and_nginx_run_and_teardown(tmp_path) -> None:
             s2 = _run(fleet.address("nginx"), 12)
             assert s2["ok"] == 12 and set(s2["node_share"]) <= {"a", "b", "c"}
     assert not _alive(pids), f"left behind: {_alive(pids)}"
-    assert time.monotonic() - t0 < 60
+    # bounded start (120 s) and teardown (grace + kill), whatever the machine's load
+    assert time.monotonic() - t0 < 300
 
 
 def test_fleet_start_failure_cleans_up(tmp_path) -> None:

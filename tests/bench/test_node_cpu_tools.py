@@ -32,7 +32,9 @@ def test_node_cpu_measures_the_node_process(tmp_path: Path) -> None:
 
 
 def test_coalesce_cost_compares_two_implementations(capsys) -> None:
-    src = Path(coalesce_cost.__file__).parents[2] / "node" / "coalesce.py"
+    from gpumesh.node.streaming import coalesce
+
+    src = Path(coalesce.__file__)
     rc = coalesce_cost.main(["--compare", str(src), "--rounds", "2", "--streams", "4",
                              "--steps", "20", "--step-ms", "1"])
     assert rc == 0

@@ -15,7 +15,10 @@ import pytest
 from gpumesh_bench import smg_fleet
 from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec
 from gpumesh_bench.loadgen import LoadConfig
-from gpumesh_bench.smg_fleet import BpePrompts, SmgGateway, SmgSpec, Target, run_target
+from gpumesh.launcher import stop_all
+from gpumesh_bench import smg_gateway, smg_report
+from gpumesh_bench.smg_clients import BpePrompts, Target, run_target
+from gpumesh_bench.smg_gateway import SmgGateway, SmgSpec
 from gpumesh_bench.stats import summarize
 from gpumesh_bench.workload import BenchRequest
 from tests.interop.conftest import smg_exe  # noqa: F401 (the session fixture: installs SMG)
@@ -46,14 +49,14 @@ def test_trace_is_poisson_and_rescales(tmp_path: Path) -> None:
 
 
 def test_smg_specs_and_scaled_flags() -> None:
-    specs = smg_fleet.parse_smg(["a=least_load@scaled", "b=cache_aware@1:--foo 2", "c=power_of_two"],
+    specs = smg_gateway.parse_smg(["a=least_load@scaled", "b=cache_aware@1:--foo 2", "c=power_of_two"],
                                 time_scale=3)
     assert [(s.name, s.policy, s.interval_s, s.flags) for s in specs] == [
         ("a", "least_load", 30, ()), ("b", "cache_aware", 1, ("--foo", "2")),
         ("c", "power_of_two", 1, ())]
-    assert smg_fleet.smg_scaled_flags(3) == ["--least-load-kv-pressure-weight", "0.45",
+    assert smg_gateway.smg_scaled_flags(3) == ["--least-load-kv-pressure-weight", "0.45",
                                              "--least-load-default-throughput", "666.667"]
-    assert smg_fleet.smg_scaled_flags(1) == []
+    assert smg_gateway.smg_scaled_flags(1) == []
 
 
 def _run(label: str, gateway: str, load: float, p99: float, good: float) -> dict:
@@ -70,12 +73,12 @@ def test_report_and_verdict() -> None:
             _run("gpumesh-weighted_least_load", "gpumesh", 0.8, 140, 0.8),
             _run("smg-least_load", "smg", 0.8, 120, 0.85),
             _run("smg-cache_aware", "smg", 0.8, 300, 0.95)]
-    agg = smg_fleet.aggregate(runs)
+    agg = smg_report.aggregate(runs)
     assert agg[("w", 0.8, "gpumesh-weighted_least_load")]["ttft_p99"] == 120
-    v = smg_fleet.verdict(agg, "w", 0.8)
+    v = smg_report.verdict(agg, "w", 0.8)
     assert "smg-least_load" in v and "1.00x met" in v and "goodput 85.0% vs 85.0% met" in v
     assert "highest goodput: missed" in v
-    md = smg_fleet.markdown({"args": {"fleet": "f", "time_scale": 3}, "capacity": {},
+    md = smg_report.markdown({"args": {"fleet": "f", "time_scale": 3}, "capacity": {},
                              "runs": runs})
     assert "| 80% | gpumesh-weighted_least_load | 60 | 120 | 100, 140 |" in md
     assert "x1 40 · x2 60" in md
@@ -97,7 +100,7 @@ def test_both_gateways_front_the_same_sim_fleet(tmp_path: Path, tiny_model_dir: 
         gw = SmgGateway(smg_exe, SmgSpec("smg-ll", "least_load", 1), workers, model, tmp_path,
                         time_scale=1.0)
         try:
-            smg_fleet._wait_until(gw.ready, 60, "smg")
+            gw.wait_ready(60)
             url_node = {f"grpc://{fleet.node_address(n.node_id)}": n.node_id for n in nodes}
             targets = [Target("gpumesh", "grpc", fleet.address("weighted_least_load")),
                        Target("smg", "http", gw.base, model, url_node)]
@@ -114,4 +117,4 @@ def test_both_gateways_front_the_same_sim_fleet(tmp_path: Path, tiny_model_dir: 
                 assert math.isclose(sum(s["node_share"].values()), 1.0)
                 asyncio.run(fleet.wait_idle("weighted_least_load", timeout_s=20))
         finally:
-            smg_fleet.stop_all([gw.child])
+            stop_all([gw.child], 10.0)

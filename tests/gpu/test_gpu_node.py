@@ -2,7 +2,7 @@
 
 Skipped without CUDA (and without vllm). The model is Qwen2.5-0.5B-Instruct shaped with dummy
 weights (``load_format="dummy"``) and the synthetic tokenizer (gpumesh_bench.dummy_model), or the
-folder in ``$GPUMESH_GPU_MODEL``. ``deploy/gpu/run_mesh_gpu.sh`` runs this module before the
+folder in ``$GPUMESH_GPU_MODEL``. ``bench/gpu/kit/run_mesh_gpu.sh`` runs this module before the
 benchmarks; ``$GPUMESH_GPU_ARTIFACTS`` (optional) receives the `gpumesh status` table seen under
 load. CUDA graphs on (no enforce_eager), as in the raw-vLLM reference runs.
 """

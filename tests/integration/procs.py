@@ -8,17 +8,14 @@ service only, used to observe what a real node sends.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import grpc
 
+from gpumesh.launcher import ChildProcess, gpumesh_argv, wait_serving_async
 from gpumesh.ports import free_port  # noqa: F401 (tests import it from here)
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
@@ -28,42 +25,22 @@ from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 LOG_DIR = Path(os.environ.get("GPUMESH_TEST_LOGS", "/tmp/gpumesh-test-logs"))
 
 
-class Proc:
-    """A `python -m gpumesh.cli ...` child in its own process group, logging to a file."""
+def log_path(name: str) -> Path:
+    """A log file of its own for a child named ``name``, in ``LOG_DIR``."""
+    return LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
+
+
+class Proc(ChildProcess):
+    """A ``gpumesh ARGS`` child (gpumesh.launcher) logging into ``LOG_DIR``."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        self.name = name
-        self.log_path = LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "gpumesh.cli", *args], stdout=self._log,
-            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-            start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
+        super().__init__(name, gpumesh_argv(*args), log_path(name), env=env)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        return self.tail(4000)
 
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        self.popen.wait(10)
-
-    def terminate(self, timeout_s: float = 30.0) -> int:
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                return self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.popen.returncode
-
-    def close(self) -> None:
-        self.terminate()
-        self._log.close()
+    def close(self, timeout_s: float = 30.0) -> int | None:
+        return self.stop(timeout_s)
 
 
 def node_proc(name: str, port: int, routers: list[str], engine: str = "vllm",
@@ -83,24 +60,14 @@ def node_proc(name: str, port: int, routers: list[str], engine: str = "vllm",
 
 
 async def wait_serving(address: str, proc: Proc | None = None, timeout_s: float = 180) -> None:
-    """Until ListModels answers (the node is up and its engine started)."""
-    deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = pb_grpc.InferenceStub(ch)
-        while True:
-            if proc is not None and not proc.alive():
-                raise RuntimeError(f"{proc.name} exited:\n{proc.log()}")
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                from grpc_health.v1 import health_pb2, health_pb2_grpc
-                h = await health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=2)
-                if h.status == health_pb2.HealthCheckResponse.SERVING:
-                    await stub.ListModels(pb.ListModelsRequest(), timeout=2)
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} not serving after {timeout_s}s:\n"
-                                   + (proc.log() if proc else ""))
-            await asyncio.sleep(0.3)
+    """Until the health check says SERVING and ListModels answers (the node is up and its
+    engine started)."""
+
+    async def list_models(ch: grpc.aio.Channel) -> None:
+        await pb_grpc.InferenceStub(ch).ListModels(pb.ListModelsRequest(), timeout=2)
+
+    await wait_serving_async(address, timeout_s, watch=[proc] if proc else (),
+                             then=list_models)
 
 
 class RecordingControlPlane(cpb_grpc.ControlPlaneServicer):

@@ -51,19 +51,11 @@ def smg_exe() -> Path:
     return exe
 
 
-def _spawn(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-
-
 @pytest.fixture(scope="session")
 async def vllm_grpc_worker(tiny_model_dir: Path):
     """One stock vLLM CPU gRPC worker (vLLM's own launcher) on the tiny model, shared by the
     session; yields its host:port once VllmEngine.HealthCheck answers healthy."""
-    import asyncio
     import importlib.util
-    import signal
 
     for mod in ("vllm", "smg_grpc_servicer"):
         if importlib.util.find_spec(mod) is None:
@@ -73,38 +65,38 @@ async def vllm_grpc_worker(tiny_model_dir: Path):
     from smg_grpc_proto import vllm_engine_pb2 as vpb
     from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 
+    from gpumesh.launcher import ChildExited, ChildProcess, wait_until_async
     from tests.integration.procs import LOG_DIR, free_port
 
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
     # vLLM's launcher binds its port only once the engine is up (20-40 s after free_port()
     # chose it), so another process may take the port meanwhile: then start again on another.
     for attempt in range(3):
         port = free_port()
         log_path = LOG_DIR / f"vllm-grpc-worker-{os.getpid()}-{attempt}.log"
-        proc = _spawn([sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", "--model",
-                       str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
-                       "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager"],
-                      log_path, env)
+        proc = ChildProcess(
+            "vllm-grpc-worker", [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server",
+                                 "--model", str(tiny_model_dir), "--host", "127.0.0.1",
+                                 "--port", str(port), "--dtype", "bfloat16",
+                                 "--max-model-len", "512", "--enforce-eager"],
+            log_path, env=env, term_group=True)
         address = f"127.0.0.1:{port}"
         async with grpc.aio.insecure_channel(address) as ch:
             stub = vpb_grpc.VllmEngineStub(ch)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 300
-            while True:
-                if proc.poll() is not None:
-                    break
-                try:
-                    if (await stub.HealthCheck(vpb.HealthCheckRequest(), timeout=2)).healthy:
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                if loop.time() > deadline:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    raise TimeoutError("vLLM gRPC worker not healthy after 300 s:\n"
-                                       + log_path.read_text(errors="replace")[-3000:])
-                await asyncio.sleep(0.5)
-        if proc.poll() is None:
+
+            async def healthy() -> bool:
+                return (await stub.HealthCheck(vpb.HealthCheckRequest(), timeout=2)).healthy
+
+            try:
+                await wait_until_async(healthy, 300, watch=[proc], what="vLLM gRPC worker",
+                                       poll_s=0.5)
+            except ChildExited:
+                pass   # a port taken meanwhile is retried below
+            except TimeoutError:
+                proc.kill()
+                raise TimeoutError("vLLM gRPC worker not healthy after 300 s:\n"
+                                   + log_path.read_text(errors="replace")[-3000:]) from None
+        if proc.alive():
             # vllm-cpu (eager, explicit KV size: no warm-up pass) dies of SIGILL when its
             # first request is a few tokens on an AMX CPU (see node.vllm_engine.WorkerSetup,
             # which the stock launcher lacks): its first request is a long prompt instead.
@@ -121,10 +113,4 @@ async def vllm_grpc_worker(tiny_model_dir: Path):
     try:
         yield address
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        proc.stop(30)

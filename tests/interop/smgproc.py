@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.integration.procs import LOG_DIR, free_port
+from gpumesh.launcher import ChildProcess, wait_until
+from tests.integration.procs import free_port, log_path
 
 
 class SmgProcess:
@@ -32,15 +28,12 @@ class SmgProcess:
                      "--policy", policy, "--model-path", str(model_dir),
                      "--prometheus-host", "127.0.0.1",
                      "--prometheus-port", str(self.metrics_port), *extra]
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        self.log_path = LOG_DIR / f"smg-{os.getpid()}-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.popen = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        self.child = ChildProcess("smg", self.argv, log_path("smg"), term_group=True)
+        self.log_path = self.child.log_path
         self.base = f"http://127.0.0.1:{self.port}"
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        return self.child.tail(4000)
 
     def get_json(self, path: str, timeout_s: float = 5) -> dict:
         with urllib.request.urlopen(self.base + path, timeout=timeout_s) as r:
@@ -48,30 +41,17 @@ class SmgProcess:
 
     def wait_ready(self, n_workers: int, timeout_s: float = 60) -> None:
         """Until every worker is registered, healthy and ready (blocking)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"smg exited with {self.popen.returncode}:\n{self.log()}")
-            with contextlib.suppress(OSError, ValueError):
-                ws = self.get_json("/workers").get("workers", [])
-                if len(ws) == n_workers and all(
-                        w.get("is_healthy") and w.get("status") == "ready" for w in ws):
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"smg not ready after {timeout_s}s:\n{self.log()}")
-            time.sleep(0.2)
+
+        def ready() -> bool:
+            ws = self.get_json("/workers").get("workers", [])
+            return len(ws) == n_workers and all(
+                w.get("is_healthy") and w.get("status") == "ready" for w in ws)
+
+        wait_until(ready, timeout_s, watch=[self.child], what="smg", poll_s=0.2,
+                   not_up=(OSError, ValueError))
 
     def close(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(10)
-        self._log.close()
+        self.child.stop(10)
 
 
 @dataclass(frozen=True)

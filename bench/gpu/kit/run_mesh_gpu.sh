@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Device side: the whole GPU measurement of the mesh in one `run` call (from the repo root).
 #
-#   bash deploy/gpu/run_mesh_gpu.sh [PHASES]        PHASES: comma list, default all
+#   bash bench/gpu/kit/run_mesh_gpu.sh [PHASES]        PHASES: comma list, default all
 #     raw,raw7,rawdp05,eng05,eng7,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7,
 #     msg05,msg7,fe05,fe7,vsraw05,vsraw7
-#     (see gpumesh/bench/gpu.py; eng05/eng7: the node's engine in a closed loop without gRPC;
+#     (see bench/gpu/__init__.py; eng05/eng7: the node's engine in a closed loop without gRPC;
 #     msg05/msg7: the node's stream-message budget on and off on the same nodes; fe05/fe7: one
 #     front-end process per node against several; vsraw05/vsraw7: the node and raw vLLM on the
 #     same GPU, interleaved rounds)
 #
-# 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe slimmed by deploy/gpu/slim_kit.sh;
+# 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe slimmed by bench/gpu/kit/slim_kit.sh;
 #    skipped when this warm machine has it) and the extras (.gpukit/extra,
-#    deploy/gpu/pack_extra.sh) into /tmp/site;
+#    bench/gpu/kit/pack_extra.sh) into /tmp/site;
 # 2. runs the GPU test module tests/gpu (pytest -m gpu) unless GPU_TEST=0;
 # 3. runs `python -m gpumesh_bench.gpu run --phases PHASES` (routers with --workers,
 #    load from gpumesh bench's multi-process generator), within BUDGET seconds in all;
@@ -19,10 +19,10 @@
 #    plots.png, gpu_status_under_load.txt, logs.tgz (node/router/pytest/raw logs).
 #
 # One call carries the kit, the tools and the extras:
-#   run(command="set -o pipefail; bash deploy/gpu/run_mesh_gpu.sh raw,p05,share 2>&1 | tee $OUT/log",
+#   run(command="set -o pipefail; bash bench/gpu/kit/run_mesh_gpu.sh raw,p05,share 2>&1 | tee $OUT/log",
 #       carry=[".gpukit/one", ".gpukit/tools", ".gpukit/extra"], kind="nvidia-h200-x2", timeout_s=600)
 # ENGINE=sim runs the same phases on CPU with simulated nodes (no kit, no GPU) as a dry run:
-#   ENGINE=sim GPU_TEST=0 OUT=/tmp/o bash deploy/gpu/run_mesh_gpu.sh p05,share
+#   ENGINE=sim GPU_TEST=0 OUT=/tmp/o bash bench/gpu/kit/run_mesh_gpu.sh p05,share
 # A later call on the same warm machine adds its phases to the same results (RESULTS_DIR).
 set -uo pipefail
 T0=$(date +%s)
@@ -36,6 +36,14 @@ mkdir -p "$OUT" "$W/logs"
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# The packages as an install maps them (setup.py, bench/pyproject.toml), without pip: gpumesh
+# with router/ and node/ as gpumesh.router and gpumesh.node, bench/ as gpumesh_bench. Links
+# only, so module files still resolve into this checkout.
+PY=$W/py
+rm -rf "$PY" && mkdir -p "$PY/gpumesh"
+for f in "$PWD"/gpumesh/*; do ln -s "$f" "$PY/gpumesh/"; done
+ln -s "$PWD/router" "$PY/gpumesh/router" && ln -s "$PWD/node" "$PY/gpumesh/node" \
+  && ln -s "$PWD/bench" "$PY/gpumesh_bench" || exit 1
 if [ "$ENGINE" = vllm ]; then
   echo "== install ($(elapsed)s)"
   bash .gpukit/tools/kit_install.sh .gpukit/one > "$W/logs/install.log" 2>&1 \
@@ -48,7 +56,7 @@ if [ "$ENGINE" = vllm ]; then
   tail -3 "$W/logs/install.log"
   # vLLM 0.26 imports flashinfer for its sampler unless told not to (the kit leaves it out);
   # NVLink multicast stays off on multi-GPU machines (KINDS.md).
-  export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+  export PYTHONPATH=/tmp/site:$PY:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
@@ -57,7 +65,7 @@ if [ "$ENGINE" = vllm ]; then
   for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
     echo "leftover GPU process $p: killing it"; kill -9 "$p" 2>/dev/null; done
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PY:$PWD
 fi
 python3 -c "import sys, grpc, google.protobuf as pb; print('python', sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', pb.__version__)" || exit 1
 [ "$ENGINE" = vllm ] && { python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())" || exit 1; }
@@ -65,7 +73,7 @@ python3 -c "import sys, grpc, google.protobuf as pb; print('python', sys.version
 # One model folder per shape for the test and every node: vLLM keys its compile cache on the
 # model path, so later engine starts on this machine skip torch.compile.
 MODELS=/tmp/gpumesh-models
-python3 -m gpumesh.dummy_model $MODELS/qwen-0.5b-dummy 0.5b && python3 -m gpumesh.dummy_model $MODELS/qwen-7b-dummy 7b || exit 1
+python3 -m gpumesh_bench.dummy_model $MODELS/qwen-0.5b-dummy 0.5b && python3 -m gpumesh_bench.dummy_model $MODELS/qwen-7b-dummy 7b || exit 1
 export GPUMESH_GPU_MODEL=$MODELS/qwen-0.5b-dummy
 
 if [ "$GPU_TEST" = 1 ]; then

@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # Here (no network needed): make the carried vLLM kit (.gpukit/one/site.tar.xz, built by
 # ../shared/gpu/prepare_kit.sh) small enough that the tree, the kit, the tools and the extras
-# (deploy/gpu/pack_extra.sh) fit one `run` call, then print the call's size.
+# (bench/gpu/kit/pack_extra.sh) fit one `run` call, then print the call's size.
 #
 # Why: a call carries 64 MiB. Measured here as one tar of what travels (~0.5-1 KB per file on
 # top of its bytes: a call was once refused while the bytes alone were ~100 KB under the
 # limit). With the kit as built (59.4 MiB), the extras (5.0 MiB) and the tree (1.3 MB in
-# ~150 files) the tar came to 67,112,960 bytes, 4 KB over (end of the fifth GPU session; the
-# calls of that session had ~50 KB less tree). This drops mistral_common's two Tekken tokenizer
+# ~150 files) the tar came to 67,112,960 bytes, 4 KB over. This drops mistral_common's two Tekken tokenizer
 # tables (34 MB unpacked, ~2.9 MB packed), read only by MistralTokenizer.v3(is_tekken=True),
 # i.e. never for the Qwen-shaped models the GPU bench serves; nothing else in the kit changes.
-#   bash ../shared/gpu/prepare_kit.sh && bash deploy/gpu/slim_kit.sh && bash deploy/gpu/pack_extra.sh
+#   bash ../shared/gpu/prepare_kit.sh && bash bench/gpu/kit/slim_kit.sh && bash bench/gpu/kit/pack_extra.sh
 # Idempotent (a slimmed kit is stamped in .gpukit/one/SLIM); ~7 min on 2 cores (xz -9e).
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Here (network): pack the wheels of deploy/gpu/gpu-extra.txt for the device machine into
+# Here (network): pack the wheels of bench/gpu/kit/gpu-extra.txt for the device machine into
 # .gpukit/extra/extra.tar.xz (git-ignored; ~5 MiB, grpcio's cygrpc is most of it).
 #
 # Why not prepare_kit.sh's EXTRA_REQ: the vLLM kit is 57.6 MiB and one `run` call carries
 # 64 MiB with the tree; with grpcio inside, the kit (62.7 MiB) fails that script's own 62 MiB
 # check although the call still fits. Packed apart, the kit stays the tested one and this pack
-# is rebuilt in seconds. deploy/gpu/run_mesh_gpu.sh unpacks it over /tmp/site after the kit.
-#   bash deploy/gpu/pack_extra.sh     then carry .gpukit/one .gpukit/tools .gpukit/extra
+# is rebuilt in seconds. bench/gpu/kit/run_mesh_gpu.sh unpacks it over /tmp/site after the kit.
+#   bash bench/gpu/kit/pack_extra.sh     then carry .gpukit/one .gpukit/tools .gpukit/extra
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 cd "$ROOT"
-REQ=deploy/gpu/gpu-extra.txt
+REQ=bench/gpu/kit/gpu-extra.txt
 K=.gpukit
 PY=${PY:-python3}
 git check-ignore -q $K/extra/x || { echo "ERROR: $K is not git-ignored (run prepare_kit.sh first)"; exit 1; }

@@ -1,0 +1,80 @@
+"""GPU measurement of the mesh: vLLM CUDA nodes direct vs through the router vs raw vLLM.
+
+Driven by ``bench/gpu/kit/run_mesh_gpu.sh`` on a device machine (one ``run`` call per group of
+phases, the vLLM kit installed); also runs on CPU with ``--engine sim`` (simulated nodes, same
+processes, same router, same load generator) to check the logic before device time is spent.
+
+  python -m gpumesh_bench.gpu run --phases p05,share,unequal --out DIR [--engine vllm|sim]
+  python -m gpumesh_bench.gpu report DIR/results.json[.gz]... --md OUT.md --png OUT.png
+
+Phases (each starts its own nodes and routers and stops them, GPUs freed, before the next):
+
+- ``raw``: the raw-vLLM reference tool (``--raw-tool``, shared/gpu/seed_table.py) in this
+  session, 0.5B, one GPU, concurrency 128 (the README's method, for an in-session ratio).
+  ``raw7``: 7B at 256, one GPU, then (two GPUs) data parallel: two engines at once, 128 each
+  (seed_table.sh's method); ``rawdp05``: the same for 0.5B at 128.
+- ``eng05`` / ``eng7``: the node's own engine without gRPC (``gpumesh bench engine-loop``:
+  the node TOML a node of that shape gets here, engine built by the node's code, a closed loop
+  on its ``generate`` in the same process) at the raw phases' concurrency: one GPU, then (two
+  GPUs) two loops at once, C/2 each, as one data-parallel row (phase ``eng`` in the results).
+  Raw vs engine loop = the node's engine configuration; engine loop vs the node direct = the
+  node's serving path (servicer, coalescing, gRPC).
+- ``p05``: 0.5B. Node A on GPU 0 and (two GPUs or more) node B on GPU 1, 0.85 of memory each;
+  router R1 fronts A alone, R2 fronts A and B. Benches: A direct and R1 at concurrency 128
+  (one GPU), R2 at 128 and 256 (data parallel; 256 = 128 per GPU, the equal-latency point),
+  A and B direct at 256 with the client splitting its streams (data parallel without a
+  router), then a sweep on A direct (concurrency 1..512; prompts up to 1900 tokens) for the
+  simulator. ``p05q``: the same without the sweep.
+- ``share``: 0.5B, two nodes on GPU 0 (0.42 of memory each) behind one router, 128.
+- ``unequal``: 0.5B, one GPU: a normal node and a node whose KV cache is cut to
+  ``--small-kv-blocks`` blocks, 512-token prompts; one router per policy, each benched.
+  ``unequal2``: the same pair with a GPU each (two GPUs or more).
+- ``tp05`` / ``tp7``: one node with tensor_parallel_size 2 (GPUs 0,1) behind a router.
+- ``p7``: as ``p05`` with the 7B shape at concurrency 256 (512 for the equal-latency DP point).
+- ``ab7`` / ``ab05``: repeats on the same nodes, interleaved: one GPU direct vs through the
+  router twice (ABAB), then data parallel through the router vs the client splitting.
+  ``dp05`` / ``dp7``: data parallel through the router vs the client splitting, ``--rounds``
+  times interleaved, with a multi-worker router also with the load spread over its workers.
+- ``vsraw05`` / ``vsraw7``: the mesh against raw vLLM on one GPU, interleaved: node A (with
+  ``--node-option``s, e.g. frontends=2) and router R1 stay up on GPU 0 at 0.42 of its memory;
+  each of ``--rounds`` rounds runs the raw reference tool (its own engine at 0.42, started per
+  run), A direct and R1, the order reversed every other round; the report gives each node
+  bench over its round's raw QPS and the medians. ``vsrawdp05`` / ``vsrawdp7`` (two GPUs):
+  the same for data parallel: nodes A and B (GPUs 0, 1) behind R2 and the client's own split
+  against two raw engines at C/2 each (the reference's data-parallel method). ``--vs-eng``:
+  every round also runs the node's engine without gRPC (as ``eng05``) next to raw.
+  ``--vs-variant NAME=VALUE``: a second set of nodes (X, Y) with those engine arguments on top,
+  behind their own router, up on the same GPUs through the phase and benched in the same
+  rounds (legs ``router-x``, ``direct-x``); every engine then gets 0.28 of its GPU's memory.
+  ``--vs-legs`` keeps only the named legs.
+- ``msg05`` / ``msg7``: the node's stream-message budget on and off on the same nodes,
+  interleaved: requests with the node's default interval (the budget widens it under load)
+  vs requests asking for the base 20 ms themselves (kept as asked: the old fixed interval);
+  one GPU direct at C, then (two GPUs) data parallel through the router at 2C, ``--rounds``
+  times each.
+
+Workload: the raw reference's (``shared/gpu/seed_table.py``): a closed loop of C streams,
+32 prompt tokens, 256 output tokens with ignore_eos, a 4 s warm-up then a 15 s window. QPS is
+computed as the reference computes it: requests that started in the window and finished
+inside it, divided by the window (this undercounts the completion rate by about latency /
+window; ``done_qps``, completions in the window per second, is reported beside it). Latency
+and TTFT percentiles are over the same requests. Load comes from ``gpumesh bench``'s own
+multi-process generator (``gpumesh_bench.cli.run_multi``, what ``gpumesh bench run --procs N``
+runs) and routers run with ``--workers N``.
+
+``--pin on|both`` (data-parallel and main-table phases): each node's process tree (front end,
+engine core) runs on physical cores of its own near its GPU, routers and load on the rest
+(``gpumesh_bench.affinity``); ``both`` runs each data-parallel setup unpinned then pinned.
+
+Every bench also records the cores each process group used in its window (``CpuSampler``:
+node front end, vLLM engine processes, router, load generator, whole machine), which says
+whether a setup was GPU- or CPU-bound.
+
+Nodes disable prefix caching: the synthetic tokenizer maps every benchmark word to one id, so
+all prompts would share their prefix, while the reference's random-id prompts never hit.
+
+Modules: ``env`` (settings, node/router specs, node TOML), ``group`` (a phase's processes),
+``samplers`` and ``measure`` (one bench), ``reference`` (raw vLLM, engine loop), ``phases``
+and ``vsraw`` (the phases), ``cli`` (``run``), ``records``, ``pairs``, ``report`` and ``plot``
+(the report); ``kit/`` holds the device machine's shell harness.
+"""

@@ -1,0 +1,86 @@
+"""The GPU report's vocabulary: the raw-vLLM reference figures records are compared with
+(shared/gpu/README.md), and how a record is keyed (setup, workload, device call)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from gpumesh_bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
+
+# Raw vLLM 0.26.0 on H200 (shared/gpu/README.md, seed_table.sh, 2026-11-29, nvidia-h200-x2):
+# (shape, setup) -> (QPS, p50 latency s, TTFT p50 s or None), input 32, output 256, ignore_eos.
+RAW_REFERENCE: dict[tuple[str, str], tuple[float, float, float | None]] = {
+    ("0.5b", "1gpu"): (128.0, 0.92, None), ("0.5b", "dp2"): (161.0, 0.72, None),
+    ("0.5b", "tp2"): (145.0, 0.84, None),
+    ("7b", "1gpu"): (60.0, 3.19, 1.65), ("7b", "dp2"): (137.0, 1.63, 0.09),
+    ("7b", "tp2"): (85.0, 2.41, None),
+}
+RAW_CONCURRENCY = {"0.5b": 128, "7b": 256}
+# The seed's table (older GPUs): setup -> (QPS, p50 latency s).
+SEED_TABLE = {"1gpu": (20.0, 1.2), "dp2": (38.0, 1.3), "tp2": (22.0, 1.8)}
+
+
+def _call(rec: dict[str, Any]) -> int | None:
+    """The 1-based device call that measured a record (``gpu.py`` records it); None for
+    archived records from before it did."""
+    return rec.get("call") or None
+
+
+def _call_tagger(records: list[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:
+    """`` (call N)`` for a row's label where the records come from more than one call (one
+    results.json several device calls appended to, or several files), else ""."""
+    multi = len({_call(r) for r in records} - {None}) > 1
+    return lambda r: f" (call {_call(r)})" if multi and _call(r) is not None else ""
+
+
+def _setup_key(rec: dict[str, Any]) -> str:
+    s = rec["setup"]
+    if "data parallel" in s:
+        return "dp2"
+    if "tensor parallel" in s:
+        return "tp2"
+    return "1gpu"
+
+
+# The raw reference's workload as (prompt, output) length specs (gpumesh_bench.workload).
+REFERENCE_WORKLOAD = (str(REFERENCE_PROMPT), str(REFERENCE_OUTPUT))
+
+
+def _workload(rec: dict[str, Any]) -> tuple[str, str]:
+    """(prompt, output) length specs of a record; older records without them ran the
+    reference's workload."""
+    return (str(rec.get("prompt") or REFERENCE_WORKLOAD[0]),
+            str(rec.get("output") or REFERENCE_WORKLOAD[1]))
+
+
+def _workload_label(rec: dict[str, Any]) -> str:
+    wl = _workload(rec)
+    return "reference" if wl == REFERENCE_WORKLOAD else f"{wl[0]} -> {wl[1]}"
+
+
+def _by_workload(records: list[dict[str, Any]]
+                 ) -> dict[tuple[int | None, str, tuple[str, str]], list[dict[str, Any]]]:
+    out: dict[tuple[int | None, str, tuple[str, str]], list[dict[str, Any]]] = {}
+    for r in records:
+        if r["phase"] in ("p05", "p7"):
+            out.setdefault((_call(r), r["shape"], _workload(r)), []).append(r)
+    return out
+
+
+def fmt(x: Any, nd: int = 2) -> str:
+    """A number for a table cell: ``nd`` decimals, "-" for None or NaN."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{nd}f}"
+
+
+def dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last record of each (call, phase, setup, shape, C, prompt, output): a rerun within
+    one call replaces; another call's records stay (each row says its call)."""
+    last: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in records:
+        last[(_call(r), r["phase"], r["setup"], r["shape"], r["concurrency"], r.get("prompt"),
+              r.get("output"))] = r
+    return list(last.values())
