@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec, hetero_nodes
-from gpumesh_bench.harness import measure_capacity, measured_run, median
+from gpumesh_bench.harness import measure_capacity, measured_run, median, share_medians
 from gpumesh_bench.loadgen import LoadConfig
 from gpumesh_bench.report import write_json
 from gpumesh_bench.stats import SLO
@@ -182,9 +182,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], d
         row = {m: median([_get(r, p) for r in rs]) for m, p in METRICS}
         row["errors"] = sum(r["summary"]["requests"] - r["summary"]["ok"] for r in rs)
         row["n"] = len(rs)
-        nodes = sorted({k for r in rs for k in r["summary"]["node_share"]})
-        row["share"] = {k: median([r["summary"]["node_share"].get(k, 0.0) for r in rs])
-                        for k in nodes}
+        row["share"] = share_medians(rs)
         row["rate"] = rs[0]["config"]["rate"]
         out[key] = row
     return out

@@ -35,14 +35,30 @@ async def measured_run(cfg: LoadConfig, requests: Iterable[BenchRequest], slo: S
     c1 = {k: group_cpu_s(p) for k, p in watch.items()}
     summary = summarize(run.results, slo)
     ok = max(1, summary["ok"])
-    cpu = {k: {"s": c1[k] - c0[k], "pct": 100 * (c1[k] - c0[k]) / wall,
-               "ms_per_req": 1000 * (c1[k] - c0[k]) / ok} for k in watch}
-    cpu["loadgen"] = {"s": lg, "pct": 100 * lg / wall, "ms_per_req": 1000 * lg / ok}
+    cpu = cpu_use(c0, c1, lg, wall, ok)
     summary["chunks_per_req"] = (sum(r.chunks for r in run.results if r.status == "OK") / ok)
     doc = result_document(run, summary, dict(extra or {}), include_requests=keep_requests)
     doc["cpu"] = cpu
     doc["run_wall_s"] = wall
     return doc
+
+
+def cpu_use(c0: Mapping[str, float], c1: Mapping[str, float], loadgen_s: float, wall_s: float,
+            ok: int) -> dict[str, dict[str, float]]:
+    """CPU of each watched group between two readings (``c0``, ``c1``: seconds) and of the
+    load generator (``loadgen_s``): seconds, percent of one core over ``wall_s``, and
+    milliseconds per successful request (``ok``)."""
+    cpu = {k: {"s": c1[k] - c0[k], "pct": 100 * (c1[k] - c0[k]) / wall_s,
+               "ms_per_req": 1000 * (c1[k] - c0[k]) / ok} for k in c0}
+    cpu["loadgen"] = {"s": loadgen_s, "pct": 100 * loadgen_s / wall_s,
+                      "ms_per_req": 1000 * loadgen_s / ok}
+    return cpu
+
+
+def share_medians(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per node, the median over ``runs`` of its share of the requests (0 where absent)."""
+    nodes = sorted({k for r in runs for k in r["summary"]["node_share"]})
+    return {k: median([r["summary"]["node_share"].get(k, 0.0) for r in runs]) for k in nodes}
 
 
 def closed_loop_throughput(results: Sequence[RequestResult], warmup_s: float,

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from gpumesh_bench.fleet import group_cpu_s
+from gpumesh_bench.harness import cpu_use
 from gpumesh_bench.loadgen import LoadConfig, RequestResult, RunResult, drive, send_message
 from gpumesh_bench.report import result_document
 from gpumesh_bench.stats import SLO, summarize
@@ -193,9 +194,7 @@ async def measured(cfg: LoadConfig, requests: Sequence[BenchRequest], target: Ta
     c1 = {k: group_cpu_s(p) for k, p in watch.items()}
     summary = summarize(run.results, slo)
     ok = max(1, summary["ok"])
-    cpu = {k: {"s": c1[k] - c0[k], "pct": 100 * (c1[k] - c0[k]) / wall,
-               "ms_per_req": 1000 * (c1[k] - c0[k]) / ok} for k in watch}
-    cpu["loadgen"] = {"s": lg, "pct": 100 * lg / wall, "ms_per_req": 1000 * lg / ok}
+    cpu: dict[str, Any] = cpu_use(c0, c1, lg, wall, ok)
     cpu["machine"] = {"busy_cores": (m1[0] - m0[0]) / max(m1[1] - m0[1], 1) * (os.cpu_count() or 1),
                       "pct": 100 * (m1[0] - m0[0]) / max(m1[1] - m0[1], 1)}
     summary["chunks_per_req"] = sum(r.chunks for r in run.results if r.status == "OK") / ok

@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from gpumesh_bench.harness import median
+from gpumesh_bench.harness import median, share_medians
 
 
 METRICS = (("ttft_p50", "summary.ttft_ms.p50"), ("ttft_p99", "summary.ttft_ms.p99"),
@@ -43,9 +43,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[tuple[str, float, str], dict[s
         row["errors"] = sum(r["summary"]["requests"] - r["summary"]["ok"] for r in rs)
         row["mismatch"] = sum(r["summary"].get("prompt_mismatch", 0) for r in rs)
         row["n"] = len(rs)
-        nodes = sorted({k for r in rs for k in r["summary"]["node_share"]})
-        row["share"] = {k: median([r["summary"]["node_share"].get(k, 0.0) for r in rs])
-                        for k in nodes}
+        row["share"] = share_medians(rs)
         row["gateway"] = rs[0]["config"]["gateway"]
         out[key] = row
     return out
