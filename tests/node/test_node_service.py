@@ -339,8 +339,8 @@ async def test_drain_last(node, cp):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert any(h.load.draining for h in plane.heartbeats(NODE_ID))
     assert await in_flight == 150  # the in-flight request still finishes
-    # terminate() blocks: run it off the loop that also serves the recording control plane.
-    assert await asyncio.to_thread(proc.terminate, 30) == 0
+    # stop() blocks: run it off the loop that also serves the recording control plane.
+    assert await asyncio.to_thread(proc.stop, 30) == 0
     for _ in range(20):
         if plane.messages[NODE_ID][-1].WhichOneof("kind") == "deregistration":
             break
