@@ -24,8 +24,8 @@ _Ts = TypeVarTuple("_Ts")
 # hop to the thread costs about as much loop time as encoding a short prompt (the wake-up and
 # the encode's GIL-held Python parts), so short prompts gain nothing there, while a long one
 # inline stalls every other stream on the loop. At about this size an HF fast tokenizer's
-# inline encode costs the loop as much as a few hops (docs/benchmarks.md, "Tokenization off
-# the event loop").
+# inline encode costs the loop as much as a few hops (docs/benchmarks.md, "Do
+# long prompts stall other streams?").
 INLINE_PROMPT_CHARS = 1000
 
 # Token ids fewer than this are decoded (one-shot, skipping special tokens) inline, more on

@@ -60,7 +60,8 @@ class NodeConfig:
     # The node's budget of stream messages per second over all its streams: with more streams
     # sending (past their first token) than budget x interval, the default interval widens to
     # streams / budget (128 streams at 2000/s: 64 ms; at most 250 ms). A message costs the
-    # node's process far more than a token (docs/benchmarks.md, "Stream messages per node").
+    # node's process far more than a token (docs/benchmarks.md, "What does the node's
+    # stream-message budget save?").
     # With several front ends each has budget / frontends over its own streams. 0 = fixed.
     stream_messages_per_s: float = 2000.0
     max_tokens_per_chunk: int = 64

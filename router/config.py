@@ -69,8 +69,8 @@ class RouterConfig:
     # engine's steps) where it reports one; off, or from a node without it: inferred as
     # average running / generation tokens/s.
     step_from_report: bool = True
-    # c in c * k / (1 - k). 0.05 s: the policy benchmark (docs/benchmarks.md section 1) found
-    # 0.25 s burst onto the lowest-k node on lognormal lengths and 0.05 s no worse on bimodal.
+    # c in c * k / (1 - k) (docs/routing.md): a larger c sends bursts onto the node with the
+    # lowest KV usage (docs/benchmarks.md, "Which routing policy balances best").
     kv_penalty_s: float = 0.05
     kv_usage_cap: float = 0.98      # k is capped here so the penalty stays finite
     # KV tokens each of this router's unreported requests is expected to add beyond its prompt
@@ -111,7 +111,7 @@ class RouterConfig:
     # --- node channels
     keepalive_time_ms: int = 30_000
 
-    # --- foreign nodes: stock vLLM gRPC workers (router.foreign), each
+    # --- foreign nodes: stock vLLM gRPC workers (gpumesh.router.backends.vllm_grpc), each
     # "host:port[?weight=W&node_id=ID&tokenizer=PATH&max_concurrency=N]"
     foreign_nodes: tuple[str, ...] = ()
     foreign_poll_interval_s: float = 0.25  # GetLoads while no pushed load record arrives

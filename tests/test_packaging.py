@@ -5,6 +5,7 @@ the product (its own gpumesh-bench distribution, imported only by bench/ and tes
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -53,8 +54,17 @@ def test_no_old_top_level_imports_and_no_bench_in_the_product() -> None:
 
 
 def test_wheel_holds_the_product_only(tmp_path: Path) -> None:
+    # Build from a copy of the tracked files: setuptools stages into build/ beside the sources
+    # and never deletes what is there, so a stale build/ would add modules to the wheel.
+    src = tmp_path / "src"
+    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True,
+                             capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, tracked):
+        if (ROOT / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, src / rel)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, timeout=600)
+                    "-q", "-w", str(tmp_path), str(src)], check=True, timeout=600)
     wheel = next(tmp_path.glob("gpumesh-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}

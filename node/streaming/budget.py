@@ -6,8 +6,8 @@ The flush interval is ``flush_interval_s``, widened when the policy has a messag
 token, not ended) it is ``max(flush_interval_s, S / messages_per_s)``, at most
 ``MAX_FLUSH_INTERVAL_S``, re-read at every message. Why: a gRPC message costs the node's
 process far more than a token does, and that process is what limits a GPU node
-(docs/benchmarks.md, "Stream messages per node"), so a loaded node sends fewer, larger chunks
-while an idle one keeps the short interval.
+(docs/benchmarks.md, "What does the node's stream-message budget save?"), so a
+loaded node sends fewer, larger chunks while an idle one keeps the short interval.
 """
 
 from __future__ import annotations

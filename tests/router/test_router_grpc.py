@@ -119,7 +119,7 @@ async def test_routing_spreads_over_nodes() -> None:
 
 async def test_finished_counts_reach_the_ledger_and_their_absence_is_kept() -> None:
     """The node's per-router finished count rides the heartbeat into this router's
-    AccountSample (None when the node leaves it unset) and GetFleet; once every request has
+    RouterAccount (None when the node leaves it unset) and GetFleet; once every request has
     ended and a report came after, the node holds none of ours and D is 0 either way."""
     async with fleet({"node_id": "a"}, {"node_id": "b", "reports_finished": False}) as f:
         await asyncio.gather(*(stream_all(f.stub, req(max_tokens=3)) for _ in range(6)))
