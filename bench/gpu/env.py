@@ -17,7 +17,7 @@ POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin
 
 
 @dataclass
-class NodeSpec:
+class GpuNodeSpec:
     name: str
     shape: str = "0.5b"
     gpus: str = "0"
@@ -30,7 +30,7 @@ class NodeSpec:
 
 
 @dataclass
-class RouterSpec:
+class GpuRouterSpec:
     name: str
     policy: str = "weighted_least_load"
     members: tuple[str, ...] = ()
@@ -113,7 +113,7 @@ def _toml_value(v: Any) -> str:
     return json.dumps(str(v))
 
 
-def node_toml(env: Env, spec: NodeSpec) -> str:
+def node_toml(env: Env, spec: GpuNodeSpec) -> str:
     top: dict[str, Any] = {"served_name": SERVED[spec.shape], "max_model_len": env.max_model_len,
                            "heartbeat_busy_interval_s": 0.25, "drain_timeout_s": 5.0}
     tables: dict[str, dict[str, Any]] = {}

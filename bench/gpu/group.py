@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Self
 import grpc
 
 from gpumesh.launcher import ChildProcess, free_port, wait_serving, wait_until
-from gpumesh_bench.gpu.env import Env, NodeSpec, RouterSpec, node_toml
+from gpumesh_bench.gpu.env import Env, GpuNodeSpec, GpuRouterSpec, node_toml
 
 if TYPE_CHECKING:
     from gpumesh_bench.affinity import Placement
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class Group:
     """Routers and nodes of one phase; ``with`` stops them all and waits for the GPUs."""
 
-    def __init__(self, env: Env, nodes: Sequence[NodeSpec], routers: Sequence[RouterSpec]) -> None:
+    def __init__(self, env: Env, nodes: Sequence[GpuNodeSpec], routers: Sequence[GpuRouterSpec]) -> None:
         self.env = env
         self.node_specs = list(nodes)
         self.router_specs = list(routers)
@@ -80,7 +80,7 @@ class Group:
             routers[r.name] = c
         started: dict[str, ChildProcess] = {}
 
-        def launch(spec: NodeSpec) -> None:
+        def launch(spec: GpuNodeSpec) -> None:
             port = free_port()
             self.addr[spec.name] = f"127.0.0.1:{port}"
             cfg = env.logs / f"{spec.name}.toml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gpumesh_bench.gpu.env import POLICIES, Env, NodeSpec, RouterSpec
+from gpumesh_bench.gpu.env import POLICIES, Env, GpuNodeSpec, GpuRouterSpec
 from gpumesh_bench.gpu.group import Group
 from gpumesh_bench.gpu.measure import bench
 from gpumesh_bench.gpu.records import RAW_CONCURRENCY
@@ -13,20 +13,20 @@ from gpumesh_bench.gpu.records import RAW_CONCURRENCY
 if TYPE_CHECKING:
     from gpumesh_bench.affinity import Placement
 
-def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[NodeSpec], list[RouterSpec]]:
+def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[GpuNodeSpec], list[GpuRouterSpec]]:
     """Node A on GPU 0 behind router r1; with two GPUs also node B on GPU 1 and router r2
     (policy ``env.policy``) fronting A and B. Returns (A, B, nodes, routers)."""
     a, b = f"a{shape.replace('.', '')}", f"b{shape.replace('.', '')}"
     two = gpus >= 2
     dp = ("r2", "r2b") if env.router_env_b else ("r2",)
-    nodes = [NodeSpec(a, shape, "0", 0.85, routers=("r1", *dp) if two else ("r1",))]
-    routers = [RouterSpec("r1", members=(a,))]
+    nodes = [GpuNodeSpec(a, shape, "0", 0.85, routers=("r1", *dp) if two else ("r1",))]
+    routers = [GpuRouterSpec("r1", members=(a,))]
     if two:
         # After A serves: B then finds vLLM's compile cache warm instead of racing A to fill it.
-        nodes.append(NodeSpec(b, shape, "1", 0.85, routers=dp, after=a))
-        routers.append(RouterSpec("r2", policy=env.policy, members=(a, b)))
+        nodes.append(GpuNodeSpec(b, shape, "1", 0.85, routers=dp, after=a))
+        routers.append(GpuRouterSpec("r2", policy=env.policy, members=(a, b)))
         if env.router_env_b:
-            routers.append(RouterSpec("r2b", policy=env.policy, members=(a, b),
+            routers.append(GpuRouterSpec("r2b", policy=env.policy, members=(a, b),
                                       env=dict(env.router_env_b)))
     return a, b, nodes, routers
 
@@ -209,9 +209,9 @@ def phase_p7(env: Env, gpus: int) -> None:
 
 
 def phase_share(env: Env) -> None:
-    nodes = [NodeSpec("s1", "0.5b", "0", 0.42, routers=("rs",)),
-             NodeSpec("s2", "0.5b", "0", 0.42, routers=("rs",), after="s1")]
-    with Group(env, nodes, [RouterSpec("rs", members=("s1", "s2"))]) as g:
+    nodes = [GpuNodeSpec("s1", "0.5b", "0", 0.42, routers=("rs",)),
+             GpuNodeSpec("s2", "0.5b", "0", 0.42, routers=("rs",), after="s1")]
+    with Group(env, nodes, [GpuRouterSpec("rs", members=("s1", "s2"))]) as g:
         g.start()
         env.meta.setdefault("commands", {})["share"] = g.commands
         env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)
@@ -222,12 +222,12 @@ def phase_share(env: Env) -> None:
 def phase_unequal(env: Env, gpus: int = 1, phase: str = "unequal") -> None:
     """Two 0.5B nodes, ``small`` with its KV cache cut; one router per policy, each benched.
     On one GPU both share GPU 0 (0.42 of memory each); with ``gpus`` >= 2 each has its own."""
-    routers = [RouterSpec(f"q-{p.replace('_', '-')}", p, ("big", "small")) for p in POLICIES]
+    routers = [GpuRouterSpec(f"q-{p.replace('_', '-')}", p, ("big", "small")) for p in POLICIES]
     names = tuple(r.name for r in routers)
     two = gpus >= 2
     mem = 0.85 if two else 0.42
-    nodes = [NodeSpec("big", "0.5b", "0", mem, routers=names),
-             NodeSpec("small", "0.5b", "1" if two else "0", mem, blocks=env.small_kv_blocks,
+    nodes = [GpuNodeSpec("big", "0.5b", "0", mem, routers=names),
+             GpuNodeSpec("small", "0.5b", "1" if two else "0", mem, blocks=env.small_kv_blocks,
                       routers=names, after="big")]
     with Group(env, nodes, routers) as g:
         g.start()
@@ -241,8 +241,8 @@ def phase_unequal(env: Env, gpus: int = 1, phase: str = "unequal") -> None:
 
 
 def _tp_phase(env: Env, shape: str, phase: str) -> None:
-    nodes = [NodeSpec(f"t{shape.replace('.', '')}", shape, "0,1", 0.85, tp=2, routers=("rt",))]
-    with Group(env, nodes, [RouterSpec("rt", members=(nodes[0].name,))]) as g:
+    nodes = [GpuNodeSpec(f"t{shape.replace('.', '')}", shape, "0,1", 0.85, tp=2, routers=("rt",))]
+    with Group(env, nodes, [GpuRouterSpec("rt", members=(nodes[0].name,))]) as g:
         g.start()
         env.meta.setdefault("commands", {})[phase] = g.commands
         env.meta.setdefault("kv_tokens", {}).update(g.kv_tokens)

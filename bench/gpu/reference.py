@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumesh.launcher import ChildProcess
-from gpumesh_bench.gpu.env import Env, NodeSpec, node_toml
+from gpumesh_bench.gpu.env import Env, GpuNodeSpec, node_toml
 from gpumesh_bench.gpu.group import gpu_pids, wait_gpus_free
 from gpumesh_bench.gpu.records import RAW_CONCURRENCY, fmt
 
@@ -131,7 +131,7 @@ def run_eng(env: Env, shape: str, setup: str, parts: Sequence[tuple[str, int]], 
     cmds: list[str] = []
     before = set(gpu_pids())   # a node sharing the GPU (phase vsraw) keeps its memory
     for g, conc in parts:
-        spec = NodeSpec(f"eng{tag}-{g}", shape, g, gpu_mem)
+        spec = GpuNodeSpec(f"eng{tag}-{g}", shape, g, gpu_mem)
         cfg = env.logs / f"{spec.name}.toml"
         cfg.write_text(node_toml(env, spec))
         out = env.logs / f"{spec.name}.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from gpumesh_bench.gpu.env import Env, NodeSpec, RouterSpec
+from gpumesh_bench.gpu.env import Env, GpuNodeSpec, GpuRouterSpec
 from gpumesh_bench.gpu.group import Group
 from gpumesh_bench.gpu.measure import bench
 from gpumesh_bench.gpu.reference import run_eng, run_raw
@@ -90,17 +90,17 @@ def phase_vsraw(env: Env, shape: str, phase: str, rounds: int = 3, dp: bool = Fa
     r = "r2" if dp else "r1"
     xr = f"{r}x"
     sets = [(a, b, r, {})] + ([(xa, xb, xr, variant)] if variant else [])
-    nodes: list[NodeSpec] = []
-    routers: list[RouterSpec] = []
+    nodes: list[GpuNodeSpec] = []
+    routers: list[GpuRouterSpec] = []
     for first, second, router, args in sets:
         after = nodes[-1].name if nodes else ""   # one start at a time (profiling per process)
-        mine = [NodeSpec(first, shape, "0", mem, routers=(router,), after=after,
+        mine = [GpuNodeSpec(first, shape, "0", mem, routers=(router,), after=after,
                          engine_args=args)]
         if dp:
-            mine.append(NodeSpec(second, shape, "1", mem, routers=(router,), after=first,
+            mine.append(GpuNodeSpec(second, shape, "1", mem, routers=(router,), after=first,
                                  engine_args=args))
         nodes += mine
-        routers.append(RouterSpec(router, policy=env.policy,
+        routers.append(GpuRouterSpec(router, policy=env.policy,
                                   members=tuple(n.name for n in mine)))
     if dp:
         base, raw_parts = "2 GPUs data parallel", [("0", c // 2), ("1", c // 2)]

@@ -171,7 +171,7 @@ def test_gpu_phase_on_the_simulator_records_one_gpu_and_a_data_parallel_row(
     assert set(dp["engine_load"]) == {"gpu0", "gpu1"}
     # the node TOML the other phases write, for the same shape
     toml = (tmp_path / "logs" / "eng05b-1gpu-0.toml").read_text()
-    assert toml == gpu_env.node_toml(env, gpu_env.NodeSpec("a05b", "0.5b", "0", 0.85))
+    assert toml == gpu_env.node_toml(env, gpu_env.GpuNodeSpec("a05b", "0.5b", "0", 0.85))
     assert json.loads((tmp_path / "results.json").read_text())["records"] == env.records
 
 

@@ -239,7 +239,7 @@ def test_node_toml_puts_a_nodes_engine_args_over_the_calls(tmp_path: Path) -> No
     env = gpu_env.Env(out=tmp_path, engine="vllm", models={"0.5b": tmp_path / "m"}, workers=1,
                   procs=1, warmup_s=1, window_s=1, max_model_len=2048, sim_time_scale=1,
                   small_kv_blocks=0, engine_args={"stream_interval": 4, "max_num_seqs": 256})
-    spec = gpu_env.NodeSpec("x05b", engine_args={"compilation_config": {"cudagraph_mode": "FULL"},
+    spec = gpu_env.GpuNodeSpec("x05b", engine_args={"compilation_config": {"cudagraph_mode": "FULL"},
                                               "max_num_seqs": 512})
     (tmp_path / "x.toml").write_text(gpu_env.node_toml(env, spec))
     cfg = load_node_config(tmp_path / "x.toml", environ={})
