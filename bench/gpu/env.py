@@ -76,7 +76,7 @@ class Env:
     output: str = str(REFERENCE_OUTPUT)
     records: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
-    # This device call's 1-based index in meta["calls"] (cmd_run sets it; successive calls
+    # This harness run's 1-based index in meta["calls"] (cmd_run sets it; successive runs
     # append to one results.json), recorded with every record as "call"; 0: not set
     call: int = 0
     # time.monotonic() at which this call's --budget ends (cmd_run sets it); phases of

@@ -1,5 +1,5 @@
 """The GPU report's vocabulary: the raw-vLLM reference figures records are compared with
-(shared/gpu/README.md), and how a record is keyed (setup, workload, device call)."""
+(shared/gpu/README.md), and how a record is keyed (setup, workload, harness run)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ SEED_TABLE = {"1gpu": (20.0, 1.2), "dp2": (38.0, 1.3), "tp2": (22.0, 1.8)}
 
 
 def _call(rec: dict[str, Any]) -> int | None:
-    """The 1-based device call that measured a record (``gpu.py`` records it); None for
+    """The 1-based harness run that measured a record (``cmd_run`` records it); None for
     archived records from before it did."""
     return rec.get("call") or None
 

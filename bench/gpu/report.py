@@ -183,7 +183,7 @@ def cmd_report(a: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     for f in a.files:
-        # the archived results in bench/results are gzipped (they travel with every device call)
+        # the archived results in bench/results are gzipped (they travel with every run on a GPU machine)
         raw = Path(f).read_bytes()
         doc = json.loads(gzip.decompress(raw) if f.endswith(".gz") else raw)
         # a record's call indexes the merged meta["calls"]: shift it by the earlier files' calls
