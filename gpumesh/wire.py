@@ -1,5 +1,5 @@
 """The one conversion between gpumesh's value types (:mod:`gpumesh.types`) and their protobuf
-messages (``gpumesh.v1.control_pb2``). Node, router and CLI call these; nothing else copies a
+messages (``gpumesh.v1.control_pb2``, and ``ModelInfo`` of ``inference_pb2``). Node, router and CLI call these; nothing else copies a
 message field by field.
 
 ``*_from_proto`` normalises what the wire leaves open (an unset tensor_parallel_size is 1, a
@@ -9,8 +9,11 @@ validate ranges, which is the receiver's job where the message enters.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpumesh.types import GpuSample, LoadReport, ModelSpec, Registration, RouterAccount
 from gpumesh.v1 import control_pb2 as cpb
+from gpumesh.v1 import inference_pb2 as pb
 
 
 def model_spec_to_proto(m: ModelSpec) -> cpb.ServedModel:
@@ -22,6 +25,13 @@ def model_spec_to_proto(m: ModelSpec) -> cpb.ServedModel:
 def model_spec_from_proto(m: cpb.ServedModel) -> ModelSpec:
     return ModelSpec(m.name, tuple(m.aliases), m.max_context_length, m.tensor_parallel_size or 1,
                      m.capacity_weight if m.capacity_weight > 0 else 1.0)
+
+
+def model_info_to_proto(m: ModelSpec, node_ids: Sequence[str]) -> pb.ModelInfo:
+    """``ListModels``' entry for a model and the nodes serving it (a node lists itself)."""
+    return pb.ModelInfo(name=m.name, aliases=m.aliases, max_context_length=m.max_context_length,
+                        tensor_parallel_size=m.tensor_parallel_size,
+                        capacity_weight=m.capacity_weight, node_ids=node_ids)
 
 
 def gpu_to_proto(g: GpuSample) -> cpb.GpuStats:

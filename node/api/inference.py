@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from gpumesh import metadata as md
-from gpumesh import tickets
+from gpumesh import tickets, wire
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh.node.accounting import Admission
@@ -278,8 +278,6 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         spec = self._engine.model
-        return pb.ListModelsResponse(models=[pb.ModelInfo(
-            name=spec.name, aliases=spec.aliases, max_context_length=spec.max_context_length,
-            tensor_parallel_size=spec.tensor_parallel_size, capacity_weight=spec.capacity_weight,
-            node_ids=[self._state.node_id])],
+        return pb.ListModelsResponse(
+            models=[wire.model_info_to_proto(spec, [self._state.node_id])],
             frontend_addresses=self._state.frontend_addresses)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
+from gpumesh import wire
 from gpumesh.router import errors
 from gpumesh.router.api import intake
 from gpumesh.router.config import RouterConfig
@@ -68,11 +69,7 @@ class RouterInferenceServicer:
     async def ListModels(self, request: inference_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
         return inference_pb2.ListModelsResponse(models=[
-            inference_pb2.ModelInfo(name=m.name, aliases=m.aliases,
-                                    max_context_length=m.max_context_length,
-                                    tensor_parallel_size=m.tensor_parallel_size,
-                                    capacity_weight=m.capacity_weight, node_ids=m.node_ids)
-            for m in self.registry.models()])
+            wire.model_info_to_proto(m, m.node_ids) for m in self.registry.models()])
 
     def _route(self, req: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                ) -> tuple[RequestInfo, float]:

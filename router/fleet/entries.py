@@ -71,13 +71,11 @@ class ModelSnapshot:
 
 
 @dataclass(frozen=True)
-class ModelSummary:
-    name: str
-    aliases: tuple[str, ...]
-    max_context_length: int
-    tensor_parallel_size: int
-    capacity_weight: float        # sum over healthy (not draining) nodes
-    node_ids: tuple[str, ...]
+class ModelSummary(ModelSpec):
+    """A model as the whole fleet serves it: ``capacity_weight`` is the sum over its healthy
+    (not draining) nodes, ``node_ids`` those nodes."""
+
+    node_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
