@@ -30,7 +30,7 @@ def _call(rec: dict[str, Any]) -> int | None:
 
 def _call_tagger(records: list[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:
     """`` (call N)`` for a row's label where the records come from more than one call (one
-    results.json several device calls appended to, or several files), else ""."""
+    results.json several harness runs appended to, or several files), else ""."""
     multi = len({_call(r) for r in records} - {None}) > 1
     return lambda r: f" (call {_call(r)})" if multi and _call(r) is not None else ""
 
