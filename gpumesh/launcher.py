@@ -185,25 +185,52 @@ def _timeout(what: Describe, timeout_s: float, last: BaseException | None) -> Ti
                         + (f" (last: {type(last).__name__}: {last})"[:500] if last else ""))
 
 
+class _Poll:
+    """What both readiness loops share: the watched children, the deadline, the last
+    "not yet" error. ``done`` / ``done_async`` run one check of the predicate."""
+
+    def __init__(self, timeout_s: float, watch: Iterable[ChildProcess], what: Describe,
+                 not_up: tuple[type[BaseException], ...]) -> None:
+        self.kids = list(watch)
+        self.timeout_s, self.what, self.not_up = timeout_s, what, not_up
+        self.deadline = time.monotonic() + timeout_s
+        self.last: BaseException | None = None
+
+    def _alive(self) -> None:
+        for c in self.kids:
+            c.check_alive()
+
+    def _expired(self) -> bool:
+        """False while time is left; raises TimeoutError once the deadline has passed."""
+        if time.monotonic() > self.deadline:
+            raise _timeout(self.what, self.timeout_s, self.last)
+        return False
+
+    def done(self, ready: Callable[[], bool]) -> bool:
+        self._alive()
+        try:
+            ok = ready()
+        except self.not_up as e:
+            self.last, ok = e, False
+        return ok or self._expired()
+
+    async def done_async(self, ready: Callable[[], Awaitable[bool]]) -> bool:
+        self._alive()
+        try:
+            ok = await ready()
+        except self.not_up as e:
+            self.last, ok = e, False
+        return ok or self._expired()
+
+
 def wait_until(ready: Callable[[], bool], timeout_s: float, *,
                watch: Iterable[ChildProcess] = (), what: Describe = "child",
                poll_s: float = 0.3, not_up: tuple[type[BaseException], ...] = NOT_UP) -> None:
     """Polls ``ready()`` every ``poll_s`` until it returns True. Raises
     :class:`ChildExited` as soon as a child in ``watch`` exits, TimeoutError after
     ``timeout_s``. Exceptions of the ``not_up`` types count as "not yet"."""
-    kids = list(watch)
-    deadline = time.monotonic() + timeout_s
-    last: BaseException | None = None
-    while True:
-        for c in kids:
-            c.check_alive()
-        try:
-            if ready():
-                return
-        except not_up as e:
-            last = e
-        if time.monotonic() > deadline:
-            raise _timeout(what, timeout_s, last)
+    poll = _Poll(timeout_s, watch, what, not_up)
+    while not poll.done(ready):
         time.sleep(poll_s)
 
 
@@ -212,19 +239,8 @@ async def wait_until_async(ready: Callable[[], Awaitable[bool]], timeout_s: floa
                            poll_s: float = 0.3,
                            not_up: tuple[type[BaseException], ...] = NOT_UP) -> None:
     """:func:`wait_until` for a coroutine predicate, sleeping on the event loop."""
-    kids = list(watch)
-    deadline = time.monotonic() + timeout_s
-    last: BaseException | None = None
-    while True:
-        for c in kids:
-            c.check_alive()
-        try:
-            if await ready():
-                return
-        except not_up as e:
-            last = e
-        if time.monotonic() > deadline:
-            raise _timeout(what, timeout_s, last)
+    poll = _Poll(timeout_s, watch, what, not_up)
+    while not await poll.done_async(ready):
         await asyncio.sleep(poll_s)
 
 
