@@ -36,6 +36,8 @@ class SimEngineConfig:
     vocab_size: int = VOCAB_SIZE
     eos_token_id: int = -1
     rate_window_s: float = 5.0  # wall-clock window of the load() rates
+    # vLLM's automatic prefix caching (prefix_cache.py): cached prompt blocks skip prefill
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.speed <= 0:

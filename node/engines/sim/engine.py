@@ -22,6 +22,7 @@ from gpumesh.node.engines.base import (
 from gpumesh.node.engines.sim.config import SimEngineConfig, SimStats
 from gpumesh.node.engines.sim.scheduler import SimRequest, SimScheduler
 from gpumesh.node.engines.sim.text import SimTokenizer, detokenize
+from gpumesh.kvblocks import block_hashes
 from gpumesh.types import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class SimEngine(SimScheduler):
             num_running=len(self._running),
             num_waiting=len(self._waiting),
             kv_cache_usage=(self._total_blocks - self._free_blocks) / self._total_blocks,
-            prefix_cache_hit_rate=0.0,
+            prefix_cache_hit_rate=self.prefix.hit_rate if self.prefix is not None else 0.0,
             generation_tokens_per_s=gen_rate,
             prompt_tokens_per_s=prompt_rate,
             kv_capacity_tokens=self._total_blocks * self._block,
@@ -175,8 +176,11 @@ class SimEngine(SimScheduler):
             seed = zlib.crc32(array("q", request.prompt_token_ids).tobytes())
         else:
             seed = self.config.seed * 1_000_003 + zlib.crc32(rid.encode())
+        hashes = (tuple(block_hashes(request.prompt_token_ids, self._block))
+                  if self.prefix is not None else ())
         req = SimRequest(rid, n_prompt, min(s.max_tokens, room), random.Random(seed),
-                         0.0 if s.ignore_eos else self.config.eos_probability, tuple(s.stop))
+                         0.0 if s.ignore_eos else self.config.eos_probability, tuple(s.stop),
+                         hashes)
         self._reqs[rid] = req
         self._waiting.append(req)
         assert self._wake is not None

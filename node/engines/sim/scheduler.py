@@ -10,6 +10,7 @@ from collections import deque
 
 from gpumesh.node.engines.base import Finish
 from gpumesh.node.engines.sim.config import SimEngineConfig
+from gpumesh.node.engines.sim.prefix_cache import PrefixCache
 from gpumesh.node.engines.sim.text import NWORDS, WORDS
 
 
@@ -18,9 +19,11 @@ class SimRequest:
 
     __slots__ = (
         "blocks",
+        "cached",
         "computed",
         "eos_p",
         "finish",
+        "hashes",
         "hold",
         "id",
         "max_out",
@@ -31,12 +34,18 @@ class SimRequest:
         "stop",
         "text",
         "text_sent",
+        "upto",
         "waiter",
     )
 
     def __init__(self, rid: str, prompt_len: int, max_out: int, rng: random.Random,
-                 eos_p: float, stop: tuple[str, ...]) -> None:
+                 eos_p: float, stop: tuple[str, ...], hashes: tuple[int, ...] = ()) -> None:
         self.id = rid
+        # prefix caching (prefix_cache.py): the prompt's full-block hashes, those this request
+        # holds a cache reference on (counted in ``blocks`` too), blocks looked at so far
+        self.hashes = hashes
+        self.cached: list[int] = []
+        self.upto = 0
         self.prompt_len = prompt_len
         self.max_out = max_out
         self.rng = rng
@@ -67,6 +76,9 @@ class SimScheduler:
         self._block = cfg.kv_block_size
         self._total_blocks = cfg.kv_capacity_tokens // cfg.kv_block_size
         self._free_blocks = self._total_blocks
+        # vLLM's automatic prefix caching (free blocks include its evictable ones)
+        self.prefix: PrefixCache | None = (
+            PrefixCache(cfg.kv_block_size) if cfg.prefix_caching else None)
         self._gen = 0
         self._preempt = 0
         self._finished = 0
@@ -94,8 +106,15 @@ class SimScheduler:
         return self._free_blocks
 
     def _free(self, req: SimRequest) -> None:
-        self._free_blocks += req.blocks
+        if req.cached:
+            assert self.prefix is not None
+            self._free_blocks += (req.blocks - len(req.cached)
+                                  + self.prefix.release(req.cached))
+            req.cached = []
+        else:
+            self._free_blocks += req.blocks
         req.blocks = 0
+        req.upto = 0
 
     def _drop(self, req: SimRequest, finish: Finish) -> None:
         """Abort: free KV at once, unlink, wake the consumer."""
@@ -146,6 +165,8 @@ class SimScheduler:
                         break
                 if self_preempted:
                     break
+                if self.prefix is not None:
+                    self.prefix.make_room(self._free_blocks, need)
                 self._free_blocks -= need
                 req.blocks += need
             scheduled.append((req, n))
@@ -159,12 +180,17 @@ class SimScheduler:
             waiting = self._waiting
             while waiting and len(running) < cfg.max_num_seqs and budget > 0:
                 req = waiting[0]
+                if req.computed == 0 and req.hashes and self.prefix is not None:
+                    if not self._lookup(req):
+                        break  # KV full: it waits
                 n = req.prompt_len + len(req.out) - req.computed
                 if n > budget:  # noqa: PLR1730
                     n = budget
                 need = -(-(req.computed + n) // B) - req.blocks
                 if need > self._free_blocks:
                     break  # KV full: it waits
+                if self.prefix is not None:
+                    self.prefix.make_room(self._free_blocks, need)
                 self._free_blocks -= need
                 req.blocks += need
                 waiting.popleft()
@@ -181,6 +207,8 @@ class SimScheduler:
             if req.finish is not None:
                 continue  # aborted during the step
             req.computed += n
+            if req.hashes and self.prefix is not None:
+                self._cache_blocks(req)
             out = req.out
             if req.computed < req.prompt_len + len(out):
                 continue  # mid prefill (or mid recompute)
@@ -209,6 +237,41 @@ class SimScheduler:
         self._gen += gen
         if any_done:
             self._running = [r for r in self._running if r.finish is None]
+
+    def _lookup(self, req: SimRequest) -> bool:
+        """Shares the cached leading blocks of ``req``'s prompt with it (they skip prefill; at
+        least the last prompt token is computed); False when the KV cannot take it now."""
+        cache = self.prefix
+        assert cache is not None
+        B = self._block
+        k = min(cache.match(req.hashes), (req.prompt_len - 1) // B)
+        if k > 0:
+            hit = req.hashes[:k]
+            # the rest of the prompt's first chunk must fit beside the shared blocks
+            rest = min(req.prompt_len - k * B, self.config.max_num_batched_tokens)
+            taken = sum(1 for h in hit if cache._refs[h] == 0)
+            if -(-rest // B) > self._free_blocks - taken:
+                return False
+            self._free_blocks -= cache.acquire(hit)
+            req.cached = list(hit)
+            req.blocks = k
+            req.computed = k * B
+            req.upto = k
+        cache.record_lookup(req.prompt_len, k * B)
+        return True
+
+    def _cache_blocks(self, req: SimRequest) -> None:
+        """Caches the prompt blocks ``req`` has now fully computed (vLLM caches each full
+        block as soon as its KV is written)."""
+        cache = self.prefix
+        assert cache is not None
+        full = min(req.computed, req.prompt_len) // self._block
+        for i in range(req.upto, min(full, len(req.hashes))):
+            h = req.hashes[i]
+            if cache.insert(h):
+                req.cached.append(h)
+        if full > req.upto:
+            req.upto = full
 
     @staticmethod
     def _check_stop(req: SimRequest, tid: int) -> None:
