@@ -7,7 +7,6 @@ import logging
 import random
 import zlib
 from array import array
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 from gpumesh.node.engines.base import (
@@ -17,19 +16,14 @@ from gpumesh.node.engines.base import (
     EngineRequest,
     Finish,
     PromptTooLong,
-    WindowMean,
 )
-from gpumesh.node.engines.sim.config import SimEngineConfig, SimStats
+from gpumesh.node.engines.sim.config import SimEngineConfig
 from gpumesh.node.engines.sim.scheduler import SimRequest, SimScheduler
 from gpumesh.node.engines.sim.text import SimTokenizer, detokenize
 from gpumesh.kvblocks import block_hashes
 from gpumesh.types import ModelSpec
 
 log = logging.getLogger(__name__)
-# Window of decode_step_s (wall seconds): the mean length of the steps that ended in it.
-# The same as a vLLM node's (gpumesh.node.engines.vllm.stats): long enough to span a wave of
-# requests that start and finish together, so equal nodes report equal steps.
-STEP_WINDOW_S = 3.0
 
 
 class SimEngine(SimScheduler):
@@ -49,17 +43,9 @@ class SimEngine(SimScheduler):
             capacity_weight=cfg.capacity_weight,
         )
         self._tok = SimTokenizer(cfg.vocab_size)
-        self._prefill_capacity = self.prefill_capacity_tokens_per_s()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        # counters (the scheduler keeps the others)
-        self._steps = 0
-        self._busy = 0.0
-        self._prefill = 0
-        self._samples: deque[tuple[float, int, int]] = deque()  # (wall t, gen, prefill)
-        # the wall-clock lengths of the steps of the last STEP_WINDOW_S
-        self._step_log = WindowMean(STEP_WINDOW_S)
 
     # --- Engine protocol ---------------------------------------------------------------
 
@@ -121,18 +107,11 @@ class SimEngine(SimScheduler):
             self._drop(req, Finish.ABORT)
 
     def load(self) -> EngineLoad:
-        gen_rate, prompt_rate = self._rates()
-        return EngineLoad(
-            num_running=len(self._running),
-            num_waiting=len(self._waiting),
-            kv_cache_usage=(self._total_blocks - self._free_blocks) / self._total_blocks,
-            prefix_cache_hit_rate=self.prefix.hit_rate if self.prefix is not None else 0.0,
-            generation_tokens_per_s=gen_rate,
-            prompt_tokens_per_s=prompt_rate,
-            kv_capacity_tokens=self._total_blocks * self._block,
-            prefill_capacity_tokens_per_s=self._prefill_capacity,
-            decode_step_s=self.decode_step_s(),
-        )
+        try:
+            now: float | None = asyncio.get_running_loop().time()
+        except RuntimeError:
+            now = None
+        return self.load_at(now)
 
     async def shutdown(self) -> None:
         self._closed = True
@@ -145,13 +124,6 @@ class SimEngine(SimScheduler):
             except asyncio.CancelledError:
                 pass
             self._task = None
-
-    # --- introspection (tests, benchmarks) -----------------------------------------------
-
-    @property
-    def stats(self) -> SimStats:
-        return SimStats(self._steps, self._busy, self._gen, self._prefill, self._preempt,
-                        self._finished, self._aborted)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -181,8 +153,7 @@ class SimEngine(SimScheduler):
         req = SimRequest(rid, n_prompt, min(s.max_tokens, room), random.Random(seed),
                          0.0 if s.ignore_eos else self.config.eos_probability, tuple(s.stop),
                          hashes)
-        self._reqs[rid] = req
-        self._waiting.append(req)
+        self.add(req)
         assert self._wake is not None
         self._wake.set()
         return req
@@ -197,21 +168,13 @@ class SimEngine(SimScheduler):
         max_lag = 0.05  # wall s: beyond this behind schedule, stop catching up (CPU overload)
         t = loop.time()
         while True:
-            if not self._running and not self._waiting:
+            step = self.begin_step()
+            if step is None:
                 wake.clear()
                 await wake.wait()
                 t = loop.time()
                 continue
-            scheduled, n_dec, n_pre = self._schedule()
-            if not scheduled:  # cannot happen with a valid config; never spin
-                wake.clear()
-                await wake.wait()
-                t = loop.time()
-                continue
-            dt = self.step_time_s(n_dec, n_pre)
-            self._steps += 1
-            self._busy += dt
-            self._prefill += n_pre
+            dt = step.duration_s
             if scale > 0:
                 t += dt * scale
                 delay = t - loop.time()
@@ -220,36 +183,4 @@ class SimEngine(SimScheduler):
                 await asyncio.sleep(max(0.0, delay))
             else:
                 await asyncio.sleep(0)
-            self._apply(scheduled)
-            now = loop.time()
-            self._step_log.add(now, dt * scale if scale > 0 else dt)
-            if not self._samples or now - self._samples[-1][0] >= 0.25:
-                self._sample(now)
-
-    def decode_step_s(self) -> float:
-        """Mean wall-clock length of the steps of the last ``STEP_WINDOW_S`` (the last busy
-        window while idle); per simulated second when ``time_scale`` is 0; 0 before a step."""
-        return self._step_log.mean
-
-    # --- rates -------------------------------------------------------------------------
-
-    def _sample(self, now: float) -> None:
-        s = self._samples
-        s.append((now, self._gen, self._prefill))
-        horizon = now - self.config.rate_window_s
-        while len(s) > 2 and s[1][0] <= horizon:
-            s.popleft()
-
-    def _rates(self) -> tuple[float, float]:
-        try:
-            now = asyncio.get_running_loop().time()
-        except RuntimeError:
-            return 0.0, 0.0
-        if not self._samples or now - self._samples[-1][0] >= 0.25:
-            self._sample(now)
-        t0, g0, p0 = self._samples[0]
-        span = now - t0
-        if span <= 0:
-            return 0.0, 0.0
-        span = max(span, 1.0)  # a fresh window does not report a burst as a huge rate
-        return (self._gen - g0) / span, (self._prefill - p0) / span
+            self.end_step(step, loop.time(), dt * scale if scale > 0 else dt)

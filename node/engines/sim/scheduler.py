@@ -1,15 +1,26 @@
 """The simulated engine's scheduler: vLLM v1's continuous batching over a paged KV cache, one
-step at a time, and the step-time model (the package docstring describes both). No asyncio:
-``SimEngine`` runs the steps and wakes the consumers."""
+step at a time, the step-time model and the load signals (the package docstring describes
+them). No asyncio and no clock of its own: whoever drives it passes the time in.
+
+Driving it (``SimEngine`` does this on the event loop's clock; the fleet simulator
+``gpumesh_bench.sim`` on a virtual clock)::
+
+    sched.add(req)                              # the admission path: queue a request
+    step = sched.begin_step()                   # None when idle; else what the step runs
+    ... the step lasts step.duration_s ...
+    firsts, done = sched.end_step(step, now)    # tokens appear; requests finish
+    sched.load_at(now)                          # the EngineLoad a heartbeat carries
+"""
 
 from __future__ import annotations
 
 import asyncio
 import random
 from collections import deque
+from dataclasses import dataclass
 
-from gpumesh.node.engines.base import Finish
-from gpumesh.node.engines.sim.config import SimEngineConfig
+from gpumesh.node.engines.base import EngineLoad, Finish, WindowMean
+from gpumesh.node.engines.sim.config import SimEngineConfig, SimStats
 from gpumesh.node.engines.sim.prefix_cache import PrefixCache
 from gpumesh.node.engines.sim.text import NWORDS, WORDS
 
@@ -62,9 +73,27 @@ class SimRequest:
         self.waiter: asyncio.Future[None] | None = None
 
 
+# Window of decode_step_s (seconds of the driver's clock): the mean length of the steps that
+# ended in it. The same as a vLLM node's (gpumesh.node.engines.vllm.stats): long enough to
+# span a wave of requests that start and finish together, so equal nodes report equal steps.
+STEP_WINDOW_S = 3.0
+
+
+@dataclass(frozen=True)
+class SimStep:
+    """One scheduled step: (request, tokens) pairs, its decode / prefill token counts and its
+    simulated duration (seconds, before ``time_scale``)."""
+
+    scheduled: list[tuple[SimRequest, int]]
+    decode_tokens: int
+    prefill_tokens: int
+    duration_s: float
+
+
 class SimScheduler:
-    """The requests of one simulated engine, its KV blocks and its step model. ``SimEngine``
-    adds the Engine protocol, the step loop and the rates."""
+    """The requests of one simulated engine, its KV blocks, its step model and its load
+    signals (module docstring: how to drive it). ``SimEngine`` adds the Engine protocol and
+    the step loop on an event loop."""
 
     def __init__(self, config: SimEngineConfig) -> None:
         self.config = cfg = config
@@ -83,6 +112,99 @@ class SimScheduler:
         self._preempt = 0
         self._finished = 0
         self._aborted = 0
+        self._steps = 0
+        self._busy = 0.0
+        self._prefill = 0
+        self._samples: deque[tuple[float, int, int]] = deque()  # (t, gen, prefill)
+        # the lengths of the steps of the last STEP_WINDOW_S (driver's clock)
+        self._step_log = WindowMean(STEP_WINDOW_S)
+        self._prefill_capacity = self.prefill_capacity_tokens_per_s()
+
+    # --- driving ---------------------------------------------------------------------
+
+    def add(self, req: SimRequest) -> None:
+        """The admission path: the request joins the waiting queue (the next step may admit
+        it). The caller has checked its id is new and its prompt fits."""
+        self._reqs[req.id] = req
+        self._waiting.append(req)
+
+    @property
+    def idle(self) -> bool:
+        """No request running or waiting."""
+        return not self._running and not self._waiting
+
+    def begin_step(self) -> SimStep | None:
+        """Schedules the next step (None when there is nothing to run) and counts it."""
+        if not self._running and not self._waiting:
+            return None
+        scheduled, n_dec, n_pre = self._schedule()
+        if not scheduled:  # cannot happen with a valid config; never spin
+            return None
+        dt = self.step_time_s(n_dec, n_pre)
+        self._steps += 1
+        self._busy += dt
+        self._prefill += n_pre
+        return SimStep(scheduled, n_dec, n_pre, dt)
+
+    def end_step(self, step: SimStep, now: float, measured_s: float | None = None
+                 ) -> tuple[list[SimRequest], list[SimRequest]]:
+        """Ends ``step`` at ``now`` (driver's clock, seconds): its tokens appear. Returns the
+        requests that got their first token in it and those that finished in it.
+        ``measured_s``: the step's length on the driver's clock (default its duration)."""
+        firsts, done = self._apply(step.scheduled)
+        self._step_log.add(now, step.duration_s if measured_s is None else measured_s)
+        if not self._samples or now - self._samples[-1][0] >= 0.25:
+            self._sample(now)
+        return firsts, done
+
+    # --- load signals ------------------------------------------------------------------
+
+    def load_at(self, now: float | None) -> EngineLoad:
+        """The engine's load as of ``now`` (driver's clock); ``now`` None: no clock running,
+        the rates are 0."""
+        gen_rate, prompt_rate = self._rates(now)
+        return EngineLoad(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_cache_usage=(self._total_blocks - self._free_blocks) / self._total_blocks,
+            prefix_cache_hit_rate=self.prefix.hit_rate if self.prefix is not None else 0.0,
+            generation_tokens_per_s=gen_rate,
+            prompt_tokens_per_s=prompt_rate,
+            kv_capacity_tokens=self._total_blocks * self._block,
+            prefill_capacity_tokens_per_s=self._prefill_capacity,
+            decode_step_s=self.decode_step_s(),
+        )
+
+    def decode_step_s(self) -> float:
+        """Mean length (driver's clock) of the steps of the last ``STEP_WINDOW_S`` (the last
+        busy window while idle); 0 before a step."""
+        return self._step_log.mean
+
+    @property
+    def stats(self) -> SimStats:
+        return SimStats(self._steps, self._busy, self._gen, self._prefill, self._preempt,
+                        self._finished, self._aborted)
+
+    def _sample(self, now: float) -> None:
+        s = self._samples
+        s.append((now, self._gen, self._prefill))
+        horizon = now - self.config.rate_window_s
+        while len(s) > 2 and s[1][0] <= horizon:
+            s.popleft()
+
+    def _rates(self, now: float | None) -> tuple[float, float]:
+        if now is None:
+            return 0.0, 0.0
+        if not self._samples or now - self._samples[-1][0] >= 0.25:
+            self._sample(now)
+        t0, g0, p0 = self._samples[0]
+        span = now - t0
+        if span <= 0:
+            return 0.0, 0.0
+        span = max(span, 1.0)  # a fresh window does not report a burst as a huge rate
+        return (self._gen - g0) / span, (self._prefill - p0) / span
+
+    # --- the model ---------------------------------------------------------------------
 
     def step_time_s(self, decode_tokens: int, prefill_tokens: int) -> float:
         """Simulated duration of one step (seconds), before ``time_scale``."""
@@ -200,8 +322,10 @@ class SimScheduler:
                 n_pre += n
         return scheduled, n_dec, n_pre
 
-    def _apply(self, scheduled: list[tuple[SimRequest, int]]) -> None:
-        any_done = False
+    def _apply(self, scheduled: list[tuple[SimRequest, int]]
+               ) -> tuple[list[SimRequest], list[SimRequest]]:
+        firsts: list[SimRequest] = []
+        done: list[SimRequest] = []
         gen = 0
         for req, n in scheduled:
             if req.finish is not None:
@@ -224,10 +348,12 @@ class SimScheduler:
                 if req.stop:
                     self._check_stop(req, tid)
             gen += 1
+            if len(out) == 1:
+                firsts.append(req)
             if req.finish is None and len(out) >= req.max_out:
                 req.finish = Finish.LENGTH
             if req.finish is not None:
-                any_done = True
+                done.append(req)
                 self._free(req)
                 del self._reqs[req.id]
                 self._finished += 1
@@ -235,8 +361,9 @@ class SimScheduler:
             if w is not None and not w.done():
                 w.set_result(None)
         self._gen += gen
-        if any_done:
+        if done:
             self._running = [r for r in self._running if r.finish is None]
+        return firsts, done
 
     def _lookup(self, req: SimRequest) -> bool:
         """Shares the cached leading blocks of ``req``'s prompt with it (they skip prefill; at
