@@ -38,6 +38,7 @@ from gpumesh.router.backends.vllm_grpc import ForeignFleet
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import Dispatcher
 from gpumesh.router.fleet import Registry
+from gpumesh.router.fleet.quarantine import Quarantine
 from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
 from gpumesh.router.telemetry import RouterTelemetry
 
@@ -79,9 +80,10 @@ class RouterServer:
         self.telemetry.register_gauges()
         self.inference = RouterInferenceServicer(config, self.registry, self.dispatcher, clock,
                                                  self.telemetry)
-        self.control = RouterControlPlaneServicer(config, self.registry)
+        self.quarantine = Quarantine(config.quarantine_s, clock)
+        self.control = RouterControlPlaneServicer(config, self.registry, self.quarantine)
         self.operator = RouterOperatorServicer(config, self.registry, self.dispatcher, clock,
-                                               wall_clock, self.telemetry)
+                                               wall_clock, self.telemetry, self.quarantine)
         self.health = health.aio.HealthServicer()
         # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
         self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,

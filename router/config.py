@@ -95,6 +95,14 @@ class RouterConfig:
     # Half-life of this router's estimated share of all routers' dispatches (registry.PeerShare;
     # the expected-wait model scales its unreported requests by 1 / share). 0 = ignore peers.
     peer_share_half_life_s: float = 10.0
+    # Per-node bounds on what a node may declare (router.fleet.validation): a registration or
+    # heartbeat beyond them quarantines the node for quarantine_s (GetFleet shows the reason).
+    node_max_models: int = 64
+    node_max_aliases: int = 32          # per model
+    node_max_name_length: int = 256     # node id, model names, aliases
+    node_max_capacity_weight: float = 64.0
+    node_max_heartbeats_per_s: float = 50.0  # beyond: heartbeats dropped unapplied; 0 = no limit
+    quarantine_s: float = 30.0
 
     # --- dispatch
     max_concurrency_default: int = 0  # per node, when the node declares 0 (0 = unlimited)
@@ -144,6 +152,12 @@ class RouterConfig:
             raise ValueError("decode_steps_per_request must be >= 0 (0 = the constant)")
         if self.decision_sample_size < 0 or self.kv_output_allowance_tokens < 0:
             raise ValueError("decision_sample_size and kv_output_allowance_tokens must be >= 0")
+        if (self.node_max_models < 1 or self.node_max_aliases < 0
+                or self.node_max_name_length < 1 or not self.node_max_capacity_weight > 0
+                or self.node_max_heartbeats_per_s < 0 or self.quarantine_s < 0):
+            raise ValueError("node_max_models/_name_length >= 1, node_max_aliases >= 0, "
+                             "node_max_capacity_weight > 0, node_max_heartbeats_per_s >= 0, "
+                             "quarantine_s >= 0")
         if self.max_attempts < 1 or self.queue_bound < 0 or self.max_concurrency_default < 0:
             raise ValueError("max_attempts >= 1, queue_bound >= 0, max_concurrency_default >= 0")
 

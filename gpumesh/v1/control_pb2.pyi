@@ -14,24 +14,28 @@ class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_STATE_HEALTHY: _ClassVar[NodeState]
     NODE_STATE_STALE: _ClassVar[NodeState]
     NODE_STATE_DRAINING: _ClassVar[NodeState]
+    NODE_STATE_QUARANTINED: _ClassVar[NodeState]
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_HEALTHY: NodeState
 NODE_STATE_STALE: NodeState
 NODE_STATE_DRAINING: NodeState
+NODE_STATE_QUARANTINED: NodeState
 
 class ServedModel(_message.Message):
-    __slots__ = ("name", "aliases", "max_context_length", "tensor_parallel_size", "capacity_weight")
+    __slots__ = ("name", "aliases", "max_context_length", "tensor_parallel_size", "capacity_weight", "adapters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
     max_context_length: int
     tensor_parallel_size: int
     capacity_weight: float
-    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., capacity_weight: _Optional[float] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., capacity_weight: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Registration(_message.Message):
     __slots__ = ("node_id", "address", "models", "incarnation", "engine", "gpu_model", "max_concurrency", "frontend_addresses")
@@ -82,7 +86,7 @@ class RouterAccount(_message.Message):
     def __init__(self, router_id: _Optional[str] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., first_token_requests: _Optional[int] = ..., first_token_prompt_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "pending_prefill_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "in_flight", "gpus", "draining", "router_accounts", "prompt_tokens_per_s", "kv_capacity_tokens", "prefill_capacity_tokens_per_s", "decode_step_s")
+    __slots__ = ("num_running", "num_waiting", "pending_prefill_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "in_flight", "gpus", "draining", "router_accounts", "prompt_tokens_per_s", "kv_capacity_tokens", "prefill_capacity_tokens_per_s", "decode_step_s", "loaded_adapters", "adapter_load_s")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +101,8 @@ class LoadReport(_message.Message):
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CAPACITY_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     pending_prefill_tokens: int
@@ -111,17 +117,21 @@ class LoadReport(_message.Message):
     kv_capacity_tokens: int
     prefill_capacity_tokens_per_s: float
     decode_step_s: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., draining: _Optional[bool] = ..., router_accounts: _Optional[_Iterable[_Union[RouterAccount, _Mapping]]] = ..., prompt_tokens_per_s: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_capacity_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ...) -> None: ...
+    loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
+    adapter_load_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., draining: _Optional[bool] = ..., router_accounts: _Optional[_Iterable[_Union[RouterAccount, _Mapping]]] = ..., prompt_tokens_per_s: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_capacity_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., adapter_load_s: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "sent_unix_ms", "load")
+    __slots__ = ("seq", "sent_unix_ms", "load", "router_ids")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_IDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sent_unix_ms: int
     load: LoadReport
-    def __init__(self, seq: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...
+    router_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., router_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Deregistration(_message.Message):
     __slots__ = ("reason",)
@@ -163,22 +173,30 @@ class DrainOrder(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class UndrainOrder(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class RouterMessage(_message.Message):
-    __slots__ = ("hello", "ack", "drain")
+    __slots__ = ("hello", "ack", "drain", "undrain")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    UNDRAIN_FIELD_NUMBER: _ClassVar[int]
     hello: RouterHello
     ack: HeartbeatAck
     drain: DrainOrder
-    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., drain: _Optional[_Union[DrainOrder, _Mapping]] = ...) -> None: ...
+    undrain: UndrainOrder
+    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., drain: _Optional[_Union[DrainOrder, _Mapping]] = ..., undrain: _Optional[_Union[UndrainOrder, _Mapping]] = ...) -> None: ...
 
 class GetFleetRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "state", "models", "load", "last_heartbeat_age_s", "router_in_flight", "engine", "gpu_model", "kind", "frontend_addresses")
+    __slots__ = ("node_id", "address", "state", "models", "load", "last_heartbeat_age_s", "router_in_flight", "engine", "gpu_model", "kind", "frontend_addresses", "quarantine_reason", "state_reason", "router_ids")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +208,9 @@ class NodeStatus(_message.Message):
     GPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_IDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     state: NodeState
@@ -201,7 +222,10 @@ class NodeStatus(_message.Message):
     gpu_model: str
     kind: str
     frontend_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ..., frontend_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    quarantine_reason: str
+    state_reason: str
+    router_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ..., frontend_addresses: _Optional[_Iterable[str]] = ..., quarantine_reason: _Optional[str] = ..., state_reason: _Optional[str] = ..., router_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetFleetResponse(_message.Message):
     __slots__ = ("router_id", "policy", "nodes", "worker_addresses")
@@ -236,3 +260,33 @@ class PickResponse(_message.Message):
     expires_unix_ms: int
     model: str
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., ticket: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class DrainNodeRequest(_message.Message):
+    __slots__ = ("node_id", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DrainNodeResponse(_message.Message):
+    __slots__ = ("node", "ordered")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ORDERED_FIELD_NUMBER: _ClassVar[int]
+    node: NodeStatus
+    ordered: bool
+    def __init__(self, node: _Optional[_Union[NodeStatus, _Mapping]] = ..., ordered: _Optional[bool] = ...) -> None: ...
+
+class UndrainNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class UndrainNodeResponse(_message.Message):
+    __slots__ = ("node", "ordered")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ORDERED_FIELD_NUMBER: _ClassVar[int]
+    node: NodeStatus
+    ordered: bool
+    def __init__(self, node: _Optional[_Union[NodeStatus, _Mapping]] = ..., ordered: _Optional[bool] = ...) -> None: ...

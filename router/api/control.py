@@ -2,7 +2,10 @@
 process). Membership lives as long as the stream: registration, heartbeats, leave.
 
 The first message must be a Registration (node_id, address and models required); each
-heartbeat is acknowledged with its seq. When the router stops, open streams end and nodes
+heartbeat is acknowledged with its seq. Every registration and heartbeat is validated
+(``router.fleet.validation``) before the registry sees it: a node that sends garbage is
+removed, quarantined with the reason (``router.fleet.quarantine``; GetFleet lists it) and its
+stream ends with INVALID_ARGUMENT. Heartbeats beyond ``node_max_heartbeats_per_s`` are dropped. When the router stops, open streams end and nodes
 reconnect elsewhere or later.
 """
 
@@ -10,21 +13,37 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 
 import grpc
 
-from gpumesh import wire
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.fleet import Registry
+from gpumesh.router.fleet.quarantine import HeartbeatRate, Quarantine
+from gpumesh.router.fleet.validation import (
+    InvalidNodeInput,
+    NodeLimits,
+    valid_heartbeat,
+    valid_registration,
+)
 from gpumesh.v1 import control_pb2, control_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
     """Set ``closing`` to end every open stream (router shutdown)."""
 
-    def __init__(self, config: RouterConfig, registry: Registry) -> None:
+    def __init__(self, config: RouterConfig, registry: Registry,
+                 quarantine: Quarantine | None = None) -> None:
         self.config = config
         self.registry = registry
+        self.quarantine = quarantine or Quarantine(config.quarantine_s, registry.clock)
+        self.limits = NodeLimits(
+            max_models=config.node_max_models, max_aliases=config.node_max_aliases,
+            max_name_length=config.node_max_name_length,
+            max_capacity_weight=config.node_max_capacity_weight)
+        self.heartbeats_dropped = 0
         self._ids = itertools.count(1)
         self.closing = asyncio.Event()
 
@@ -51,10 +70,18 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                     return
                 kind = msg.WhichOneof("kind")
                 if kind == "registration":
-                    reg = wire.registration_from_proto(msg.registration)
-                    if not reg.node_id or not reg.address or not reg.models:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                            "registration needs node_id, address and models")
+                    try:
+                        reg = valid_registration(msg.registration, self.limits)
+                    except InvalidNodeInput as exc:
+                        await self._reject(context, msg.registration.node_id,
+                                           msg.registration.address, node_id, stream_id, exc)
+                    held = self.quarantine.active(reg.node_id)
+                    if held is not None:
+                        await context.abort(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"node {reg.node_id} is quarantined for "
+                            f"{held.until - self.quarantine.clock():.0f}s more: {held.reason}")
+                    rate = HeartbeatRate(self.config.node_max_heartbeats_per_s)
                     if node_id and node_id != reg.node_id:
                         self.registry.stream_closed(node_id, stream_id)
                     node_id = reg.node_id
@@ -65,20 +92,46 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             "the first message must be a Registration")
                     hb = msg.heartbeat
+                    if not rate.allow():
+                        self.heartbeats_dropped += 1
+                        continue   # over the node's heartbeat rate: dropped unapplied
+                    try:
+                        load = valid_heartbeat(hb, self.limits)
+                    except InvalidNodeInput as exc:
+                        await self._reject(context, node_id, reg.address, node_id, stream_id,
+                                           exc)
                     if self.registry.entry(node_id) is None:
                         # Dropped meanwhile (its other stream to this router closed, or the lease
                         # lapsed) but this stream is alive: soft state re-admits it.
                         self.registry.register(reg, stream_id)
-                    self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms,
-                                            wire.load_report_from_proto(hb.load))
+                    self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms, load)
                     await context.write(control_pb2.RouterMessage(
                         ack=control_pb2.HeartbeatAck(seq=hb.seq)))
                 elif kind == "deregistration":
                     if node_id:
-                        self.registry.deregister(node_id, stream_id, msg.deregistration.reason)
+                        self.registry.deregister(node_id, stream_id,
+                                                 msg.deregistration.reason[:256])
                     node_id = ""
                     return
         finally:
             closing.cancel()
             if node_id:
                 self.registry.stream_closed(node_id, stream_id)
+
+    async def _reject(self, context: grpc.aio.ServicerContext, claimed_id: str, address: str,
+                      registered_id: str, stream_id: int, exc: InvalidNodeInput) -> None:
+        """Ends the stream with INVALID_ARGUMENT: the node (the id this stream registered, or
+        the one it claims when that id is not held by another live stream) leaves the fleet
+        and is quarantined with the reason."""
+        node_id = registered_id or claimed_id
+        entry = self.registry.entry(node_id) if node_id else None
+        owned = registered_id or entry is None or entry.stream_id == stream_id
+        if node_id and owned:
+            if registered_id:
+                self.registry.deregister(registered_id, stream_id, f"quarantined: {exc}")
+            self.quarantine.add(node_id, address, str(exc))
+            log.warning("node %.64r quarantined for %.0fs: %s", node_id,
+                        self.quarantine.quarantine_s, exc)
+        else:
+            log.warning("invalid registration refused (claimed id %.64r): %s", claimed_id, exc)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rejected: {exc}")

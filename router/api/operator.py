@@ -18,6 +18,7 @@ from gpumesh.router.api import intake
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import Dispatcher, DispatchRecord
 from gpumesh.router.fleet import NodeView, Registry
+from gpumesh.router.fleet.quarantine import Quarantine, Quarantined
 from gpumesh.router.scheduling.types import NodeState
 from gpumesh.router.telemetry import RouterTelemetry
 from gpumesh.v1 import control_pb2, control_pb2_grpc
@@ -40,13 +41,21 @@ def node_status(v: NodeView) -> control_pb2.NodeStatus:
         kind=reg.kind, frontend_addresses=reg.frontend_addresses)
 
 
+def quarantined_status(q: Quarantined) -> control_pb2.NodeStatus:
+    return control_pb2.NodeStatus(node_id=q.node_id, address=q.address,
+                                  state=control_pb2.NODE_STATE_QUARANTINED,
+                                  quarantine_reason=q.reason, last_heartbeat_age_s=-1.0)
+
+
 class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
     """``clock``: monotonic seconds (deadlines); ``wall_clock``: Unix seconds (tickets)."""
 
     def __init__(self, config: RouterConfig, registry: Registry, dispatcher: Dispatcher,
                  clock: Callable[[], float], wall_clock: Callable[[], float],
-                 telemetry: RouterTelemetry | None = None) -> None:
+                 telemetry: RouterTelemetry | None = None,
+                 quarantine: Quarantine | None = None) -> None:
         self.config = config
+        self.quarantine = quarantine
         self.telemetry = telemetry or RouterTelemetry.disabled()
         self.registry = registry
         self.dispatcher = dispatcher
@@ -59,7 +68,10 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         workers = self.config.peer_addresses if len(self.config.peer_addresses) > 1 else ()
         return control_pb2.GetFleetResponse(
             router_id=self.config.router_id, policy=self.config.policy,
-            nodes=[node_status(v) for v in self.registry.fleet()], worker_addresses=workers)
+            nodes=[node_status(v) for v in self.registry.fleet()]
+            + [quarantined_status(q) for q in (self.quarantine.listing()
+                                               if self.quarantine is not None else ())],
+            worker_addresses=workers)
 
     async def Pick(self, request: control_pb2.PickRequest,
                    context: grpc.aio.ServicerContext) -> control_pb2.PickResponse:

@@ -60,16 +60,17 @@ def build_index(nodes: Iterable[NodeEntry], ledgers: Mapping[str, CreditLedger],
     """The index over ``nodes``. A model's spec merges its nodes' aliases and takes the
     largest context; a real model name always wins over another model's alias. Slots of nodes
     whose entry, spec and ledger are unchanged since ``old`` are kept (with their cache)."""
-    by_model: dict[str, list[NodeEntry]] = {}
+    by_model: dict[str, list[tuple[NodeEntry, ModelSpec]]] = {}
     specs: dict[str, ModelSpec] = {}
     by_name: dict[str, str] = {}
     for e in sorted(nodes, key=lambda e: e.node_id):
         for m in e.registration.models:
-            by_model.setdefault(m.name, []).append(e)
+            by_model.setdefault(m.name, []).append((e, m))
             prev = specs.get(m.name)
             specs[m.name] = m if prev is None else replace(
                 prev, aliases=tuple(dict.fromkeys(prev.aliases + m.aliases)),
-                max_context_length=max(prev.max_context_length, m.max_context_length))
+                max_context_length=max(prev.max_context_length, m.max_context_length),
+                adapters=tuple(dict.fromkeys(prev.adapters + m.adapters)))
     for name, spec in specs.items():
         for alias in spec.aliases:
             by_name.setdefault(alias, name)
@@ -81,8 +82,7 @@ def build_index(nodes: Iterable[NodeEntry], ledgers: Mapping[str, CreditLedger],
                  for slot in ms.slots}
     for n, model_spec in specs.items():
         slots = []
-        for e in by_model[n]:
-            spec = next(m for m in e.registration.models if m.name == n)
+        for e, spec in by_model[n]:   # linear in the models listed (never per pair)
             slot = old_slots.get((e.node_id, n))
             if (slot is None or slot.entry is not e or slot.spec != spec
                     or slot.ledger is not ledgers[e.node_id]):
