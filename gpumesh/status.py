@@ -30,7 +30,10 @@ def fleet_table(fleet: cpb.GetFleetResponse) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     title = f"router {fleet.router_id}  policy {fleet.policy}  nodes {len(fleet.nodes)}"
-    return "\n".join([title, *lines])
+    # quarantined nodes (router.fleet.quarantine): why the router refuses them
+    why = [f"quarantined {n.node_id}: {n.quarantine_reason}" for n in fleet.nodes
+           if n.state == cpb.NODE_STATE_QUARANTINED]
+    return "\n".join([title, *lines, *why])
 
 
 async def print_fleet(router: str) -> int:

@@ -147,3 +147,13 @@ async def test_a_heartbeat_flood_is_dropped_not_applied(one_node):
             acks += msg.WhichOneof("kind") == "ack"
         assert await evil.code() == grpc.StatusCode.OK
         assert 0 < acks < sent / 2
+
+
+def test_status_shows_why_a_node_is_quarantined():
+    from gpumesh.status import fleet_table
+
+    fleet = cpb.GetFleetResponse(router_id="r", policy="p", nodes=[cpb.NodeStatus(
+        node_id="bad", state=cpb.NODE_STATE_QUARANTINED,
+        quarantine_reason="kv_cache_usage is not finite (nan)")])
+    table = fleet_table(fleet)
+    assert "quarantined" in table and "kv_cache_usage is not finite" in table
