@@ -28,6 +28,7 @@ from gpumesh.node.engines.vllm.compat import (
 )
 from gpumesh.node.engines.vllm.config import VllmEngineConfig
 from gpumesh.node.engines.vllm.engine_args import engine_kwargs
+from gpumesh.node.engines.vllm.lifetime import install as die_with_node
 from gpumesh.node.engines.vllm.shared_core import FrontendSlot, SharedEngineCore
 from gpumesh.node.engines.vllm.stats import LoadStatLogger, stat_logger_factory
 from gpumesh.node.engines.vllm.worker import prepare_cpu_workers
@@ -107,6 +108,8 @@ class VllmEngine:
         # exception (with its frames) alive: importing in a worker thread keeps the loop
         # responsive and keeps this frame, and with it the engine, out of those tracebacks.
         AsyncEngineArgs, AsyncLLM, serving = await asyncio.to_thread(import_entry_points)
+        # the engine core and its workers end when this process ends, however it ends
+        die_with_node()
         if self._frontends > 1 and self._core is None:
             core = SharedEngineCore(self._config, self._frontends)
             launch = asyncio.ensure_future(asyncio.to_thread(core.launch))

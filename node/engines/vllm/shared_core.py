@@ -11,6 +11,7 @@ from gpumesh.node.engines.base import EngineError
 from gpumesh.node.engines.vllm.compat import import_entry_points
 from gpumesh.node.engines.vllm.config import VllmEngineConfig
 from gpumesh.node.engines.vllm.engine_args import engine_kwargs
+from gpumesh.node.engines.vllm.lifetime import install as die_with_node
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class SharedEngineCore:
         from vllm.v1.executor import Executor
 
         AsyncEngineArgs, _, serving = import_entry_points()
+        die_with_node()  # the engine core and its workers end with this process
         args = AsyncEngineArgs(**engine_kwargs(self._config))
         args._api_process_count = self.count
         args._api_process_rank = -1  # the launcher, as `vllm serve` with several servers
