@@ -67,7 +67,7 @@ class StreamOptions(_message.Message):
     def __init__(self, flush_interval_ms: _Optional[int] = ..., max_tokens_per_chunk: _Optional[int] = ..., per_token: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "chat", "token_ids", "sampling", "request_id", "routing_key", "stream_options", "ticket", "adapter")
+    __slots__ = ("model", "text", "chat", "token_ids", "sampling", "request_id", "routing_key", "stream_options", "ticket", "adapter", "resume", "no_migration")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class GenerateRequest(_message.Message):
     STREAM_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    NO_MIGRATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: ChatMessages
@@ -88,7 +90,9 @@ class GenerateRequest(_message.Message):
     stream_options: StreamOptions
     ticket: str
     adapter: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., ticket: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    resume: TokenIds
+    no_migration: bool
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., ticket: _Optional[str] = ..., adapter: _Optional[str] = ..., resume: _Optional[_Union[TokenIds, _Mapping]] = ..., no_migration: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
