@@ -24,6 +24,7 @@ from gpumesh.router.dispatch import Dispatcher, DispatchRecord
 from gpumesh.router.fleet import Registry
 from gpumesh.router.scheduling import RequestInfo
 from gpumesh.router.telemetry import RouterTelemetry, Trace
+from gpumesh.security.guard import guard_handlers
 from gpumesh.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class RouterInferenceServicer:
         async with self._call("GenerateStream", context) as (record, trace):
             req = intake.parse_request(raw)
             info, deadline = self._route(req, context)
+            info = await intake.with_prefix(req, info, self.dispatcher.locality)
             trace.routed(req, info.model, info.prompt_tokens)
             async with contextlib.aclosing(self.dispatcher.stream(
                     raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
@@ -60,6 +62,7 @@ class RouterInferenceServicer:
         async with self._call("Generate", context) as (record, trace):
             req = intake.parse_request(raw)
             info, deadline = self._route(req, context)
+            info = await intake.with_prefix(req, info, self.dispatcher.locality)
             trace.routed(req, info.model, info.prompt_tokens)
             response = await self.dispatcher.unary(raw, info, deadline, record,
                                                    on_attempt=trace.on_attempt)
@@ -119,7 +122,8 @@ def _identity(b: bytes) -> bytes:
 
 def inference_handler(servicer: RouterInferenceServicer) -> grpc.GenericRpcHandler:
     """Registers the Inference service with raw-bytes request/response for the Generate RPCs."""
-    return grpc.method_handlers_generic_handler("gpumesh.v1.Inference", {
+    # guard_handlers: an unparseable ListModelsRequest is INVALID_ARGUMENT, not UNKNOWN
+    return grpc.method_handlers_generic_handler("gpumesh.v1.Inference", guard_handlers({
         "Generate": grpc.unary_unary_rpc_method_handler(
             servicer.Generate, request_deserializer=_identity, response_serializer=_identity),
         "GenerateStream": grpc.unary_stream_rpc_method_handler(
@@ -129,4 +133,4 @@ def inference_handler(servicer: RouterInferenceServicer) -> grpc.GenericRpcHandl
             servicer.ListModels,
             request_deserializer=inference_pb2.ListModelsRequest.FromString,
             response_serializer=inference_pb2.ListModelsResponse.SerializeToString),
-    })
+    }))

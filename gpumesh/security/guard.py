@@ -1,0 +1,105 @@
+"""Unparseable requests get INVALID_ARGUMENT, not UNKNOWN: a wrapper around a grpc.aio server
+through which services are registered.
+
+gRPC's Python server answers a request whose bytes do not parse as the method's message with
+UNKNOWN (the deserializer raised). ``GuardedServer(server)`` is passed to the generated
+``add_XServicer_to_server`` functions instead of the server: it wraps each method's
+deserializer so that a failure yields the ``UNPARSEABLE`` marker, and each unary-request
+behaviour so that the marker ends the call with INVALID_ARGUMENT before the servicer runs.
+Streaming-request methods (the control plane's Connect) receive the marker from
+``context.read()`` and must check for it (``is_unparseable``).
+
+Who calls it: ``router.app`` and ``node.app`` when they register services.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+
+
+class _Unparseable:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNPARSEABLE"
+
+
+UNPARSEABLE: Any = _Unparseable()
+DETAILS = "request could not be parsed as the method's message"
+
+
+def is_unparseable(msg: object) -> bool:
+    return msg is UNPARSEABLE
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception:  # noqa: BLE001 - any decode failure is the caller's
+            return UNPARSEABLE
+    return parse
+
+
+def _guard(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if request is UNPARSEABLE:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, DETAILS)
+            async for item in behavior(request, context):
+                yield item
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request is UNPARSEABLE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, DETAILS)
+        return await behavior(request, context)
+    return unary
+
+
+def guard_handlers(handlers: Mapping[str, grpc.RpcMethodHandler]
+                   ) -> dict[str, grpc.RpcMethodHandler]:
+    """The same method handlers with lenient deserializers and guarded unary-request
+    behaviours."""
+    out: dict[str, grpc.RpcMethodHandler] = {}
+    for name, h in handlers.items():
+        des = _lenient(h.request_deserializer)
+        if h.unary_unary is not None:
+            out[name] = grpc.unary_unary_rpc_method_handler(
+                _guard(h.unary_unary), des, h.response_serializer)
+        elif h.unary_stream is not None:
+            out[name] = grpc.unary_stream_rpc_method_handler(
+                _guard(h.unary_stream), des, h.response_serializer)
+        elif h.stream_unary is not None:
+            out[name] = grpc.stream_unary_rpc_method_handler(
+                h.stream_unary, des, h.response_serializer)
+        else:
+            out[name] = grpc.stream_stream_rpc_method_handler(
+                h.stream_stream, des, h.response_serializer)
+    return out
+
+
+class GuardedServer:
+    """Stands in for a ``grpc.aio.Server`` in ``add_XServicer_to_server(servicer, server)``:
+    registers the service's guarded handlers on the real server."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: generated code registers the same methods through
+        ``add_registered_method_handlers`` too, and those are guarded there."""
+
+    def add_registered_method_handlers(self, service: str,
+                                       handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        guarded = guard_handlers(handlers)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, guarded),))
+        self._server.add_registered_method_handlers(service, guarded)
