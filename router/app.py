@@ -40,10 +40,6 @@ from gpumesh.router.dispatch import Dispatcher
 from gpumesh.router.fleet import Registry
 from gpumesh.router.fleet.quarantine import Quarantine
 from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
-from gpumesh.router.fleet.locality import PrefixLocality
-from gpumesh.router.fleet.prefix_index import PrefixIndexes
-from gpumesh.router.fleet.sessions import SessionTable
-from gpumesh.router.scheduling.steering import SteeringModel, steer
 from gpumesh.router.telemetry import RouterTelemetry
 from gpumesh.security.guard import GuardedServer
 
@@ -75,25 +71,10 @@ class RouterServer:
                                config.kv_usage_cap, config.decode_s_per_request,
                                config.wait_scale_s, config.kv_output_allowance_tokens,
                                config.prefill_from_capacity, config.decode_steps_per_request)
-        # Session affinity and LoRA adapters on top of the load profile (scheduling.steering).
-        self.profile = steer(build_profile(config.policy, config.scorer_weights, wait_model),
-                             SteeringModel(config.session_affinity_weight,
-                                           config.session_affinity_epsilon,
-                                           config.adapter_weight, config.adapter_load_s,
-                                           config.wait_scale_s))
-        self.sessions = SessionTable(config.session_max_keys, config.session_ttl_s, clock)
-        # Prefix-cache locality: the per-model prefix index, fed by nodes' KV events
-        # (control plane) or the router's own record of what it sent where.
-        self.locality = PrefixLocality(
-            config.prefix_locality,
-            PrefixIndexes(config.prefix_index_max_entries, config.prefix_approx_ttl_s), clock,
-            dict(t.split("=", 1) for t in config.prefix_tokenizers),
-            engine_of=self._engine_of)
-        self.registry.add_removal_listener(lambda e: self.locality.node_left(e.node_id))
+        self.profile = build_profile(config.policy, config.scorer_weights, wait_model)
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
                                      default_filters(config.kv_hard_threshold),
-                                     rng or random.Random(), clock, sessions=self.sessions,
-                                     locality=self.locality)
+                                     rng or random.Random(), clock)
         # OpenTelemetry from the OTEL_* environment; off (and free) when no endpoint is set.
         self.telemetry = telemetry or RouterTelemetry(
             otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)
@@ -101,21 +82,14 @@ class RouterServer:
         self.inference = RouterInferenceServicer(config, self.registry, self.dispatcher, clock,
                                                  self.telemetry)
         self.quarantine = Quarantine(config.quarantine_s, clock)
-        self.control = RouterControlPlaneServicer(config, self.registry, self.quarantine,
-                                                  locality=self.locality)
+        self.control = RouterControlPlaneServicer(config, self.registry, self.quarantine)
         self.operator = RouterOperatorServicer(config, self.registry, self.dispatcher, clock,
-                                               wall_clock, self.telemetry, self.quarantine,
-                                               self.control.orders)
+                                               wall_clock, self.telemetry, self.quarantine)
         self.health = health.aio.HealthServicer()
         # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
         self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,
                                     config.foreign_poll_interval_s)
         self._server: grpc.aio.Server | None = None
-
-    def _engine_of(self, model: str) -> str:
-        """The engine kind the model's nodes registered with ("" when none is known)."""
-        snap = self.registry.snapshot(model)
-        return snap.nodes[0].registration.engine if snap is not None and snap.nodes else ""
         self._sweeper: asyncio.Task[None] | None = None
         self.port = 0
 

@@ -17,10 +17,8 @@ import logging
 
 import grpc
 
-from gpumesh.router.api.orders import NodeOrders, wait_read
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.fleet import Registry
-from gpumesh.router.fleet.locality import PrefixLocality
 from gpumesh.router.fleet.quarantine import HeartbeatRate, Quarantine
 from gpumesh.router.fleet.validation import (
     InvalidNodeInput,
@@ -32,17 +30,14 @@ from gpumesh.security.guard import is_unparseable
 from gpumesh.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
-KV_UPDATE_MAX_HASHES = 8192   # per list of one KvCacheUpdate (nodes send at most 4096)
 
 
 class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
     """Set ``closing`` to end every open stream (router shutdown)."""
 
     def __init__(self, config: RouterConfig, registry: Registry,
-                 quarantine: Quarantine | None = None,
-                 locality: PrefixLocality | None = None) -> None:
+                 quarantine: Quarantine | None = None) -> None:
         self.config = config
-        self.locality = locality   # prefix-cache updates from nodes (router.fleet.locality)
         self.registry = registry
         self.quarantine = quarantine or Quarantine(config.quarantine_s, registry.clock)
         self.limits = NodeLimits(
@@ -50,7 +45,6 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
             max_name_length=config.node_max_name_length,
             max_capacity_weight=config.node_max_capacity_weight)
         self.heartbeats_dropped = 0
-        self.orders = NodeOrders()   # the operator API's drain/undrain orders, per stream
         self._ids = itertools.count(1)
         self.closing = asyncio.Event()
 
@@ -64,11 +58,12 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
         stream_id = next(self._ids)
         node_id = ""
         closing = asyncio.ensure_future(self.closing.wait())
-        outbox = self.orders.open(stream_id)
         try:
             while True:
                 read = asyncio.ensure_future(context.read())
-                if not await wait_read(read, closing, outbox, context):
+                done, _ = await asyncio.wait({read, closing},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
                     read.cancel()
                     return   # router shutting down: the node reconnects elsewhere/later
                 msg = read.result()
@@ -113,13 +108,9 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                         # Dropped meanwhile (its other stream to this router closed, or the lease
                         # lapsed) but this stream is alive: soft state re-admits it.
                         self.registry.register(reg, stream_id)
-                    self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms, load,
-                                            tuple(r[:256] for r in hb.router_ids[:64]))
+                    self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms, load)
                     await context.write(control_pb2.RouterMessage(
                         ack=control_pb2.HeartbeatAck(seq=hb.seq)))
-                elif kind == "kv_cache":
-                    await self._kv_cache(msg.kv_cache, node_id, reg if node_id else None,
-                                         context)
                 elif kind == "deregistration":
                     if node_id:
                         self.registry.deregister(node_id, stream_id,
@@ -128,26 +119,8 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                     return
         finally:
             closing.cancel()
-            self.orders.close(stream_id)
             if node_id:
                 self.registry.stream_closed(node_id, stream_id)
-
-    async def _kv_cache(self, update: control_pb2.KvCacheUpdate, node_id: str, reg: object,
-                        context: grpc.aio.ServicerContext) -> None:
-        """A node's prefix-cache update into the index; a gap asks the node for a snapshot."""
-        if not node_id:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "the first message must be a Registration")
-        if len(update.stored) > KV_UPDATE_MAX_HASHES or len(update.removed) > KV_UPDATE_MAX_HASHES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"KvCacheUpdate carries more than {KV_UPDATE_MAX_HASHES} hashes")
-        if self.locality is None or update.model not in {
-                m.name for m in getattr(reg, "models", ())}:
-            return   # locality off, or a model the node does not serve: nothing to index
-        gap = self.locality.apply(node_id, update)
-        if gap is not None:
-            await context.write(control_pb2.RouterMessage(
-                kv_snapshot=control_pb2.KvSnapshotRequest(model=gap)))
 
     async def _reject(self, context: grpc.aio.ServicerContext, claimed_id: str, address: str,
                       registered_id: str, stream_id: int, exc: InvalidNodeInput) -> None:
