@@ -70,7 +70,8 @@ class RouterServer:
         wait_model = WaitModel(config.reference_prompt_tokens_per_s, config.kv_penalty_s,
                                config.kv_usage_cap, config.decode_s_per_request,
                                config.wait_scale_s, config.kv_output_allowance_tokens,
-                               config.prefill_from_capacity, config.decode_steps_per_request)
+                               config.prefill_from_capacity, config.decode_steps_per_request,
+                               config.service_weight, config.output_tokens_cap)
         self.profile = build_profile(config.policy, config.scorer_weights, wait_model)
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
                                      default_filters(config.kv_hard_threshold),

@@ -65,6 +65,12 @@ class RouterConfig:
     # decode steps (average running / generation tokens/s, scorers.py) in place of
     # decode_s_per_request / weight; 0 = keep the constant. Dimensionless: no time scaling.
     decode_steps_per_request: float = 1.0
+    # weighted_least_load adds the request's own expected service time on each node (its
+    # prompt / the node's prefill capacity + its output tokens x the node's decode step) to
+    # the wait, times this (docs/routing.md); 0 = the wait alone. Dimensionless.
+    service_weight: float = 1.0
+    # Output tokens (max_tokens) counted at most per request in that service time.
+    output_tokens_cap: int = 1024
     # The decode step: the node's own measurement (LoadReport.decode_step_s, timed between the
     # engine's steps) where it reports one; off, or from a node without it: inferred as
     # average running / generation tokens/s.
@@ -148,6 +154,8 @@ class RouterConfig:
             raise ValueError("kv_hard_threshold must be in (0, 1] and kv_usage_cap in (0, 1)")
         if self.peer_share_half_life_s < 0:
             raise ValueError("peer_share_half_life_s must be >= 0 (0 = ignore peers)")
+        if self.service_weight < 0 or self.output_tokens_cap < 0:
+            raise ValueError("service_weight and output_tokens_cap must be >= 0")
         if self.decode_steps_per_request < 0:
             raise ValueError("decode_steps_per_request must be >= 0 (0 = the constant)")
         if self.decision_sample_size < 0 or self.kv_output_allowance_tokens < 0:

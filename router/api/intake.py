@@ -53,7 +53,7 @@ def request_info(req: inference_pb2.GenerateRequest, config: RouterConfig, regis
     ``clock``. Raises RouterError for a model the fleet does not serve."""
     model = registry.resolve(req.model)
     info = RequestInfo(model, estimate_prompt_tokens(req, config.chars_per_token),
-                       req.routing_key)
+                       req.routing_key, output_tokens=max(req.sampling.max_tokens, 0))
     remaining = context.time_remaining()
     return info, clock() + (config.request_timeout_s if remaining is None else remaining)
 

@@ -1,8 +1,9 @@
 """Routing profiles: filters -> scorers -> picker, selected by ``RouterConfig.policy``.
 
 - ``weighted_least_load`` (default): the weighted sum of ``expected_wait``, ``kv_headroom`` and
-  ``least_request`` (weights from config), max wins, random tie-break. See ``scorers`` for the
-  expected-wait formula.
+  ``least_request`` (weights from config), max wins, random tie-break. The expected_wait
+  score is taken of the node's expected wait plus the request's own expected service time
+  there (``WaitModel.service_weight``); see ``scorers`` for both formulas.
 - ``least_request``: the fewest of this router's in-flight requests per unit of capacity weight
   (nginx ``least_conn`` with weights); random tie-break.
 - ``power_of_two``: two candidates drawn at random, the one with fewer in-flight (weighted) wins;
@@ -81,8 +82,11 @@ def _choose(name: str, candidates: Sequence[Candidate], totals: Sequence[float],
 
 
 class WeightedLeastLoad:
-    """Totals are memoised per node on the Candidate object: the registry hands back the same
-    object until one of its inputs changes, so an unchanged node is not re-scored."""
+    """The per-node part of a total (the wait, the KV and least-request scores) is memoised
+    on the Candidate object: the registry hands back the same object until one of its inputs
+    changes, so an unchanged node is not re-estimated. The request's own service time
+    (``scorers.expected_service_s``, weighted by ``WaitModel.service_weight``) is added to
+    the wait per request."""
 
     name = "weighted_least_load"
     samplable = True
@@ -92,38 +96,57 @@ class WeightedLeastLoad:
         self.wait_model = wait_model
         self._w = (self.weights.get("expected_wait", 0.0), self.weights.get("kv_headroom", 0.0),
                    self.weights.get("least_request", 0.0))
-        self._memo: dict[str, tuple[Candidate, float]] = {}
+        self._memo: dict[str, tuple[Candidate, float, float]] = {}
 
-    def score(self, c: Candidate) -> CandidateScore:
-        m = self.wait_model
-        wait = scorers.expected_wait_s(c, m)
-        ew, kv, lr = scorers.wait_score(wait, m), scorers.kv_headroom(c, m), scorers.least_request(c)
-        we, wk, wl = self._w
-        total = 0 + we * ew + wk * kv + wl * lr   # the weighted sum, in this order (see total)
-        return CandidateScore(c.node_id, total, MappingProxyType(
-            {"expected_wait": ew, "kv_headroom": kv, "least_request": lr}), wait)
-
-    def total(self, c: Candidate) -> float:
-        """``score(c).total`` (the same float), without building the score record."""
+    def _base(self, c: Candidate) -> tuple[float, float]:
+        """(wait, weighted KV + least-request part of the total) for ``c``, memoised."""
         hit = self._memo.get(c.node_id)
         if hit is not None and hit[0] is c:
-            return hit[1]
+            return hit[1], hit[2]
         m = self.wait_model
-        we, wk, wl = self._w
-        t = 0 + we * scorers.wait_score(scorers.expected_wait_s(c, m), m)
+        _, wk, wl = self._w
+        wait = scorers.expected_wait_s(c, m)
+        rest = 0.0
         if wk:
-            t += wk * scorers.kv_headroom(c, m)
+            rest += wk * scorers.kv_headroom(c, m)
         if wl:
-            t += wl * scorers.least_request(c)
+            rest += wl * scorers.least_request(c)
         if len(self._memo) > 65_536:
             self._memo.clear()   # departed nodes' entries; the cache refills as it is read
-        self._memo[c.node_id] = (c, t)
-        return t
+        self._memo[c.node_id] = (c, wait, rest)
+        return wait, rest
+
+    def cost_s(self, c: Candidate, request: RequestInfo) -> float:
+        """The estimate the expected_wait score is taken of: the wait plus the weighted
+        service time of ``request`` on ``c``."""
+        m = self.wait_model
+        wait = self._base(c)[0]
+        if m.service_weight:
+            wait += m.service_weight * scorers.expected_service_s(c, m, request)
+        return wait
+
+    def score(self, c: Candidate, request: RequestInfo = RequestInfo("", 0)) -> CandidateScore:
+        """Full scores; ``expected_wait_s`` is the wait alone (what a blind credit's hold
+        is sized by), the expected_wait score is of the wait plus the service time."""
+        m = self.wait_model
+        ew = scorers.wait_score(self.cost_s(c, request), m)
+        kv, lr = scorers.kv_headroom(c, m), scorers.least_request(c)
+        return CandidateScore(c.node_id, self.total(c, request), MappingProxyType(
+            {"expected_wait": ew, "kv_headroom": kv, "least_request": lr}), self._base(c)[0])
+
+    def total(self, c: Candidate, request: RequestInfo = RequestInfo("", 0)) -> float:
+        """``score(c, request).total`` (the same float), without building the score record."""
+        m = self.wait_model
+        wait, rest = self._base(c)
+        if m.service_weight:
+            wait += m.service_weight * scorers.expected_service_s(c, m, request)
+        return self._w[0] * scorers.wait_score(wait, m) + rest
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision:
         total = self.total
-        return _choose(self.name, candidates, [total(c) for c in candidates], rng, self.score)
+        return _choose(self.name, candidates, [total(c, request) for c in candidates], rng,
+                       lambda c: self.score(c, request))
 
 
 def _least_request_scores(candidates: Sequence[Candidate]) -> list[CandidateScore]:

@@ -105,6 +105,9 @@ class RequestInfo:
     model: str
     prompt_tokens: int
     routing_key: str = ""
+    # The output tokens it may generate (its max_tokens; 0 = unknown): the expected-wait
+    # profile adds its own decode time on each node (scorers.expected_service_s).
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def test_sampled_pick_is_near_the_best(n: int, d: int) -> None:
     n / (d + 1) on average, and the exact pick (d = 0) has rank 0."""
     cs = random_fleet(n, seed=n + d)
     p = build_profile("weighted_least_load", WEIGHTS, WM)
-    ranked = sorted(cs, key=lambda c: -p.total(c))
+    ranked = sorted(cs, key=lambda c: -p.total(c, REQ))
     rank = {c.node_id: i for i, c in enumerate(ranked)}
     rng = random.Random(9)
     ranks = [rank[select_from(p, cs, REQ, rng, FILTERS, d).node_id] for _ in range(2000)]

@@ -199,10 +199,12 @@ def test_decision_keeps_raw_scores() -> None:
                default_filters(0.92))
     by_node = {s.node_id: s for s in d.considered}
     assert d.node_id == "b" and d.policy == "weighted_least_load" and d.candidates == 2
+    # expected_wait_s is the wait alone; the score is of the wait plus the request's own
+    # service (its 100 prompt tokens at the 1000 tokens/s floor: 0.1 s)
     assert by_node["a"].expected_wait_s == pytest.approx(1.0)
-    assert by_node["a"].scores["expected_wait"] == pytest.approx(1 / 3)
+    assert by_node["a"].scores["expected_wait"] == pytest.approx(1 / (1 + 1.1 / 0.5))
     assert by_node["b"].scores["kv_headroom"] == pytest.approx(0.5)
-    assert by_node["b"].total == pytest.approx(2 / 3 + 0.25)
+    assert by_node["b"].total == pytest.approx(1 / (1 + 0.35 / 0.5) + 0.25)
 
 
 def test_power_of_two_prefers_less_loaded_of_sample() -> None:
@@ -264,3 +266,49 @@ def test_kv_headroom_moves_with_credits_when_given_the_model() -> None:
     c = kv_cand(0.5, 10_000, 1000, 1)
     assert scorers.kv_headroom(c) == pytest.approx(0.5)
     assert scorers.kv_headroom(c, KV_WM) == pytest.approx(0.39)
+
+
+def speed_cand(node_id: str, *, step_s: float, capacity: float, pending: int = 0,
+               running: int = 0, weight: float = 1.0) -> Candidate:
+    return replace(cand(node_id, pending=pending, running=running, capacity=capacity,
+                        weight=weight), step_s=step_s)
+
+
+@pytest.mark.parametrize("c, req, expected", [
+    # measured: prompt / capacity + min(out, cap) x the node's step
+    (speed_cand("a", step_s=0.01, capacity=1000.0), RequestInfo("m", 100, output_tokens=50),
+     0.1 + 0.5),
+    (speed_cand("a", step_s=0.02, capacity=500.0), RequestInfo("m", 100, output_tokens=50),
+     0.2 + 1.0),
+    # output above the cap counts as the cap (1024)
+    (speed_cand("a", step_s=0.001, capacity=1000.0), RequestInfo("m", 0, output_tokens=5000),
+     1.024),
+    # unknown output (0): the prompt alone
+    (speed_cand("a", step_s=0.01, capacity=1000.0), RequestInfo("m", 100), 0.1),
+    # capacity but no step measured: decode_s_per_request / w per token
+    (speed_cand("a", step_s=0.0, capacity=1000.0, weight=2.0),
+     RequestInfo("m", 100, output_tokens=10), 0.1 + 10 * 0.004 / 2),
+    # no report (STALE): the floor and the constant, over w
+    (replace(cand("a", stale=True, weight=2.0), step_s=0.01),
+     RequestInfo("m", 100, output_tokens=10), (100 / 1000 + 10 * 0.004) / 2),
+])
+def test_expected_service_s(c: Candidate, req: RequestInfo, expected: float) -> None:
+    wm = replace(WM, decode_s_per_request=0.004)
+    assert scorers.expected_service_s(c, wm, req) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("output_tokens, service_weight, expected", [
+    (1, 1.0, "slow"),      # a one-token request takes the shorter queue
+    (500, 1.0, "fast"),    # a long generation goes where it decodes faster
+    (500, 0.0, "slow"),    # service term off: the wait alone decides
+])
+def test_service_time_sends_long_outputs_to_fast_nodes(output_tokens: int, service_weight: float,
+                                                      expected: str) -> None:
+    # the slow node is idle, the fast one has a short queue (0.05 s of prefill)
+    fast = speed_cand("fast", step_s=0.005, capacity=20_000.0, pending=1000)
+    slow = speed_cand("slow", step_s=0.02, capacity=5_000.0)
+    wm = replace(WM, service_weight=service_weight)
+    profile = build_profile("weighted_least_load", WEIGHTS, wm)
+    d = select(profile, [fast, slow], RequestInfo("m", 32, output_tokens=output_tokens),
+               random.Random(0), default_filters(0.92))
+    assert d.node_id == expected

@@ -97,6 +97,23 @@ this router's requests on n. Credits (C) are released one by one: at each reques
 token in proxy mode, by the node's per-router first-token count (or a time bound) in lookaside
 mode, never wholesale at a heartbeat, so a report never makes a node look suddenly idle.
 
+The request's own service time (``expected_service_s``): the profile adds, with weight
+``service_weight``, what THIS request itself will take on n once it runs, so that the
+estimate is its expected end-to-end time there, not only its wait for the first token::
+
+    service = prompt_tokens / T  +  min(output_tokens, output_tokens_cap) * S
+    (S not measured: decode_s_per_request / w per output token; STALE or no capacity
+     reported: (prompt_tokens / reference_prompt_tokens_per_s
+                + min(output_tokens, output_tokens_cap) * decode_s_per_request) / w)
+
+with ``output_tokens`` the request's max_tokens (0 = unknown: no output term). Why: the wait
+alone is the same for a short and a long generation, so a long generation goes wherever the
+queue is shortest, often a slow node that just emptied, and decodes there at that node's
+step for its whole length; on a fleet of mixed speeds its end-to-end time is then far above
+what a fast node with a slightly longer queue would give (docs/routing.md). The output term
+is its length in that node's own steps, so a slow node costs it more in proportion, and on
+a fleet of equal nodes it is about the same everywhere and changes little.
+
 The curve: ``wait_score`` = 1 / (1 + wait / wait_scale_s): 1 at zero wait, 0.5 at
 wait_scale_s, falling towards 0 hyperbolically (monotone, so the max picks the least wait).
 """
@@ -105,7 +122,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumesh.router.scheduling.types import Candidate
+from gpumesh.router.scheduling.types import Candidate, RequestInfo
 
 
 @dataclass(frozen=True)
@@ -123,6 +140,12 @@ class WaitModel:
     # With it, a running request costs this many of the node's measured decode steps
     # (Candidate.step_s) instead of decode_s_per_request / w; 0 = keep the constant.
     decode_steps_per_request: float = 1.0
+    # Weight of the request's own expected service time (``expected_service_s``) added to
+    # the wait by the weighted_least_load profile; 0 = the wait alone.
+    service_weight: float = 1.0
+    # Output tokens counted at most per request in that service time (max_tokens above it
+    # is taken as an upper bound the request will not reach).
+    output_tokens_cap: int = 1024
 
 
 def expected_wait_s(c: Candidate, m: WaitModel) -> float:
@@ -148,6 +171,21 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
         return queued / tps + (kv + m.decode_s_per_request * running) / weight
     tps = max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s)
     return (queued / tps + kv + m.decode_s_per_request * running) / weight
+
+
+def expected_service_s(c: Candidate, m: WaitModel, request: RequestInfo) -> float:
+    """Seconds ``request`` itself takes on ``c`` once it runs: its prompt's prefill and its
+    output's decode steps at the node's speed (``service`` above; 0 for an empty request)."""
+    weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
+    out = min(max(request.output_tokens, 0), m.output_tokens_cap)
+    prompt = max(request.prompt_tokens, 0)
+    r = c.report
+    if r is not None and m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
+        tps = max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
+        if c.step_s > 0:
+            return prompt / tps + out * c.step_s
+        return prompt / tps + out * m.decode_s_per_request / weight
+    return (prompt / m.reference_prompt_tokens_per_s + out * m.decode_s_per_request) / weight
 
 
 def effective_kv_usage(c: Candidate, m: WaitModel) -> float:
