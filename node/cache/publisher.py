@@ -1,0 +1,165 @@
+"""``KvPublisher``: the engine's cached prefix blocks, mirrored and streamed to routers.
+
+The engine reports block events (``stored`` / ``removed`` / ``cleared``, hashes from
+``gpumesh.kvblocks``) into the publisher, on the event loop. The publisher keeps the set of
+blocks the engine holds and, per router stream, a ``KvSubscription``: the changes that stream
+has not been sent yet, coalesced (a block stored then removed before a flush is sent as
+neither). A stream's first update is a snapshot of every block held; so is its next update
+after the router asked for one (it saw a gap in ``seq``) or after the pending changes outgrew
+``max_pending`` (the changes are dropped and the snapshot replaces them: memory stays bounded).
+
+Bounds: each update carries at most ``max_hashes_per_update`` hashes (a snapshot is split
+into a first ``snapshot`` part and plain ``stored`` parts, each with the next ``seq``); a
+subscription sends at most one batch of updates per ``min_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from gpumesh.v1 import control_pb2 as cpb
+
+
+class KvSubscription:
+    """One router stream's view of the publisher: its pending changes and its ``seq``."""
+
+    def __init__(self, publisher: KvPublisher) -> None:
+        self._pub = publisher
+        self.seq = 0
+        self._stored: dict[int, None] = {}
+        self._removed: dict[int, None] = {}
+        self._cleared = False
+        self._snapshot = True          # the first update is always a snapshot
+        self.ready = asyncio.Event()
+        self.ready.set()
+        self._last_flush = -1e9
+
+    # called by the publisher ------------------------------------------------------------
+
+    def _stored_one(self, h: int) -> None:
+        if self._snapshot:
+            return
+        if self._removed.pop(h, 0) is None:
+            return   # removed then stored again before a flush: no change for the router
+        self._stored[h] = None
+        self._check()
+
+    def _removed_one(self, h: int) -> None:
+        if self._snapshot:
+            return
+        if self._stored.pop(h, 0) is None:
+            return
+        self._removed[h] = None
+        self._check()
+
+    def _clear(self) -> None:
+        if self._snapshot:
+            return
+        self._stored.clear()
+        self._removed.clear()
+        self._cleared = True
+        self.ready.set()
+
+    def _check(self) -> None:
+        if len(self._stored) + len(self._removed) > self._pub.max_pending:
+            self.resnapshot()
+        else:
+            self.ready.set()
+
+    # called by the stream ---------------------------------------------------------------
+
+    def resnapshot(self) -> None:
+        """The next update is a full snapshot (the router saw a gap, or asked after a
+        restart); pending changes are dropped."""
+        self._snapshot = True
+        self._stored.clear()
+        self._removed.clear()
+        self._cleared = False
+        self.ready.set()
+
+    def due_in(self, now: float) -> float:
+        """Seconds until this subscription may flush (0: now)."""
+        return max(0.0, self._last_flush + self._pub.min_interval_s - now)
+
+    def take(self, now: float) -> list[cpb.KvCacheUpdate]:
+        """The updates to send now (empty when nothing changed or too soon after the last)."""
+        if not self.ready.is_set() or self.due_in(now) > 0:
+            return []
+        self.ready.clear()
+        pub, cap = self._pub, self._pub.max_hashes_per_update
+        out: list[cpb.KvCacheUpdate] = []
+        if self._snapshot:
+            self._snapshot = False
+            held = list(pub.held)
+            for i in range(0, max(len(held), 1), cap):
+                self.seq += 1
+                out.append(cpb.KvCacheUpdate(
+                    model=pub.model, seq=self.seq, snapshot=(i == 0),
+                    block_size=pub.block_size, stored=held[i:i + cap]))
+        else:
+            stored, removed = list(self._stored), list(self._removed)
+            cleared = self._cleared
+            self._stored.clear()
+            self._removed.clear()
+            self._cleared = False
+            if not (stored or removed or cleared):
+                return []
+            first = True
+            while first or stored or removed:
+                s, stored = stored[:cap], stored[cap:]
+                r, removed = removed[:cap - len(s)], removed[cap - len(s):]
+                self.seq += 1
+                out.append(cpb.KvCacheUpdate(model=pub.model, seq=self.seq,
+                                             cleared=cleared and first,
+                                             block_size=pub.block_size, stored=s, removed=r))
+                first = False
+        self._last_flush = now
+        return out
+
+
+class KvPublisher:
+    """The blocks one model's engine holds, fanned out to router streams (module doc).
+    Implements the engines' block-event sink (``stored`` / ``removed`` / ``cleared``)."""
+
+    def __init__(self, model: str, block_size: int = 16, *, max_hashes_per_update: int = 4096,
+                 min_interval_s: float = 0.05, max_pending: int = 65_536) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.max_hashes_per_update = max(1, max_hashes_per_update)
+        self.min_interval_s = min_interval_s
+        self.max_pending = max_pending
+        self.held: dict[int, None] = {}
+        self._subs: list[KvSubscription] = []
+
+    def subscribe(self) -> KvSubscription:
+        sub = KvSubscription(self)
+        self._subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: KvSubscription) -> None:
+        if sub in self._subs:
+            self._subs.remove(sub)
+
+    # the engine's sink --------------------------------------------------------------------
+
+    def stored(self, hashes: Sequence[int]) -> None:
+        held = self.held
+        for h in hashes:
+            if h in held:
+                continue
+            held[h] = None
+            for s in self._subs:
+                s._stored_one(h)
+
+    def removed(self, hashes: Sequence[int]) -> None:
+        held = self.held
+        for h in hashes:
+            if held.pop(h, 0) is None:
+                for s in self._subs:
+                    s._removed_one(h)
+
+    def cleared(self) -> None:
+        self.held.clear()
+        for s in self._subs:
+            s._clear()

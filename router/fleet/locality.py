@@ -1,0 +1,223 @@
+"""Prefix locality: which node already holds a request's prompt prefix in its KV cache.
+
+``PrefixLocality`` is the router's one entry point for it:
+
+- ``hashes(request, model)``: the prompt's block hashes (``gpumesh.kvblocks``), as the engine
+  computes them. Token-id prompts are hashed directly; text and chat prompts are tokenized
+  with the model's tokenizer (``prefix_tokenizers``: ``sim`` for the simulator's, or an HF
+  tokenizer path; simulated nodes get ``sim`` without configuration), on a worker thread for
+  a long prompt so the event loop never waits. No tokenizer: no hashes (locality plays no
+  part for that request).
+- ``annotate(info)``: the request's ``cached_tokens`` per node from the model's
+  ``PrefixIndex``: what the expected-wait scorer subtracts from the prefill each node would
+  still do.
+- ``routed(info, node_id)``: approximate mode, the router's record of where it sent which
+  prefix (for nodes that stream no KV events, or every node in ``approximate`` mode).
+- ``apply(node_id, update)``: a node's ``KvCacheUpdate`` (precise mode). Returns the model
+  whose updates have a gap (the caller asks that node for a snapshot), else None.
+
+Modes (``prefix_locality``): ``auto`` (precise for nodes that stream events, approximate for
+the others), ``precise`` (events only), ``approximate`` (records only, events ignored),
+``off``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from gpumesh.kvblocks import BLOCK_SIZE, block_hashes
+from gpumesh.router.fleet.prefix_index import PrefixIndexes
+from gpumesh.router.scheduling.types import RequestInfo
+from gpumesh.serial_worker import INLINE_PROMPT_CHARS, SerialWorker
+from gpumesh.v1 import control_pb2, inference_pb2
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "precise", "approximate", "off")
+_EMPTY: Mapping[str, int] = MappingProxyType({})
+
+
+class PromptTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def render_chat(self, messages: list[tuple[str, str]]) -> list[int]: ...
+
+
+class _SimTokenizer:
+    """The simulated engine's tokenizer and chat template (what a ``sim`` node computes)."""
+
+    def __init__(self) -> None:
+        # the simulator's text model lives with the node; only its tokenizer is needed here
+        from gpumesh.node.engines.sim.text import SimTokenizer
+
+        self._tok = SimTokenizer()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def render_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        parts = [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages]
+        parts.append("<|im_start|>assistant\n")
+        return self._tok.encode("".join(parts))
+
+
+class _HfTokenizer:
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok: Any = AutoTokenizer.from_pretrained(path)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def render_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        rendered = self._tok.apply_chat_template(
+            [{"role": r, "content": c} for r, c in messages], tokenize=False,
+            add_generation_prompt=True)
+        return list(self._tok.encode(rendered, add_special_tokens=False))
+
+
+def load_tokenizer(spec: str) -> PromptTokenizer:
+    """``sim`` or an HF tokenizer path / name."""
+    return _SimTokenizer() if spec == "sim" else _HfTokenizer(spec)
+
+
+class PrefixLocality:
+    """See the module docstring. ``clock``: monotonic seconds (approximate entries' age);
+    ``engine_of(model)``: the engine kind its nodes registered with ("sim", "vllm", ...)."""
+
+    def __init__(self, mode: str, indexes: PrefixIndexes, clock: Callable[[], float],
+                 tokenizers: Mapping[str, str] | None = None,
+                 engine_of: Callable[[str], str] | None = None,
+                 max_prompt_blocks: int = 2048) -> None:
+        if mode not in MODES:
+            raise ValueError(f"prefix_locality must be one of {MODES}, not {mode!r}")
+        self.mode = mode
+        self.indexes = indexes
+        self.clock = clock
+        self._specs = dict(tokenizers or {})
+        self._engine_of = engine_of
+        self._tokenizers: dict[str, PromptTokenizer | None] = {}
+        self._worker: SerialWorker | None = None
+        self.max_prompt_blocks = max_prompt_blocks
+        self.gaps = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    # --- requests ----------------------------------------------------------------------
+
+    def _tokenizer(self, model: str) -> PromptTokenizer | None:
+        if model in self._tokenizers:
+            return self._tokenizers[model]
+        spec = self._specs.get(model, "")
+        if not spec and self._engine_of is not None:
+            engine = self._engine_of(model)
+            if not engine:
+                return None   # no node known yet: decide at the next request
+            spec = "sim" if engine == "sim" else ""
+        tok: PromptTokenizer | None = None
+        if spec:
+            try:
+                tok = load_tokenizer(spec)
+            except Exception:  # noqa: BLE001 - a missing tokenizer disables locality only
+                log.warning("no prefix tokenizer for %s (%s): no prefix locality", model, spec,
+                            exc_info=True)
+        self._tokenizers[model] = tok
+        return tok
+
+    async def hashes(self, req: inference_pb2.GenerateRequest, model: str) -> tuple[int, ...]:
+        """The prompt's block hashes; () when locality is off or there is no tokenizer."""
+        if not self.enabled:
+            return ()
+        kind = req.WhichOneof("prompt")
+        limit = self.max_prompt_blocks
+        if kind == "token_ids":
+            return tuple(block_hashes(req.token_ids.ids, BLOCK_SIZE, limit=limit))
+        tok = self._tokenizer(model)
+        if tok is None or kind not in ("text", "chat"):
+            return ()
+        if self._worker is None:
+            self._worker = SerialWorker("gpumesh-prefix-tokenize")
+        if kind == "text":
+            text = req.text
+            return await self._worker.run(_hash_text, tok, text, limit,
+                                          inline=len(text) < INLINE_PROMPT_CHARS)
+        messages = [(m.role, m.content) for m in req.chat.messages]
+        chars = sum(len(r) + len(c) for r, c in messages)
+        return await self._worker.run(_hash_chat, tok, messages, limit,
+                                      inline=chars < INLINE_PROMPT_CHARS)
+
+    def annotate(self, info: RequestInfo) -> RequestInfo:
+        """``info`` with ``cached_tokens`` filled from the model's index (unchanged when it
+        has no hashes or no node holds any of them)."""
+        if not info.prefix_hashes or not self.enabled:
+            return info
+        ix = self.indexes.get(info.model)
+        if ix is None:
+            return info
+        depth = ix.match(info.prefix_hashes, self.clock())
+        if not depth:
+            return info
+        cached = MappingProxyType({n: min(d * BLOCK_SIZE, info.prompt_tokens)
+                                   for n, d in depth.items()})
+        return replace(info, cached_tokens=cached)
+
+    def routed(self, info: RequestInfo, node_id: str) -> None:
+        """Approximate mode: the node will hold this prompt's blocks (unless it streams
+        events and the mode is not ``approximate``)."""
+        if not info.prefix_hashes or self.mode in ("off", "precise"):
+            return
+        ix = self.indexes.model(info.model)
+        if self.mode == "auto" and ix.is_precise(node_id):
+            return
+        ix.add(node_id, info.prefix_hashes, self.clock(), precise=False)
+
+    # --- node events -------------------------------------------------------------------
+
+    def apply(self, node_id: str, update: control_pb2.KvCacheUpdate) -> str | None:
+        """Mirrors one update into the model's index; returns the model when it shows a gap
+        (the node must send a snapshot), else None."""
+        if self.mode in ("off", "approximate"):
+            return None
+        if update.block_size and update.block_size != BLOCK_SIZE:
+            return None   # another block size: its hashes cannot match ours
+        ix = self.indexes.model(update.model)
+        if update.snapshot:
+            ix.replace(node_id, update.stored, update.seq)
+            return None
+        if ix.awaiting_snapshot(node_id):
+            return None   # asked already
+        if not ix.is_precise(node_id) or update.seq != ix.last_seq(node_id) + 1:
+            self.gaps += 1
+            ix.lost_track(node_id)
+            return update.model
+        ix.advance(node_id, update.seq)
+        if update.cleared:
+            ix.clear_node(node_id)
+        if update.removed:
+            ix.remove(node_id, update.removed)
+        if update.stored:
+            ix.add(node_id, update.stored)
+        return None
+
+    def node_left(self, node_id: str) -> None:
+        self.indexes.forget(node_id)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+def _hash_text(tok: PromptTokenizer, text: str, limit: int) -> tuple[int, ...]:
+    return tuple(block_hashes(tok.encode(text), BLOCK_SIZE, limit=limit))
+
+
+def _hash_chat(tok: PromptTokenizer, messages: list[tuple[str, str]],
+               limit: int) -> tuple[int, ...]:
+    return tuple(block_hashes(tok.render_chat(messages), BLOCK_SIZE, limit=limit))

@@ -1,0 +1,255 @@
+"""Which node holds which prompt prefix in its KV cache: the router's prefix index.
+
+One ``PrefixIndex`` per model maps a block hash (``gpumesh.kvblocks``: a chained hash, so a
+hash stands for the whole prefix up to its block) to the nodes holding that block, as a
+bitmask over node slots. ``match(hashes)`` walks a request's chain and returns, per node, how
+many leading blocks it holds: O(blocks matched), independent of the fleet size.
+
+Two sources fill it, per node:
+
+- **precise**: the node streams its engine's KV events (``stored`` / ``removed`` /
+  ``cleared``, and a full ``snapshot`` on (re)connect or after a gap) over the control plane;
+  the index mirrors them and never expires them.
+- **approximate**: a node without events (a stock vLLM gRPC worker, events switched off): the
+  router records the blocks of each request it sent there (``routed``); they age out after
+  ``ttl_s`` (and are re-dated by the next request with the same prefix).
+
+Memory is bounded: at most ``max_entries`` (node, block) pairs per model; past it, the node
+that is adding loses its oldest blocks first. Each pair costs about 150 bytes (a Python dict
+entry per node, a shared dict entry and bitmask per block; docs/routing.md). Not thread-safe:
+the router's event loop owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Node:
+    slot: int
+    precise: bool
+    blocks: dict[int, float] = field(default_factory=dict)   # hash -> time added (in order)
+    seq: int = 0            # last event batch applied (precise)
+    awaiting: bool = False  # a gap was seen: updates are ignored until the next snapshot
+
+
+class PrefixIndex:
+    """Block hash -> nodes for one model (module docstring)."""
+
+    def __init__(self, max_entries: int = 4_000_000, ttl_s: float = 120.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._blocks: dict[int, int] = {}        # hash -> bitmask of node slots
+        self._nodes: dict[str, _Node] = {}
+        self._by_slot: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self.entries = 0
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[int], now: float = 0.0) -> dict[str, int]:
+        """Node id -> how many of ``hashes``' leading blocks it holds (nodes holding none are
+        absent). Approximate entries older than ``ttl_s`` at ``now`` do not count."""
+        blocks = self._blocks
+        if not hashes or not blocks:
+            return {}
+        alive = blocks.get(hashes[0], 0)
+        out: dict[str, int] = {}
+        depth = 0
+        for h in hashes:
+            nxt = alive & blocks.get(h, 0)
+            if nxt != alive:
+                self._settle(alive & ~nxt, depth, out)
+                alive = nxt
+            if not alive:
+                break
+            depth += 1
+        if alive:
+            self._settle(alive, depth, out)
+        if self.ttl_s > 0 and out:
+            self._age(out, hashes, now)
+        return out
+
+    def _settle(self, mask: int, depth: int, out: dict[str, int]) -> None:
+        if depth == 0:
+            return
+        by_slot = self._by_slot
+        while mask:
+            low = mask & -mask
+            out[by_slot[low.bit_length() - 1]] = depth
+            mask ^= low
+
+    def _age(self, out: dict[str, int], hashes: Sequence[int], now: float) -> None:
+        """Approximate nodes' matches stop at their first expired block."""
+        horizon = now - self.ttl_s
+        for node_id, depth in list(out.items()):
+            n = self._nodes[node_id]
+            if n.precise:
+                continue
+            blocks = n.blocks
+            for i in range(depth):
+                if blocks[hashes[i]] < horizon:
+                    if i:
+                        out[node_id] = i
+                    else:
+                        del out[node_id]
+                    break
+
+    def node_blocks(self, node_id: str) -> int:
+        n = self._nodes.get(node_id)
+        return len(n.blocks) if n is not None else 0
+
+    def nodes(self) -> Mapping[str, int]:
+        """Node id -> blocks indexed for it."""
+        return {k: len(v.blocks) for k, v in self._nodes.items()}
+
+    def last_seq(self, node_id: str) -> int:
+        n = self._nodes.get(node_id)
+        return n.seq if n is not None else 0
+
+    def awaiting_snapshot(self, node_id: str) -> bool:
+        n = self._nodes.get(node_id)
+        return n is not None and n.awaiting
+
+    def is_precise(self, node_id: str) -> bool:
+        n = self._nodes.get(node_id)
+        return n is not None and n.precise
+
+    # --- writes --------------------------------------------------------------------------
+
+    def _node(self, node_id: str, precise: bool) -> _Node:
+        n = self._nodes.get(node_id)
+        if n is None:
+            slot = self._free_slots.pop() if self._free_slots else self._next_slot
+            if slot == self._next_slot:
+                self._next_slot += 1
+            n = self._nodes[node_id] = _Node(slot, precise)
+            self._by_slot[slot] = node_id
+        elif precise and not n.precise:
+            self._clear(n)
+            n.precise = True
+        return n
+
+    def add(self, node_id: str, hashes: Iterable[int], now: float = 0.0,
+            precise: bool = True) -> None:
+        """The node holds these blocks (an event, or an approximate record at ``now``)."""
+        n = self._node(node_id, precise)
+        if not precise and n.precise:
+            return   # events are the truth for this node
+        bit = 1 << n.slot
+        blocks, own = self._blocks, n.blocks
+        for h in hashes:
+            if h in own:
+                if not precise:
+                    del own[h]   # re-dated: moves to the newest end
+                    own[h] = now
+                continue
+            own[h] = now
+            blocks[h] = blocks.get(h, 0) | bit
+            self.entries += 1
+        if self.entries > self.max_entries:
+            self._shed(n, self.entries - self.max_entries)
+
+    def remove(self, node_id: str, hashes: Iterable[int]) -> None:
+        n = self._nodes.get(node_id)
+        if n is None:
+            return
+        self._drop(n, [h for h in hashes if h in n.blocks])
+
+    def _drop(self, n: _Node, hashes: Iterable[int]) -> None:
+        keep = ~(1 << n.slot)
+        blocks, own = self._blocks, n.blocks
+        for h in hashes:
+            del own[h]
+            rest = blocks[h] & keep
+            if rest:
+                blocks[h] = rest
+            else:
+                del blocks[h]
+            self.entries -= 1
+
+    def _shed(self, n: _Node, count: int) -> None:
+        it = iter(n.blocks)
+        self._drop(n, [next(it) for _ in range(min(count, len(n.blocks)))])
+
+    def expire(self, now: float) -> int:
+        """Drops approximate entries older than ``ttl_s``; returns how many (housekeeping;
+        ``match`` already ignores them)."""
+        if self.ttl_s <= 0:
+            return 0
+        horizon, dropped = now - self.ttl_s, 0
+        for n in self._nodes.values():
+            if n.precise:
+                continue
+            old = []
+            for h, t in n.blocks.items():
+                if t >= horizon:
+                    break
+                old.append(h)
+            self._drop(n, old)
+            dropped += len(old)
+        return dropped
+
+    def _clear(self, n: _Node) -> None:
+        self._drop(n, list(n.blocks))
+
+    def clear_node(self, node_id: str) -> None:
+        """The node's cache was cleared (AllBlocksCleared): it holds nothing now."""
+        n = self._nodes.get(node_id)
+        if n is not None:
+            self._clear(n)
+
+    def replace(self, node_id: str, hashes: Iterable[int], seq: int) -> None:
+        """A snapshot: the node holds exactly these blocks as of event batch ``seq``."""
+        n = self._node(node_id, True)
+        self._clear(n)
+        self.add(node_id, hashes)
+        n.seq = seq
+        n.awaiting = False
+
+    def advance(self, node_id: str, seq: int) -> None:
+        """Event batch ``seq`` of a precise node is being applied."""
+        self._nodes[node_id].seq = seq
+
+    def lost_track(self, node_id: str) -> None:
+        """A gap in a precise node's updates: its blocks are dropped until a snapshot."""
+        n = self._node(node_id, True)
+        self._clear(n)
+        n.awaiting = True
+
+    def forget(self, node_id: str) -> None:
+        """The node left the fleet."""
+        n = self._nodes.pop(node_id, None)
+        if n is None:
+            return
+        self._clear(n)
+        del self._by_slot[n.slot]
+        self._free_slots.append(n.slot)
+
+
+class PrefixIndexes:
+    """The per-model indexes of one router (``PrefixIndex`` each), created on first use."""
+
+    def __init__(self, max_entries: int = 4_000_000, ttl_s: float = 120.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._models: dict[str, PrefixIndex] = {}
+
+    def model(self, name: str) -> PrefixIndex:
+        ix = self._models.get(name)
+        if ix is None:
+            ix = self._models[name] = PrefixIndex(self.max_entries, self.ttl_s)
+        return ix
+
+    def get(self, name: str) -> PrefixIndex | None:
+        return self._models.get(name)
+
+    def forget(self, node_id: str) -> None:
+        for ix in self._models.values():
+            ix.forget(node_id)
+
+    def expire(self, now: float) -> int:
+        return sum(ix.expire(now) for ix in self._models.values())

@@ -1,0 +1,107 @@
+"""The router's prefix index and locality: matching, precise updates with gaps and snapshots,
+approximate records that age out, the memory bound."""
+
+from __future__ import annotations
+
+from gpumesh.kvblocks import block_hashes
+from gpumesh.router.fleet.locality import PrefixLocality
+from gpumesh.router.fleet.prefix_index import PrefixIndex, PrefixIndexes
+from gpumesh.router.scheduling.types import RequestInfo
+from gpumesh.v1 import control_pb2, inference_pb2
+
+A = block_hashes(list(range(160)))                 # 10 blocks
+B = block_hashes(list(range(96)) + [1] * 64)       # shares A's first 6
+
+
+def test_match_depth_per_node() -> None:
+    ix = PrefixIndex()
+    ix.add("n1", A)
+    ix.add("n2", A[:3])
+    ix.add("n3", B)
+    assert ix.match(A) == {"n1": 10, "n2": 3, "n3": 6}
+    assert ix.match(B) == {"n1": 6, "n2": 3, "n3": 10}
+    assert ix.match(block_hashes(list(range(1, 161)))) == {}
+    ix.forget("n1")
+    assert ix.match(A) == {"n2": 3, "n3": 6}
+    ix.add("n4", A)     # takes n1's slot again
+    assert ix.match(A)["n4"] == 10 and ix.entries == 3 + 10 + 10
+
+
+def test_a_hole_in_the_chain_ends_the_match() -> None:
+    ix = PrefixIndex()
+    ix.add("n", A)
+    ix.remove("n", [A[4]])
+    assert ix.match(A) == {"n": 4}
+
+
+def test_memory_bound_drops_the_adding_nodes_oldest() -> None:
+    ix = PrefixIndex(max_entries=12)
+    ix.add("n1", A)
+    ix.add("n2", B[:4])
+    assert ix.entries == 12
+    assert ix.match(A) == {"n1": 10}
+    assert ix.match(B) == {"n1": 6}   # n2 lost its 2 oldest blocks: its chain is broken
+
+
+def test_approximate_entries_age_out() -> None:
+    ix = PrefixIndex(ttl_s=10.0)
+    ix.add("n", A[:5], now=0.0, precise=False)
+    ix.add("n", A, now=8.0, precise=False)          # re-dates the first 5 too
+    assert ix.match(A, now=15.0) == {"n": 10}
+    assert ix.match(A, now=19.0) == {}
+    assert ix.expire(19.0) == 10 and ix.entries == 0
+
+
+def update(seq: int, **kw: object) -> control_pb2.KvCacheUpdate:
+    return control_pb2.KvCacheUpdate(model="m", seq=seq, block_size=16, **kw)  # type: ignore[arg-type]
+
+
+def test_precise_updates_gap_and_snapshot() -> None:
+    loc = PrefixLocality("auto", PrefixIndexes(), clock=lambda: 0.0)
+    assert loc.apply("n", update(1, snapshot=True, stored=A[:4])) is None
+    assert loc.apply("n", update(2, stored=A[4:])) is None
+    ix = loc.indexes.model("m")
+    assert ix.match(A) == {"n": 10}
+    assert loc.apply("n", update(3, removed=A[8:])) is None
+    assert ix.match(A) == {"n": 8}
+    assert loc.apply("n", update(5, stored=A[8:])) == "m"    # seq 4 lost: ask for a snapshot
+    assert ix.match(A) == {} and loc.gaps == 1
+    assert loc.apply("n", update(6, stored=A)) is None        # ignored until the snapshot
+    assert loc.apply("n", update(7, snapshot=True, stored=B)) is None
+    assert ix.match(B) == {"n": 10}
+    assert loc.apply("n", update(8, cleared=True, stored=A[:2])) is None
+    assert ix.match(A) == {"n": 2}
+    # another block size cannot match our hashes: ignored
+    assert loc.apply("n2", control_pb2.KvCacheUpdate(model="m", seq=1, snapshot=True,
+                                                      block_size=32, stored=A)) is None
+    assert "n2" not in ix.match(A)
+
+
+def test_annotate_and_approximate_routing() -> None:
+    now = [0.0]
+    loc = PrefixLocality("auto", PrefixIndexes(ttl_s=60.0), clock=lambda: now[0])
+    info = RequestInfo("m", 170, prefix_hashes=tuple(A))
+    assert loc.annotate(info).cached_tokens == {}
+    loc.routed(info, "n1")                      # no events from n1: the router's record
+    loc.apply("n2", update(1, snapshot=True, stored=A[:5]))
+    loc.routed(info, "n2")                      # n2 streams events: no record
+    got = loc.annotate(info).cached_tokens
+    assert dict(got) == {"n1": 160, "n2": 80}
+    now[0] = 61.0
+    assert dict(loc.annotate(info).cached_tokens) == {"n2": 80}
+    off = PrefixLocality("off", PrefixIndexes(), clock=lambda: 0.0)
+    assert off.annotate(info) is info
+
+
+async def test_hashes_from_token_ids_and_sim_text() -> None:
+    loc = PrefixLocality("auto", PrefixIndexes(), clock=lambda: 0.0,
+                         engine_of=lambda model: "sim")
+    req = inference_pb2.GenerateRequest(model="m", token_ids=inference_pb2.TokenIds(
+        ids=list(range(160))))
+    assert await loc.hashes(req, "m") == tuple(A)
+    from gpumesh.node.engines.sim import SimEngine
+    text = "the same long system prompt " * 40
+    want = block_hashes(SimEngine().tokenize(text))
+    got = await loc.hashes(inference_pb2.GenerateRequest(model="m", text=text), "m")
+    assert got == tuple(want) and len(got) > 5
+    loc.close()
