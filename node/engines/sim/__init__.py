@@ -46,7 +46,11 @@ not capacity).
 
 Calibration: the defaults are a Qwen2.5-0.5B shape on one H200 under vLLM with CUDA graphs;
 ``SimEngineConfig.for_shape("7b")`` gives the 7B shape. The measurements and fits behind them
-are in docs/benchmarks-gpu.md ("Simulator calibration").
+are in docs/benchmarks-gpu.md ("Simulator calibration"). ``for_shape("0.5b-h200")`` and
+``for_shape("7b-h200")`` are fitted on the bare engine instead (decode steps of B requests
+decoding together, B = 1..512, and the prefill slope of one request's TTFT; the 7B shape adds
+``step_c_decode_ms`` x decode_tokens^2 to the step): the fleet simulator's default, checked
+against those measurements in tests/bench/test_sim_calibration.py.
 
 Not modelled: attention cost growing with context length, CUDA-graph vs eager steps, prefix
 caching (hit rate is always 0), GPU samples (``EngineLoad.gpus`` is empty), and, unless

@@ -24,6 +24,9 @@ class SimEngineConfig:
     step_a_ms: float = 2.29  # the 0.5B shape (package docstring: calibration)
     step_b_decode_ms: float = 0.0242
     step_b_prefill_ms: float = 0.00612
+    # quadratic decode term (ms per decode token squared): large batches of a big model cost
+    # more than linearly (attention over many sequences); 0 = the linear model
+    step_c_decode_ms: float = 0.0
     front_end_tokens_per_s: float = 0.0  # node front-end ceiling (package docstring); 0 = none
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 16384
@@ -63,7 +66,8 @@ class SimEngineConfig:
 
     @classmethod
     def for_shape(cls, shape: str, **overrides: Any) -> SimEngineConfig:
-        """Calibrated defaults for ``"0.5b"`` or ``"7b"`` (see the package docstring)."""
+        """Calibrated defaults for ``"0.5b"``, ``"7b"`` (measured through a node) or
+        ``"0.5b-h200"``, ``"7b-h200"`` (the bare engine); see the package docstring."""
         shapes: dict[str, dict[str, Any]] = {
             "0.5b": {},
             "7b": {
@@ -72,6 +76,22 @@ class SimEngineConfig:
                 "step_a_ms": 4.74,
                 "step_b_decode_ms": 0.0109,
                 "step_b_prefill_ms": 0.0241,
+            },
+            # Fitted on the bare engine (no node around it): decode step = elapsed / 256 of B
+            # requests decoding together, B = 1..512; prefill = the slope of one request's
+            # TTFT over 128..8192 prompt tokens (the package docstring: calibration).
+            "0.5b-h200": {
+                "step_a_ms": 2.742,
+                "step_b_decode_ms": 0.03205,
+                "step_b_prefill_ms": 0.0063,
+            },
+            "7b-h200": {
+                "model_name": "sim-qwen2.5-7b",
+                "kv_capacity_tokens": 1_910_000,
+                "step_a_ms": 4.799,
+                "step_b_decode_ms": 0.01107,
+                "step_c_decode_ms": 3.636e-5,
+                "step_b_prefill_ms": 0.02367,
             },
         }
         if shape.lower() not in shapes:

@@ -210,6 +210,8 @@ class SimScheduler:
         """Simulated duration of one step (seconds), before ``time_scale``."""
         c = self.config
         ms = c.step_a_ms + c.step_b_decode_ms * decode_tokens + c.step_b_prefill_ms * prefill_tokens
+        if c.step_c_decode_ms:
+            ms += c.step_c_decode_ms * decode_tokens * decode_tokens
         gpu_s = ms / c.speed / 1000.0
         if c.front_end_tokens_per_s > 0:
             return max(gpu_s, decode_tokens / c.front_end_tokens_per_s)
