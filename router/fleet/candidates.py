@@ -13,6 +13,7 @@ of unchanged nodes.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -132,7 +133,8 @@ def build_candidate(s: Slot, now: float, *, lease_ttl_s: float, freshness_s: flo
         outstanding_prompt_tokens=ledger.pending_tokens,
         outstanding_requests=ledger.pending_requests,
         unreported_prompt_tokens=tokens, unreported_requests=requests,
-        decode_delta=ledger.decode_delta(), peer_factor=peer_factor, step_s=step_s)
+        decode_delta=ledger.decode_delta(), peer_factor=peer_factor, step_s=step_s,
+        adapters=s.spec.adapters)
     s.cand, s.valid_until, s.version = c, valid_until, ledger.version
     return c
 
@@ -163,6 +165,14 @@ class LazyCandidates:
         if s.version == s.ledger.version and self._now < s.valid_until:
             return s.cand
         return self._build(s, self._now)
+
+    def index_of(self, node_id: str) -> int | None:
+        """The index of ``node_id`` (binary search over the node-id order), None if absent."""
+        slots = self._slots
+        i = bisect.bisect_left(slots, node_id, key=lambda s: s.entry.registration.node_id)
+        if i < len(slots) and slots[i].entry.registration.node_id == node_id:
+            return i
+        return None
 
     def all(self) -> list[Candidate]:
         out = []

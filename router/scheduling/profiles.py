@@ -22,7 +22,9 @@ semantics: when the sample's verdict may differ from the fleet's (nothing eligib
 the sample, or ``kv_below`` found no node under its threshold in the sample) the decision
 falls back to filtering every node, then samples d of the eligible ones. The price of sampling
 is balance: the pick is the best of d random nodes, not the best of all, i.e. a node in the
-best ~1/(d+1) of the fleet on average (tested in tests/router/test_sampling.py).
+best ~1/(d+1) of the fleet on average (tested in tests/router/test_sampling.py). A request
+whose prompt prefix some nodes hold in their KV cache (``RequestInfo.cached_tokens``) has up
+to d of those nodes, longest prefix first, added to the sample.
 
 ``Decision.considered`` keeps full per-scorer scores for the best ``KEEP_SCORES`` candidates
 (the chosen one included), for the trace span; totals of the others are not kept.
@@ -252,6 +254,17 @@ def select(profile: Profile, candidates: Sequence[Candidate], request: RequestIn
                     MappingProxyType(dropped), d.tie_size, sampled_from or d.sampled_from)
 
 
+def _with_holders(picked: list[int], source: CandidateSource, request: RequestInfo,
+                  limit: int) -> list[int]:
+    """Prefix locality: the nodes holding the longest cached prefixes of the request (at most
+    ``limit`` of them) join the random sample, so that sampling never hides the node whose
+    cache would spare the prefill; the estimate then weighs them against the others."""
+    index_of = source.index_of  # type: ignore[attr-defined]
+    best = sorted(request.cached_tokens.items(), key=lambda kv: -kv[1])[:limit]
+    more = {i for nid, _ in best if (i := index_of(nid)) is not None}
+    return list(more.union(picked))
+
+
 def select_from(profile: Profile, source: CandidateSource | Sequence[Candidate],
                 request: RequestInfo, rng: random.Random, filters: Sequence[Filter],
                 sample_size: int = 0) -> Decision:
@@ -266,7 +279,10 @@ def select_from(profile: Profile, source: CandidateSource | Sequence[Candidate],
     if sample_size <= 0 or n <= sample_size or not getattr(profile, "samplable", False):
         return select(profile, source.all(), request, rng, filters)
     at = source.at
-    sample = [c for i in sorted(rng.sample(range(n), sample_size)) if (c := at(i)) is not None]
+    picked = rng.sample(range(n), sample_size)
+    if request.cached_tokens and hasattr(source, "index_of"):
+        picked = _with_holders(picked, source, request, sample_size)
+    sample = [c for i in sorted(picked) if (c := at(i)) is not None]
     kept, dropped = sample, {}
     conclusive = True
     for f in filters:

@@ -105,6 +105,12 @@ class RequestInfo:
     model: str
     prompt_tokens: int
     routing_key: str = ""
+    # Prefix locality (router/fleet/locality.py): the prompt's block hashes
+    # (gpumesh.kvblocks), and per node id the prompt tokens that node holds in its KV cache
+    # (nodes holding none are absent). The expected-wait scorer charges each node only the
+    # prefill it would still do.
+    prefix_hashes: tuple[int, ...] = ()
+    cached_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # The output tokens it may generate (its max_tokens; 0 = unknown): the expected-wait
     # profile adds its own decode time on each node (scorers.expected_service_s).
     output_tokens: int = 0

@@ -106,7 +106,13 @@ estimate is its expected end-to-end time there, not only its wait for the first 
      reported: (prompt_tokens / reference_prompt_tokens_per_s
                 + min(output_tokens, output_tokens_cap) * decode_s_per_request) / w)
 
-with ``output_tokens`` the request's max_tokens (0 = unknown: no output term). Why: the wait
+with ``output_tokens`` the request's max_tokens (0 = unknown: no output term), and
+``prompt_tokens`` less the prefix of it that n already holds in its KV cache
+(``RequestInfo.cached_tokens``: router/fleet/locality.py, from n's KV events or the router's
+record of what it sent n): n prefills only the rest, so a node holding a long shared prefix
+saves that prefill in this one number, against its queue, with no separate cache-aware mode;
+a node without the prefix pays the whole prompt (with service_weight 0 there is no locality
+either). Why the service term at all: the wait
 alone is the same for a short and a long generation, so a long generation goes wherever the
 queue is shortest, often a slow node that just emptied, and decodes there at that node's
 step for its whole length; on a fleet of mixed speeds its end-to-end time is then far above
@@ -178,7 +184,8 @@ def expected_service_s(c: Candidate, m: WaitModel, request: RequestInfo) -> floa
     output's decode steps at the node's speed (``service`` above; 0 for an empty request)."""
     weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
     out = min(max(request.output_tokens, 0), m.output_tokens_cap)
-    prompt = max(request.prompt_tokens, 0)
+    # prefix locality: only the prompt tokens the node does not hold in its KV cache
+    prompt = max(request.prompt_tokens - request.cached_tokens.get(c.node_id, 0), 0)
     r = c.report
     if r is not None and m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
         tps = max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
