@@ -24,6 +24,8 @@ class ModelSpec:
     max_context_length: int = 0
     tensor_parallel_size: int = 1
     capacity_weight: float = 1.0
+    # LoRA adapters of this model the node can serve (loaded on demand), by request name.
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class LoadReport:
     kv_capacity_tokens: int = 0          # 0 = unknown
     prefill_capacity_tokens_per_s: float = 0.0  # 0 = unknown
     decode_step_s: float = 0.0           # 0 = unknown
+    loaded_adapters: tuple[str, ...] = ()  # LoRA adapters loaded in the engine now
+    adapter_load_s: float = 0.0          # mean seconds of a recent adapter load; 0 = unknown
     gpus: tuple[GpuSample, ...] = ()
     router_accounts: tuple[RouterAccount, ...] = ()
 

@@ -19,19 +19,20 @@ from gpumesh.v1 import inference_pb2 as pb
 def model_spec_to_proto(m: ModelSpec) -> cpb.ServedModel:
     return cpb.ServedModel(name=m.name, aliases=m.aliases, max_context_length=m.max_context_length,
                            tensor_parallel_size=m.tensor_parallel_size,
-                           capacity_weight=m.capacity_weight)
+                           capacity_weight=m.capacity_weight, adapters=m.adapters)
 
 
 def model_spec_from_proto(m: cpb.ServedModel) -> ModelSpec:
     return ModelSpec(m.name, tuple(m.aliases), m.max_context_length, m.tensor_parallel_size or 1,
-                     m.capacity_weight if m.capacity_weight > 0 else 1.0)
+                     m.capacity_weight if m.capacity_weight > 0 else 1.0, tuple(m.adapters))
 
 
 def model_info_to_proto(m: ModelSpec, node_ids: Sequence[str]) -> pb.ModelInfo:
     """``ListModels``' entry for a model and the nodes serving it (a node lists itself)."""
     return pb.ModelInfo(name=m.name, aliases=m.aliases, max_context_length=m.max_context_length,
                         tensor_parallel_size=m.tensor_parallel_size,
-                        capacity_weight=m.capacity_weight, node_ids=node_ids)
+                        capacity_weight=m.capacity_weight, node_ids=node_ids,
+                        adapters=m.adapters)
 
 
 def gpu_to_proto(g: GpuSample) -> cpb.GpuStats:
@@ -70,7 +71,8 @@ def load_report_to_proto(r: LoadReport) -> cpb.LoadReport:
         router_accounts=[account_to_proto(a) for a in r.router_accounts],
         prompt_tokens_per_s=r.prompt_tokens_per_s, kv_capacity_tokens=r.kv_capacity_tokens,
         prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
-        decode_step_s=r.decode_step_s)
+        decode_step_s=r.decode_step_s, loaded_adapters=r.loaded_adapters,
+        adapter_load_s=r.adapter_load_s)
 
 
 def load_report_from_proto(r: cpb.LoadReport) -> LoadReport:
@@ -83,6 +85,7 @@ def load_report_from_proto(r: cpb.LoadReport) -> LoadReport:
         kv_capacity_tokens=r.kv_capacity_tokens,
         prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
         decode_step_s=r.decode_step_s,
+        loaded_adapters=tuple(r.loaded_adapters), adapter_load_s=r.adapter_load_s,
         gpus=tuple(gpu_from_proto(g) for g in r.gpus),
         router_accounts=tuple(account_from_proto(a) for a in r.router_accounts))
 

@@ -40,6 +40,8 @@ from gpumesh.router.dispatch import Dispatcher
 from gpumesh.router.fleet import Registry
 from gpumesh.router.fleet.quarantine import Quarantine
 from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
+from gpumesh.router.fleet.sessions import SessionTable
+from gpumesh.router.scheduling.steering import SteeringModel, steer
 from gpumesh.router.telemetry import RouterTelemetry
 from gpumesh.security.guard import GuardedServer
 
@@ -72,10 +74,16 @@ class RouterServer:
                                config.wait_scale_s, config.kv_output_allowance_tokens,
                                config.prefill_from_capacity, config.decode_steps_per_request,
                                config.service_weight, config.output_tokens_cap)
-        self.profile = build_profile(config.policy, config.scorer_weights, wait_model)
+        # Session affinity and LoRA adapters on top of the load profile (scheduling.steering).
+        self.profile = steer(build_profile(config.policy, config.scorer_weights, wait_model),
+                             SteeringModel(config.session_affinity_weight,
+                                           config.session_affinity_epsilon,
+                                           config.adapter_weight, config.adapter_load_s,
+                                           config.wait_scale_s))
+        self.sessions = SessionTable(config.session_max_keys, config.session_ttl_s, clock)
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
                                      default_filters(config.kv_hard_threshold),
-                                     rng or random.Random(), clock)
+                                     rng or random.Random(), clock, sessions=self.sessions)
         # OpenTelemetry from the OTEL_* environment; off (and free) when no endpoint is set.
         self.telemetry = telemetry or RouterTelemetry(
             otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)

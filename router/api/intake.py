@@ -52,10 +52,38 @@ def request_info(req: inference_pb2.GenerateRequest, config: RouterConfig, regis
     """The request as routing sees it (model resolved, prompt sized) and its deadline on
     ``clock``. Raises RouterError for a model the fleet does not serve."""
     model = registry.resolve(req.model)
+    check_routing_fields(req, registry, model)
     info = RequestInfo(model, estimate_prompt_tokens(req, config.chars_per_token),
-                       req.routing_key, output_tokens=max(req.sampling.max_tokens, 0))
+                       req.routing_key, adapter=req.adapter,
+                       output_tokens=max(req.sampling.max_tokens, 0))
     remaining = context.time_remaining()
     return info, clock() + (config.request_timeout_s if remaining is None else remaining)
+
+
+MAX_ROUTING_KEY_BYTES = 256   # a session id, not a payload: longer keys are refused
+MAX_ADAPTER_NAME = 128
+
+
+def check_routing_fields(req: inference_pb2.GenerateRequest, registry: Registry,
+                         model: str) -> None:
+    """``routing_key`` at most MAX_ROUTING_KEY_BYTES (INVALID_ARGUMENT); ``adapter`` listed by
+    some node of ``model`` (NOT_FOUND, naming the ones served; the registration's list is
+    fixed, so no node of the fleet as it stands can ever serve it)."""
+    if len(req.routing_key.encode()) > MAX_ROUTING_KEY_BYTES:
+        raise errors.RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"routing_key longer than {MAX_ROUTING_KEY_BYTES} bytes")
+    if not req.adapter:
+        return
+    if len(req.adapter) > MAX_ADAPTER_NAME:
+        raise errors.RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"adapter name longer than {MAX_ADAPTER_NAME} characters")
+    snap = registry.snapshot(model)
+    served = snap.spec.adapters if snap is not None else ()
+    if req.adapter not in served:
+        listed = ", ".join(served[:20]) or "none"
+        raise errors.RouterError(grpc.StatusCode.NOT_FOUND,
+                                 f"adapter {req.adapter!r} is not served for model {model!r}; "
+                                 f"served: {listed}")
 
 
 def trailing(record: DispatchRecord, trace: Trace = NOOP) -> tuple[tuple[str, str], ...]:

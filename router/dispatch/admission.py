@@ -20,6 +20,7 @@ from gpumesh.router.dispatch.records import ChargeFn
 from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.scheduling import Decision, NoCandidate, Profile, RequestInfo, select_from
 from gpumesh.router.scheduling.filters import Filter
+from gpumesh.router.scheduling.steering import request_filters
 
 
 @dataclass
@@ -51,7 +52,8 @@ class AdmissionQueue:
         """One routing decision now, without charging. Reads the registry's cached candidates
         lazily: O(decision_sample_size) on a large fleet."""
         return select_from(self.profile, self.registry.candidate_source(info.model, exclude),
-                           info, self.rng, self.filters, self.decision_sample_size)
+                           info, self.rng, self.filters + request_filters(info),
+                           self.decision_sample_size)
 
     def queue_length(self, model: str) -> int:
         return len(self._queues.get(model, ()))

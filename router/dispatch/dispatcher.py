@@ -23,6 +23,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -40,6 +41,7 @@ from gpumesh.router.dispatch.records import (
     DispatchRecord,
 )
 from gpumesh.router.fleet import Credit, Registry
+from gpumesh.router.fleet.sessions import SessionTable
 from gpumesh.router.scheduling import Decision, Profile, RequestInfo
 from gpumesh.router.scheduling.filters import Filter
 
@@ -51,8 +53,11 @@ _NodeError = errors.RouterError | grpc.aio.AioRpcError
 class Dispatcher:
     def __init__(self, config: RouterConfig, registry: Registry, channels: NodeChannels,
                  profile: Profile, filters: Sequence[Filter], rng: random.Random,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sessions: SessionTable | None = None) -> None:
         self.config = config
+        # routing_key -> last node (session affinity); None = no affinity
+        self.sessions = sessions
         self.registry = registry
         self.channels = channels
         self.clock = clock   # deadlines (seconds, monotonic)
@@ -141,13 +146,19 @@ class Dispatcher:
                       charge: ChargeFn, record: DispatchRecord,
                       last_error: _NodeError | None) -> Assignment:
         """Admits the request onto a node; when no other node is left for a retry, the
-        previous attempt's error is what the client sees."""
+        previous attempt's error is what the client sees. A request with a routing_key
+        prefers the node its key went to last, and its key then follows the chosen node."""
+        sessions = self.sessions
+        if sessions is not None and info.routing_key:
+            info = replace(info, session_node=sessions.lookup(info.model, info.routing_key))
         try:
             d, credit, queued = await self.admission.acquire(info, deadline, charge, exclude)
         except errors.RouterError:
             if last_error is not None:
                 raise last_error from None
             raise
+        if sessions is not None and info.routing_key:
+            sessions.remember(info.model, info.routing_key, d.node_id)
         entry = self.registry.entry(d.node_id)
         address = entry.registration.address if entry is not None else ""
         frontends = entry.registration.frontend_addresses if entry is not None else ()

@@ -284,7 +284,8 @@ class Registry:
             tp = max((m.tensor_parallel_size for e in live for m in e.registration.models
                       if m.name == name), default=snap.spec.tensor_parallel_size)
             out.append(ModelSummary(name, snap.spec.aliases, snap.spec.max_context_length, tp,
-                                    weight, tuple(e.node_id for e in live)))
+                                    weight, snap.spec.adapters,
+                                    node_ids=tuple(e.node_id for e in live)))
         return out
 
     def fleet(self) -> list[NodeView]:

@@ -1,0 +1,119 @@
+"""LoRA adapter routing: the adapter scorer's curve, the serves_adapter filter, the steered
+profile's preference for nodes holding the adapter, and the router's NOT_FOUND for an adapter
+no node serves (table-driven, no servers except the last test's in-process router)."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from gpumesh.router.api.intake import check_routing_fields
+from gpumesh.router.errors import RouterError
+from gpumesh.router.fleet import Registry
+from gpumesh.router.scheduling import (
+    Candidate,
+    NodeState,
+    RequestInfo,
+    WaitModel,
+    build_profile,
+    default_filters,
+    select,
+)
+from gpumesh.router.scheduling.profiles import NoCandidate
+from gpumesh.router.scheduling.scorers.adapter import adapter_score, serves_adapter
+from gpumesh.router.scheduling.steering import SteeringModel, request_filters, steer
+from gpumesh.types import LoadReport, ModelSpec, Registration
+from gpumesh.v1 import inference_pb2 as pb
+
+WM = WaitModel(reference_prompt_tokens_per_s=1000.0, wait_scale_s=0.5)
+WEIGHTS = {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 0.0}
+
+
+def cand(i: int, *, serves: tuple[str, ...] = ("a", "b"), loaded: tuple[str, ...] = (),
+         load_s: float = 0.0, pending: int = 0, stale: bool = False,
+         max_concurrency: int = 0, in_flight: int = 0) -> Candidate:
+    report = None if stale else LoadReport(pending_prefill_tokens=pending,
+                                           loaded_adapters=loaded, adapter_load_s=load_s)
+    return Candidate(node_id=f"n{i}", address=f"n{i}:1",
+                     state=NodeState.STALE if stale else NodeState.HEALTHY,
+                     capacity_weight=1.0, max_concurrency=max_concurrency, report=report,
+                     report_age_s=0.1, kv_cache_usage=0.0, router_in_flight=in_flight,
+                     outstanding_prompt_tokens=0, outstanding_requests=0,
+                     unreported_prompt_tokens=0, unreported_requests=0, adapters=serves)
+
+
+@pytest.mark.parametrize("kw, adapter, expect", [
+    ({"loaded": ("a",)}, "a", 1.0),                 # loaded: no cost
+    ({"loaded": ("b",)}, "", 1.0),                  # no adapter asked: neutral
+    ({}, "a", 1 / (1 + 1.0 / 0.5)),                 # not loaded, nothing measured: default 1 s
+    ({"load_s": 0.25}, "a", 1 / (1 + 0.25 / 0.5)),  # the node's own measured load time
+    ({"stale": True, "loaded": ("a",)}, "a", 1 / (1 + 1.0 / 0.5)),  # no fresh report: unknown
+])
+def test_adapter_score_curve(kw, adapter, expect) -> None:
+    assert adapter_score(cand(0, **kw), adapter, 1.0, 0.5) == pytest.approx(expect)
+
+
+def test_serves_adapter_filter_drops_nodes_that_cannot() -> None:
+    cs = [cand(0, serves=("a",)), cand(1, serves=()), cand(2, serves=("b", "a"))]
+    kept, dropped = serves_adapter("a")(cs)
+    assert [c.node_id for c in kept] == ["n0", "n2"]
+    assert dropped == {"n1": "does not serve adapter 'a'"}
+    assert request_filters(RequestInfo("m", 1)) == ()
+
+
+def pick(cs, adapter: str, **model) -> str:
+    p = steer(build_profile("weighted_least_load", WEIGHTS, WM), SteeringModel(**model))
+    info = RequestInfo("m", 100, adapter=adapter)
+    return select(p, cs, info, random.Random(1),
+                  (*default_filters(0.92), *request_filters(info))).node_id
+
+
+@pytest.mark.parametrize("nodes, expect", [
+    # equal load: the node holding the adapter
+    ([{"loaded": ()}, {"loaded": ("a",)}, {"loaded": ("b",)}], "n1"),
+    # a short extra queue does not outweigh a 1 s load ...
+    ([{"loaded": ("a",), "pending": 200}, {"pending": 0}], "n0"),
+    # ... a long one does (20,000 queued tokens at 1,000/s: 20 s of wait)
+    ([{"loaded": ("a",), "pending": 20_000}, {"pending": 0}], "n1"),
+    # the only node that can serve it wins even when busier
+    ([{"serves": (), "pending": 0}, {"serves": ("a",), "pending": 5000}], "n1"),
+    # a fast measured load narrows the gap: the lighter node wins
+    ([{"loaded": ("a",), "pending": 300}, {"pending": 0, "load_s": 0.01}], "n1"),
+])
+def test_adapter_preference_trades_with_load(nodes, expect) -> None:
+    assert pick([cand(i, **kw) for i, kw in enumerate(nodes)], "a") == expect
+
+
+def test_adapter_weight_zero_ignores_where_it_is_loaded() -> None:
+    cs = [cand(0, loaded=("a",), pending=200), cand(1)]
+    assert pick(cs, "a", adapter_weight=0.0) == "n1"
+
+
+def test_only_busy_adapter_nodes_queue_instead_of_going_elsewhere() -> None:
+    """Nodes that serve the adapter are all at their limit: the request waits (busy), it is
+    never sent to a node that cannot serve it."""
+    cs = [cand(0, serves=(), pending=0), cand(1, serves=("a",), max_concurrency=1,
+                                               in_flight=1)]
+    info = RequestInfo("m", 100, adapter="a")
+    p = steer(build_profile("weighted_least_load", WEIGHTS, WM), SteeringModel())
+    with pytest.raises(NoCandidate) as e:
+        select(p, cs, info, random.Random(1), (*default_filters(0.92), *request_filters(info)))
+    assert e.value.busy
+
+
+def test_router_answers_not_found_for_an_adapter_no_node_serves() -> None:
+    reg = Registry("r1", lease_ttl_s=10, freshness_s=5, clock=lambda: 0.0)
+    for i, adapters in enumerate((("a",), ("b",))):
+        reg.register(Registration(f"n{i}", f"n{i}:1", (ModelSpec("m", adapters=adapters),),
+                                  "inc"), stream_id=i)
+    check_routing_fields(pb.GenerateRequest(adapter="b"), reg, "m")   # served by n1
+    with pytest.raises(RouterError) as e:
+        check_routing_fields(pb.GenerateRequest(adapter="zzz"), reg, "m")
+    assert e.value.code is grpc.StatusCode.NOT_FOUND and "a, b" in str(e.value)
+    for bad in (pb.GenerateRequest(adapter="x" * 129), pb.GenerateRequest(routing_key="k" * 257)):
+        with pytest.raises(RouterError) as e:
+            check_routing_fields(bad, reg, "m")
+        assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert [m.adapters for m in reg.models()] == [("a", "b")]
