@@ -23,13 +23,22 @@ from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 
-# Channel-level retry for transient UNAVAILABLE on unary calls that never reached a server,
-# declared in the service config rather than hand-rolled (grpc's retry design).
+# Channel-level retry of UNAVAILABLE, declared in the service config rather than hand-rolled
+# (grpc's retry design). gRPC retries a call only while no response message has arrived, so a
+# stream is never replayed after output (mid-stream failover is the router's, or
+# ``MeshClient.stream``'s in lookaside mode). A router that is up but still rebuilding its
+# fleet, or a router restarting behind its address, answers UNAVAILABLE with
+# grpc-retry-pushback-ms, which these policies honour.
 _SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
         "name": [{"service": "gpumesh.v1.Inference", "method": "ListModels"},
                  {"service": "gpumesh.v1.Router"}],
         "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }, {
+        "name": [{"service": "gpumesh.v1.Inference", "method": "Generate"},
+                 {"service": "gpumesh.v1.Inference", "method": "GenerateStream"}],
+        "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "1s",
                         "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
     }]})
 CHANNEL_OPTIONS = [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1),

@@ -54,7 +54,7 @@ class NodeConfig:
 
     max_concurrency: int = 0              # advertised to routers; 0 = unlimited
     heartbeat_busy_interval_s: float = 0.25
-    heartbeat_idle_interval_s: float = 1.0
+    heartbeat_idle_interval_s: float = 0.25   # = busy: a hung idle node is STALE in 0.5 s
     reconnect_max_backoff_s: float = 5.0
     flush_interval_ms: int = 20           # coalescing default (0 = per token)
     # The node's budget of stream messages per second over all its streams: with more streams

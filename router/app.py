@@ -65,7 +65,7 @@ class RouterServer:
                                  known_model_retention_s=config.known_model_retention_s,
                                  peer_share_half_life_s=config.peer_share_half_life_s,
                                  step_from_report=config.step_from_report,
-                                 clock=clock)
+                                 clock=clock, fleet_rebuild_s=config.fleet_rebuild_s)
         self.channels = NodeChannels(config.keepalive_time_ms,
                                      close_grace_s=config.request_timeout_s)
         self.registry.add_removal_listener(lambda e: self.channels.forget(e.node_id))
@@ -160,6 +160,7 @@ class RouterServer:
         self.control.closing.set()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        await self.dispatcher.close()
         await self._server.stop(min(grace, 1.0))
         await self.foreign.stop()
         await self.channels.aclose()

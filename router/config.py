@@ -112,9 +112,12 @@ class RouterConfig:
     # --- membership
     heartbeat_interval_ms: int = 250  # asked of nodes in RouterHello
     lease_ttl_s: float = 3.0          # no heartbeat for this long -> removed
-    freshness_s: float = 1.5          # report older than this -> STALE (router counts only);
-    #                                   > the node idle heartbeat interval (1 s by default)
+    freshness_s: float = 0.5          # report older than this -> STALE: no new work while a
+    #                                   fresh node serves the model; 2 node heartbeat intervals
     known_model_retention_s: float = 60.0  # a model whose nodes all left answers UNAVAILABLE
+    # After start, an unknown model answers UNAVAILABLE (retry hint), not NOT_FOUND, for this
+    # long: a restarted router's nodes are still re-registering. < 0: one lease_ttl_s; 0: off.
+    fleet_rebuild_s: float = -1.0
     # Half-life of this router's estimated share of all routers' dispatches (registry.PeerShare;
     # the expected-wait model scales its unreported requests by 1 / share). 0 = ignore peers.
     peer_share_half_life_s: float = 10.0
@@ -133,6 +136,15 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # per-attempt deadline when the client sets none
     first_token_timeout_s: float = 120.0  # no first message by then -> attempt failed (retryable)
     max_attempts: int = 2             # 2 = one transparent retry on another node
+    # --- failover (router.dispatch: migration, watch, ejection; docs/reliability.md)
+    max_migrations: int = 2           # a stream continues on another node at most this often
+    first_token_min_s: float = 10.0   # first-token wait = this + factor x the node's expected
+    first_token_wait_factor: float = 4.0  # wait, capped by first_token_timeout_s
+    stall_check_interval_s: float = 0.1   # how often stalled calls on STALE nodes are looked for
+    outlier_consecutive_failures: int = 3  # node faults in a row -> ejected (0 = off)
+    outlier_latency_factor: float = 5.0    # first-response EWMA > this x peers' median -> ejected
+    outlier_base_ejection_s: float = 1.0   # k-th ejection in a row lasts base x 2^(k-1) ...
+    outlier_max_ejection_s: float = 30.0   # ... at most this
     lookaside_credit_max_s: float = 30.0  # lookaside/unary credits expire after this at most
 
     # --- lookaside tickets
@@ -164,7 +176,8 @@ class RouterConfig:
         object.__setattr__(self, "foreign_nodes", tuple(self.foreign_nodes))
         for name in ("lease_ttl_s", "freshness_s", "reference_prompt_tokens_per_s",
                      "wait_scale_s", "request_timeout_s", "first_token_timeout_s", "ticket_ttl_s",
-                     "foreign_poll_interval_s"):
+                     "foreign_poll_interval_s", "first_token_min_s", "stall_check_interval_s",
+                     "outlier_base_ejection_s", "outlier_max_ejection_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.kv_hard_threshold <= 1 or not 0 < self.kv_usage_cap < 1:
@@ -189,6 +202,10 @@ class RouterConfig:
             raise ValueError("node_max_models/_name_length >= 1, node_max_aliases >= 0, "
                              "node_max_capacity_weight > 0, node_max_heartbeats_per_s >= 0, "
                              "quarantine_s >= 0")
+        if (self.max_migrations < 0 or self.first_token_wait_factor < 0
+                or self.outlier_consecutive_failures < 0 or self.outlier_latency_factor < 0):
+            raise ValueError("max_migrations, first_token_wait_factor, "
+                             "outlier_consecutive_failures, outlier_latency_factor must be >= 0")
         if self.max_attempts < 1 or self.queue_bound < 0 or self.max_concurrency_default < 0:
             raise ValueError("max_attempts >= 1, queue_bound >= 0, max_concurrency_default >= 0")
 

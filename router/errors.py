@@ -31,17 +31,29 @@ NOT_ADMITTED_CODES = frozenset({
 class RouterError(Exception):
     """A failure with the gRPC status the client should see."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, node_id: str = "") -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, node_id: str = "",
+                 retry_after_s: float = 0.0) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.node_id = node_id
+        # > 0: the client may retry after this long (sent as grpc-retry-pushback-ms, which
+        # gRPC's retry policy honours)
+        self.retry_after_s = retry_after_s
 
 
 def model_not_found(model: str, served: Iterable[str]) -> RouterError:
     names = ", ".join(sorted(served)) or "none"
     return RouterError(grpc.StatusCode.NOT_FOUND,
                        f"model {model!r} is not served by this fleet; served models: {names}")
+
+
+def fleet_rebuilding(model: str, age_s: float, retry_after_s: float) -> RouterError:
+    """An unknown model while a restarted router's fleet may still be incomplete: transient."""
+    return RouterError(grpc.StatusCode.UNAVAILABLE,
+                       f"model {model!r} is not known yet: this router started {age_s:.1f}s ago "
+                       f"and its nodes are still registering; retry shortly",
+                       retry_after_s=retry_after_s)
 
 
 def model_required(served: Iterable[str]) -> RouterError:

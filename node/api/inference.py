@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -59,6 +60,7 @@ class Prepared:
     router_id: str
     charged_tokens: int | None
     coalescing: CoalescePolicy
+    resumed: int = 0   # output tokens another node already delivered (GenerateRequest.resume)
 
 
 def _sampling(p: pb.SamplingParams) -> Sampling:
@@ -171,8 +173,17 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
                                     so.max_tokens_per_chunk or default.max_tokens,
                                     default.messages_per_s)
         request_id = req.request_id or uuid.uuid4().hex
+        resumed = list(req.resume.ids) if req.HasField("resume") else []
+        if resumed:
+            # A continuation: what was delivered joins the prompt; max_tokens counted it.
+            if len(resumed) >= sampling.max_tokens:
+                raise invalid(f"resume holds {len(resumed)} tokens: nothing is left of "
+                              f"max_tokens {sampling.max_tokens}")
+            ids = ids + resumed
+            sampling = dataclasses.replace(sampling,
+                                           max_tokens=sampling.max_tokens - len(resumed))
         return Prepared(EngineRequest(request_id, tuple(ids), sampling), router_id, charged,
-                        policy)
+                        policy, len(resumed))
 
     # --- the generation loop shared by unary and streaming ------------------------------
     async def _run(self, prep: Prepared, coalescing: CoalescePolicy,
@@ -216,7 +227,7 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
             prep = await self._prepare(request, context)
             trace.prepared(prep.request, prep.router_id)
             first = True
-            completion = 0
+            completion = prep.resumed   # a continuation's usage counts what was delivered
             # aclosing: a cancelled stream aborts in the engine at once, not when the
             # generator is garbage-collected.
             async with contextlib.aclosing(self._run(prep, prep.coalescing, trace)) as outs:
@@ -228,7 +239,8 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
                         first = False
                     if out.finish is not None:
                         msg.finish_reason = _FINISH[out.finish]
-                        msg.usage.prompt_tokens = len(prep.request.prompt_token_ids)
+                        msg.usage.prompt_tokens = (len(prep.request.prompt_token_ids)
+                                                   - prep.resumed)
                         msg.usage.completion_tokens = completion
                         self._trailing(context, trace)
                     yield msg
@@ -261,8 +273,8 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
             return pb.GenerateResponse(
                 text="".join(texts), token_ids=ids,
                 finish_reason=_FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
-                usage=pb.Usage(prompt_tokens=len(prep.request.prompt_token_ids),
-                               completion_tokens=len(ids)),
+                usage=pb.Usage(prompt_tokens=len(prep.request.prompt_token_ids) - prep.resumed,
+                               completion_tokens=prep.resumed + len(ids)),
                 request_id=prep.request.request_id)
         except RequestError as err:
             trace.fail(err.code, err.message)

@@ -95,4 +95,8 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException,
                 record: DispatchRecord, trace: Trace = NOOP) -> None:
     """Ends the call with ``exc``'s status (errors.status_for) and the record's metadata."""
     code, details = errors.status_for(exc)
-    await context.abort(code, details, trailing_metadata=trailing(record, trace))
+    meta = trailing(record, trace)
+    retry_after = getattr(exc, "retry_after_s", 0.0)
+    if retry_after > 0:   # honoured by gRPC retry policies (gpumesh.client's included)
+        meta = (*meta, ("grpc-retry-pushback-ms", str(int(retry_after * 1000))))
+    await context.abort(code, details, trailing_metadata=meta)

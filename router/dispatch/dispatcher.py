@@ -31,8 +31,9 @@ import grpc
 from gpumesh.router import errors
 from gpumesh.router.backends import NodeChannels, dispatch_metadata
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.dispatch import failover
+from gpumesh.router.dispatch import failover, migration
 from gpumesh.router.dispatch.admission import AdmissionQueue
+from gpumesh.router.dispatch.ejection import EjectionPolicy, OutlierEjector
 from gpumesh.router.dispatch.records import (
     Assignment,
     AttemptHook,
@@ -43,7 +44,10 @@ from gpumesh.router.dispatch.records import (
 from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.fleet.sessions import SessionTable
 from gpumesh.router.scheduling import Decision, Profile, RequestInfo
-from gpumesh.router.scheduling.filters import Filter
+from gpumesh.router.scheduling.filters import Filter, fresh_first
+from gpumesh.router.dispatch.watch import InFlightWatch, Tracked
+from gpumesh.router.scheduling.types import NodeState
+from gpumesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,16 @@ class Dispatcher:
         self.registry = registry
         self.channels = channels
         self.clock = clock   # deadlines (seconds, monotonic)
+        # Gray failures (router.dispatch.watch, .ejection): STALE nodes and outliers get no
+        # new work while another node can take it; stalled calls on STALE nodes fail over.
+        self.ejector = OutlierEjector(EjectionPolicy(
+            consecutive_failures=config.outlier_consecutive_failures,
+            latency_factor=config.outlier_latency_factor,
+            base_s=config.outlier_base_ejection_s, max_s=config.outlier_max_ejection_s), clock)
+        self.watch = InFlightWatch(self._fresh, clock, config.freshness_s)
+        self._watch_task: asyncio.Task[None] | None = None
+        registry.add_removal_listener(self._node_left)
+        filters = (*filters, fresh_first(), self.ejector)
         self.admission = AdmissionQueue(registry, profile, filters, rng, clock,
                                         queue_bound=config.queue_bound,
                                         decision_sample_size=config.decision_sample_size)
@@ -110,37 +124,117 @@ class Dispatcher:
                         record: DispatchRecord, streaming: bool, charge: ChargeFn,
                         extra_metadata: Sequence[tuple[str, str]],
                         on_attempt: AttemptHook | None) -> AsyncIterator[bytes]:
-        """Yields the serving node's responses: every stream chunk, or the one unary answer."""
+        """Yields the serving node's responses: every stream chunk, or the one unary answer.
+
+        A failure before the client saw output is retried on another node (``max_attempts``
+        in all); after it, the stream continues on another node from the tokens delivered
+        (``max_migrations`` times; ``failover.continuation``), unless the request opted out."""
         record.model, record.prompt_tokens = info.model, info.prompt_tokens
+        self._start_watch()
+        original = self._migratable(request, streaming)
+        progress = migration.StreamProgress() if original is not None else None
+        body: bytes | None = request
         tried: frozenset[str] = frozenset()
         last_error: _NodeError | None = None
-        for attempt in range(1, self.config.max_attempts + 1):
-            slot = await self._assign(info, deadline, tried, charge, record, last_error)
-            call = self._open(slot, request, info, deadline, streaming, extra_metadata,
-                              on_attempt)
-            admitted, forwarded = True, False
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                first = await self._first(call, slot, deadline, streaming)
-                if first is grpc.aio.EOF:   # (read() raises when the node ended with an error)
+                slot = await self._assign(info, deadline, tried, charge, record, last_error)
+            except (grpc.aio.AioRpcError, errors.RouterError) as e:
+                if progress is not None and progress.started:   # no node can continue it
+                    raise failover.mid_stream(e, record.node_id, self.clock(),
+                                              deadline) from None
+                raise
+            call = self._open(slot, body, info, deadline, streaming, extra_metadata,
+                              on_attempt)
+            tracked = self.watch.track(slot.node_id, call, streaming)
+            admitted, forwarded, sent = True, False, self.clock()
+            try:
+                chunk = await self._first(call, slot, deadline, streaming)
+                if chunk is grpc.aio.EOF:   # (read() raises when the node ended with an error)
                     return
+                self.ejector.success(slot.node_id, self.clock() - sent)
                 if streaming:
                     slot.credit.first_token()
                 forwarded = True
-                record.chunks += 1
-                yield first
-                while streaming and (chunk := await call.read()) is not grpc.aio.EOF:
+                while True:
                     record.chunks += 1
+                    if progress is not None:
+                        progress.observe(chunk)
+                        tracked.progress(self.clock())
                     yield chunk
-                return
-            except (grpc.aio.AioRpcError, errors.RouterError) as e:
+                    if not streaming or (chunk := await call.read()) is grpc.aio.EOF:
+                        return
+            except (grpc.aio.AioRpcError, errors.RouterError, asyncio.CancelledError) as exc:
+                e = failover.lost_call(exc, tracked)   # re-raises a real cancellation
                 admitted = forwarded or failover.admitted(e)
-                last_error = self._failed(e, attempt, slot, deadline, record, forwarded)
+                if failover.blames_node(e, self.clock(), deadline):
+                    self.ejector.failure(slot.node_id, failover.failed_code(e).name)
+                if progress is not None and progress.finished:
+                    return   # the client has the whole stream; only its trailers are lost
+                if progress is not None and progress.started:
+                    body = self._continuation(e, original, progress, slot, deadline, record)
+                else:
+                    self._failed(e, attempt, slot, deadline, record, forwarded)
+                last_error = e
             finally:
+                self.watch.untrack(tracked)
                 slot.credit.finish(admitted)
                 if not call.done():
                     call.cancel()   # client cancelled or we gave up: the node aborts
+            if body is None:   # every token was delivered; only the stream's end was missing
+                assert original is not None and progress is not None
+                yield migration.final_chunk(original, progress,
+                                            info.prompt_tokens).SerializeToString()
+                return
             tried = tried | {slot.node_id}
-        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _migratable(self, request: bytes, streaming: bool) -> pb.GenerateRequest | None:
+        """The parsed request when its stream may continue on another node, else None."""
+        if not streaming or self.config.max_migrations < 1:
+            return None
+        parsed = pb.GenerateRequest.FromString(request)
+        return parsed if migration.migratable(parsed) else None
+
+    def _continuation(self, e: _NodeError, original: pb.GenerateRequest | None,
+                      progress: migration.StreamProgress, slot: Assignment, deadline: float,
+                      record: DispatchRecord) -> bytes | None:
+        """After output reached the client: the request continuing the stream on another
+        node (None when every token was delivered), or raises what the client sees."""
+        record.attempts[-1].error = failover.failed_code(e).name
+        now = self.clock()
+        if original is None or not failover.continuable(
+                e, progress.migrations, self.config.max_migrations, now, deadline):
+            raise failover.mid_stream(e, slot.node_id, now, deadline) from None
+        progress.migrations += 1
+        record.migrations += 1
+        nxt = migration.resume_request(original, progress)
+        log.info("node %s failed after %d tokens (%s); continuing the stream elsewhere",
+                 slot.node_id, len(progress.token_ids), failover.failed_code(e).name)
+        return None if nxt is None else nxt.SerializeToString()
+
+    # ------------------------------------------------------------------ gray failures
+
+    def _fresh(self, node_id: str, now: float) -> bool:
+        entry = self.registry.entry(node_id)
+        return entry is not None and self.registry.state_of(entry, now)[0] is not NodeState.STALE
+
+    def _node_left(self, entry: Any) -> None:
+        self.watch.node_gone(entry.node_id)
+        self.ejector.forget(entry.node_id)
+
+    def _start_watch(self) -> None:
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.get_running_loop().create_task(
+                self.watch.run(self.config.stall_check_interval_s), name="in-flight-watch")
+
+    async def close(self) -> None:
+        """Stops the in-flight watch (router shutdown)."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+            self._watch_task = None
 
     async def _assign(self, info: RequestInfo, deadline: float, exclude: frozenset[str],
                       charge: ChargeFn, record: DispatchRecord,
@@ -178,16 +272,18 @@ class Dispatcher:
 
     async def _first(self, call: Any, slot: Assignment, deadline: float,
                      streaming: bool) -> Any:
-        """The node's first response; a stream's is bounded by first_token_timeout_s."""
+        """The node's first response; a stream's is bounded by a first-token deadline derived
+        from the node's own queue (``failover.first_token_wait``)."""
         if not streaming:
             return await call
-        wait = min(self.config.first_token_timeout_s, max(deadline - self.clock(), 0.001))
+        budget = failover.first_token_wait(slot.decision, slot.node_id, self.config)
+        wait = min(budget, max(deadline - self.clock(), 0.001))
         try:
             return await asyncio.wait_for(call.read(), wait)
         except TimeoutError:
             call.cancel()
-            raise failover.first_token_timeout(slot.node_id, self.config.first_token_timeout_s,
-                                               self.clock(), deadline) from None
+            raise failover.first_token_timeout(slot.node_id, budget, self.clock(),
+                                               deadline) from None
 
     def _failed(self, e: _NodeError, attempt: int, slot: Assignment, deadline: float,
                 record: DispatchRecord, forwarded: bool) -> _NodeError:
@@ -196,8 +292,8 @@ class Dispatcher:
         code = failover.failed_code(e)
         record.attempts[-1].error = code.name
         now = self.clock()
-        if forwarded and isinstance(e, grpc.aio.AioRpcError):
-            raise failover.mid_stream_error(e, slot.node_id, now, deadline) from None
+        if forwarded:
+            raise failover.mid_stream(e, slot.node_id, now, deadline) from None
         if not (failover.retryable_before_first_chunk(e) and failover.should_retry(
                 code, attempt, self.config.max_attempts, now, deadline)):
             raise e

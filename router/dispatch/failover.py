@@ -3,14 +3,24 @@
 A node failure before the first chunk reached the client may be retried on another node
 (``should_retry``); after it, a retryable failure becomes UNAVAILABLE naming the node
 (``mid_stream_error``). A node that sends nothing within the first-token timeout counts as
-failed (``first_token_timeout``), unless the request's own deadline is what ran out.
+failed (``first_token_timeout``), unless the request's own deadline is what ran out; the
+first-token wait comes from the node's own queue (``first_token_wait``). After output reached
+the client, a node fault continues the stream elsewhere (``continuable``; see ``migration``).
 """
 
 from __future__ import annotations
 
+import asyncio
+from typing import TYPE_CHECKING
+
 import grpc
 
 from gpumesh.router import errors
+
+if TYPE_CHECKING:
+    from gpumesh.router.config import RouterConfig
+    from gpumesh.router.dispatch.watch import Tracked
+    from gpumesh.router.scheduling import Decision
 
 
 def should_retry(code: grpc.StatusCode, attempt: int, max_attempts: int, now: float,
@@ -54,3 +64,58 @@ def mid_stream_error(e: grpc.aio.AioRpcError, node_id: str, now: float,
     if e.code() in errors.RETRYABLE_NODE_CODES or e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
         return errors.failed_mid_stream(node_id, f"{e.code().name}: {e.details()}")
     return e
+
+
+def mid_stream(e: errors.RouterError | grpc.aio.AioRpcError, node_id: str, now: float,
+               deadline: float) -> BaseException:
+    """``mid_stream_error`` for a node's status or the router's own error (a lost call, a
+    first-token timeout of a continuation): what the client sees when a stream that already
+    delivered output cannot continue."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return mid_stream_error(e, node_id, now, deadline)
+    if e.code is grpc.StatusCode.UNAVAILABLE:
+        return errors.failed_mid_stream(e.node_id or node_id, e.message)
+    return e
+
+
+def lost_call(exc: BaseException, tracked: Tracked) -> errors.RouterError | grpc.aio.AioRpcError:
+    """The attempt's error. A cancellation the in-flight watch caused (``tracked.lost``)
+    becomes UNAVAILABLE blaming the node; any other cancellation (the client's) re-raises."""
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        if not tracked.lost or (task is not None and task.cancelling()):
+            raise exc
+        return errors.RouterError(grpc.StatusCode.UNAVAILABLE, tracked.lost, tracked.node_id)
+    assert isinstance(exc, errors.RouterError | grpc.aio.AioRpcError)
+    return exc
+
+
+def blames_node(e: errors.RouterError | grpc.aio.AioRpcError, now: float,
+                deadline: float) -> bool:
+    """Whether a failure counts against the node for outlier ejection: a node fault, never a
+    client error (bad input, the client's own deadline) nor an overload answer."""
+    code = failed_code(e)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return now < deadline - 0.01
+    return code in errors.RETRYABLE_NODE_CODES and code is not grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def continuable(e: errors.RouterError | grpc.aio.AioRpcError, migrations: int,
+                max_migrations: int, now: float, deadline: float) -> bool:
+    """Whether a stream that delivered output continues on another node after ``e``: a node
+    fault (as for a retry, plus a node's DEADLINE_EXCEEDED before the request's deadline),
+    continuations left, time left."""
+    code = failed_code(e)
+    fault = (code is grpc.StatusCode.DEADLINE_EXCEEDED and now < deadline - 0.01) or (
+        code in errors.RETRYABLE_NODE_CODES and retryable_before_first_chunk(e))
+    return fault and migrations < max_migrations and now < deadline
+
+
+def first_token_wait(decision: Decision, node_id: str, config: RouterConfig) -> float:
+    """Seconds an attempt waits for its first token: ``first_token_min_s`` plus
+    ``first_token_wait_factor`` x the wait the routing decision expected on this node (from
+    its own reported queue), capped by ``first_token_timeout_s``."""
+    expected = next((s.expected_wait_s for s in decision.considered
+                     if s.node_id == node_id and s.expected_wait_s is not None), 0.0)
+    return min(config.first_token_timeout_s,
+               config.first_token_min_s + config.first_token_wait_factor * max(expected, 0.0))

@@ -30,6 +30,7 @@ class DispatchRecord:
     prompt_tokens: int = 0
     attempts: list[AttemptRecord] = field(default_factory=list)
     chunks: int = 0
+    migrations: int = 0      # times the stream continued on another node after output
 
     @property
     def node_id(self) -> str:

@@ -58,7 +58,7 @@ class Registry:
     def __init__(self, router_id: str, *, lease_ttl_s: float, freshness_s: float,
                  max_concurrency_default: int = 0, known_model_retention_s: float = 60.0,
                  peer_share_half_life_s: float = 10.0, step_from_report: bool = True,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, fleet_rebuild_s: float = -1.0) -> None:
         self.router_id = router_id
         self.step_from_report = step_from_report   # RouterConfig.step_from_report
         self.lease_ttl_s = lease_ttl_s
@@ -66,6 +66,11 @@ class Registry:
         self.max_concurrency_default = max_concurrency_default
         self.known_model_retention_s = known_model_retention_s
         self.clock = clock
+        # Until one lease has passed since start (fleet_rebuild_s), nodes may still be
+        # re-registering (a restarted router): an unknown model is then UNAVAILABLE with a
+        # retry hint.
+        self.started_at = clock()
+        self.fleet_rebuild_s = lease_ttl_s if fleet_rebuild_s < 0 else fleet_rebuild_s
         # This router's share of all routers' dispatches (0 = off: peers ignored).
         self.peers = PeerShare(router_id, peer_share_half_life_s, clock)
         self.speeds = ModelSpeeds()
@@ -215,7 +220,8 @@ class Registry:
         """Canonical model name for a name or alias; empty -> the only model served.
 
         Raises RouterError: NOT_FOUND (unknown, listing served models), INVALID_ARGUMENT
-        (empty with several served), UNAVAILABLE (none served, or its nodes all left)."""
+        (empty with several served), UNAVAILABLE (none served, or its nodes all left, or
+        unknown within one lease of this router's start: the fleet is still rebuilding)."""
         index = self._index
         if not model:
             if len(index.snapshots) == 1:
@@ -228,6 +234,10 @@ class Registry:
             return name
         if model in self._gone_models:
             raise errors.no_healthy_node(model, {"*": "every node serving it has left"})
+        age = self.clock() - self.started_at
+        if age < self.fleet_rebuild_s:
+            raise errors.fleet_rebuilding(model, age,
+                                          min(0.5, max(0.1, self.fleet_rebuild_s - age)))
         raise errors.model_not_found(model, index.snapshots)
 
     def snapshot(self, model: str) -> ModelSnapshot | None:

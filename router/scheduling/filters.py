@@ -64,3 +64,21 @@ def run_filters(candidates: Sequence[Candidate], filters: Sequence[Filter]
         kept, more = f(kept)
         dropped.update(more)
     return kept, dropped
+
+
+class fresh_first:  # a filter factory, like kv_below
+    """Drops STALE nodes (no report within the freshness window: hung, partitioned or
+    overloaded) while at least one candidate has a fresh report: no new work for a node
+    whose heartbeats stopped, unless nothing else serves the model."""
+
+    def __call__(self, candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
+        kept = [c for c in candidates if c.state is not NodeState.STALE]
+        if not kept or len(kept) == len(candidates):
+            return list(candidates), {}
+        return kept, {c.node_id: "stale (no recent heartbeat)"
+                      for c in candidates if c.state is NodeState.STALE}
+
+    @staticmethod
+    def sample_conclusive(kept: Sequence[Candidate]) -> bool:
+        """False when a STALE node survived (the sample had no fresh one; the fleet may)."""
+        return not any(c.state is NodeState.STALE for c in kept)

@@ -187,7 +187,8 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
                 asyncio.get_running_loop().create_task(self.kill())
                 await asyncio.sleep(30)
             await asyncio.sleep(self.prefill_s)
-            for i in range(max_tokens):
+            # a continuation (GenerateRequest.resume) picks up after the tokens delivered
+            for i in range(len(request.resume.ids), max_tokens):
                 if not first:
                     await asyncio.sleep(self.token_s)
                 yield i, f"t{i} "
@@ -212,12 +213,12 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
     async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
         max_tokens, charged = await self._validate(request, context)
         rid = request.request_id or uuid.uuid4().hex
-        n = 0
+        n = len(request.resume.ids)
         async for i, text in self._tokens(request, max_tokens, charged, context):
             n += 1
             last = n == max_tokens
             yield inference_pb2.GenerateStreamResponse(
-                text=text, token_ids=[i], request_id=rid if n == 1 else "",
+                text=text, token_ids=[i], request_id=rid if i == 0 else "",
                 finish_reason=inference_pb2.FINISH_REASON_LENGTH if last else 0,
                 usage=inference_pb2.Usage(prompt_tokens=charged, completion_tokens=n)
                 if last else None)

@@ -70,6 +70,10 @@ def test_register_resolve_alias_and_empty_model() -> None:
         r.resolve("")
     assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(RouterError) as e:
+        r.resolve("gpt")   # within a lease of the start: nodes may still be re-registering
+    assert e.value.code is grpc.StatusCode.UNAVAILABLE and e.value.retry_after_s > 0
+    r.clock.t += 3.0   # type: ignore[attr-defined]
+    with pytest.raises(RouterError) as e:
         r.resolve("gpt")
     assert e.value.code is grpc.StatusCode.NOT_FOUND and "llama, qwen" in e.value.message
 

@@ -160,7 +160,9 @@ async def test_client_deadline_reaches_node() -> None:
 
 
 async def test_unknown_model_not_found_lists_served() -> None:
-    async with fleet({"node_id": "a", "model": "llama"}, {"node_id": "b", "model": "qwen"}) as f:
+    # fleet_rebuild_s=0: NOT_FOUND at once (by default a just-started router says UNAVAILABLE)
+    async with fleet({"node_id": "a", "model": "llama"}, {"node_id": "b", "model": "qwen"},
+                     fleet_rebuild_s=0) as f:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stream_all(f.stub, req(model="gpt"))
         assert e.value.code() is grpc.StatusCode.NOT_FOUND
@@ -231,10 +233,25 @@ async def test_unary_retried_when_node_dies() -> None:
         assert dict(await call.trailing_metadata())[md.ATTEMPTS] == "2"
 
 
-async def test_node_dies_after_first_token_unavailable_naming_node() -> None:
+async def test_node_dies_after_first_token_stream_continues_elsewhere() -> None:
     async with fleet({"node_id": "a-bad", "fail_mode": "after_first"}, {"node_id": "b-good"},
                      policy="round_robin") as f:
         call = f.stub.GenerateStream(req(max_tokens=5))
+        chunks = [c async for c in call]
+        assert "".join(c.text for c in chunks) == "t0 t1 t2 t3 t4 "
+        assert [i for c in chunks for i in c.token_ids] == [0, 1, 2, 3, 4]
+        assert chunks[-1].usage.completion_tokens == 5
+        trailing = dict(await call.trailing_metadata())
+        assert trailing[md.NODE_ID] == "b-good" and trailing[md.ATTEMPTS] == "2"
+        assert len(f.nodes["b-good"].seen) == 1
+
+
+async def test_node_dies_after_first_token_unavailable_naming_node() -> None:
+    async with fleet({"node_id": "a-bad", "fail_mode": "after_first"}, {"node_id": "b-good"},
+                     policy="round_robin") as f:
+        opted_out = req(max_tokens=5)
+        opted_out.no_migration = True
+        call = f.stub.GenerateStream(opted_out)
         first = await call.read()
         assert first.text == "t0 "
         with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -1,0 +1,102 @@
+"""Gray-failure watch over the router's in-flight node calls.
+
+A node that hangs (SIGSTOP, a wedged engine, a partition that keeps its TCP connections open)
+fails nothing: its streams just stop moving. Who calls it: the attempt loop registers each
+node call (``track``), marks progress at every chunk (``Tracked.progress``, one clock read)
+and forgets it when the attempt ends; a task of the dispatcher runs ``sweep`` every
+``period_s``; the registry's removal listener calls ``node_gone``.
+
+Rule (``sweep``): a stream is *lost* when its node is no longer routable-fresh — STALE (no
+heartbeat within ``freshness_s``) or gone from the fleet (lease expired, stream closed) — and
+the stream itself has made no progress for ``stall_s``. A unary call shows no progress: it is
+lost only when its node leaves the fleet (``node_gone``). A node whose heartbeats stop while its
+streams keep moving (a partitioned control stream) keeps its streams; a node that keeps
+heartbeating but is merely slow is left to the first-token deadline and outlier ejection.
+Losing a call cancels it; the attempt loop sees ``Tracked.lost`` and fails the attempt over
+(retry before the first token, continuation after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One node call in flight. ``last``: monotonic time of its start or latest chunk."""
+
+    node_id: str
+    call: Any
+    last: float
+    streaming: bool = True   # a unary call shows no progress until it ends
+    lost: str = ""           # why the watch gave up on it ("" while it is fine)
+
+    def progress(self, now: float) -> None:
+        self.last = now
+
+
+@dataclass
+class InFlightWatch:
+    """``healthy(node_id, now)``: True while the node is in the fleet with a fresh report."""
+
+    healthy: Callable[[str, float], bool]
+    clock: Callable[[], float]
+    stall_s: float
+    _calls: dict[str, set[Tracked]] = field(default_factory=dict)
+
+    def track(self, node_id: str, call: Any, streaming: bool = True) -> Tracked:
+        t = Tracked(node_id, call, self.clock(), streaming)
+        self._calls.setdefault(node_id, set()).add(t)
+        return t
+
+    def untrack(self, t: Tracked) -> None:
+        calls = self._calls.get(t.node_id)
+        if calls is not None:
+            calls.discard(t)
+            if not calls:
+                del self._calls[t.node_id]
+
+    def in_flight(self, node_id: str) -> int:
+        return len(self._calls.get(node_id, ()))
+
+    def sweep(self) -> int:
+        """Cancels the calls that stalled on unhealthy nodes; returns how many."""
+        now = self.clock()
+        n = 0
+        for node_id in list(self._calls):
+            if self.healthy(node_id, now):
+                continue
+            for t in list(self._calls.get(node_id, ())):
+                if not t.lost and t.streaming and now - t.last >= self.stall_s:
+                    n += self._lose(t, f"no progress for {now - t.last:.2f}s and node "
+                                       f"{node_id} is stale or gone")
+        return n
+
+    def node_gone(self, node_id: str) -> None:
+        """The node left the fleet (lease expired, stream closed): its stalled calls now."""
+        now = self.clock()
+        for t in list(self._calls.get(node_id, ())):
+            if not t.lost and (not t.streaming or now - t.last >= self.stall_s):
+                self._lose(t, f"node {node_id} left the fleet and the call made no progress "
+                              f"for {now - t.last:.2f}s")
+
+    def _lose(self, t: Tracked, why: str) -> int:
+        t.lost = why
+        log.warning("failing over a call: %s", why)
+        t.call.cancel()
+        return 1
+
+    async def run(self, period_s: float) -> None:
+        """Sweeps every ``period_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                self.sweep()
+            except Exception:  # a bug here must not stop the watch
+                log.exception("in-flight watch sweep failed")
