@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from gpumesh import telemetry
 from gpumesh.node.api.inference import NodeInferenceServicer
 from gpumesh.node.api.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
+from gpumesh.node.cache import KvPublisher
 from gpumesh.node.config import NodeConfig, new_incarnation
 from gpumesh.node.engines.base import Engine
 from gpumesh.node.engines.prompts import PromptEncoder
@@ -69,6 +70,7 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
             enforce_eager=cfg.enforce_eager,
             num_gpu_blocks_override=cfg.num_gpu_blocks_override or None,
             stream_interval=cfg.stream_interval, capacity_weight=cfg.weight,
+            kv_events=cfg.kv_events,
             extra=dict(cfg.engine_args)),
             # GPU samples: the main process's (the node's report carries them)
             gpu_sampler=GpuSampler() if frontend is None else None,
@@ -180,8 +182,17 @@ class NodeServer:
             self.cfg.routers, lambda: registration_to_proto(self.registration()),
             lambda: load_report_to_proto(self.load_report()),
             self.cfg.heartbeat_busy_interval_s, self.cfg.heartbeat_idle_interval_s,
-            self.cfg.reconnect_max_backoff_s, on_drain=self._drain_ordered)
+            self.cfg.reconnect_max_backoff_s, on_drain=self._drain_ordered,
+            kv_publishers=self._kv_publishers())
         self.heartbeats.start()
+
+    def _kv_publishers(self) -> tuple[KvPublisher, ...]:
+        """The engine's prefix-cache block events for routers, where it emits them."""
+        attach = getattr(self.engine, "set_kv_event_sink", None)
+        if not self.cfg.kv_events or attach is None:
+            return ()
+        pub = KvPublisher(self.engine.model.name)
+        return (pub,) if attach(pub) else ()
 
     def _init_telemetry(self) -> NodeTelemetry:
         """OpenTelemetry from the OTEL_* environment (off, at no cost, when unset)."""

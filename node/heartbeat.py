@@ -15,10 +15,11 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from gpumesh.node.cache import KvPublisher, KvSubscription
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 
@@ -30,7 +31,8 @@ class HeartbeatClient:
                  load: Callable[[], cpb.LoadReport], busy_interval_s: float = 0.25,
                  idle_interval_s: float = 2.0, max_backoff_s: float = 5.0,
                  on_drain: Callable[[str], None] | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 kv_publishers: Sequence[KvPublisher] = ()) -> None:
         self._seeds = routers
         self._registration = registration
         self._load = load
@@ -46,6 +48,8 @@ class HeartbeatClient:
         self.connected: dict[str, str] = {}  # address -> router_id of live streams
         self.reconnects = 0
         self._stops: dict[str, asyncio.Event] = {}
+        # prefix-cache block events, one subscription per stream (gpumesh.node.cache)
+        self._kv = tuple(kv_publishers)
 
     def start(self) -> None:
         for addr in self._seeds:
@@ -66,7 +70,8 @@ class HeartbeatClient:
         return cpb.NodeMessage(heartbeat=cpb.Heartbeat(
             seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=self._load()))
 
-    async def _messages(self, stop: asyncio.Event) -> AsyncIterator[cpb.NodeMessage]:
+    async def _messages(self, stop: asyncio.Event,
+                        kv: Sequence[KvSubscription] = ()) -> AsyncIterator[cpb.NodeMessage]:
         yield cpb.NodeMessage(registration=self._registration())
         last_sent = -1e9
         was_busy = False
@@ -81,14 +86,25 @@ class HeartbeatClient:
             busy = bool(load.in_flight or load.num_running or load.num_waiting)
             now = loop.time()
             went_idle, was_busy = was_busy and not busy, busy
-            if busy or went_idle or self._wake.is_set() or now - last_sent >= self._idle:
+            # (a busy node's heartbeat waits half an interval: prefix-cache updates wake the
+            # loop more often than that)
+            if ((busy and now - last_sent >= self._busy / 2) or went_idle
+                    or self._wake.is_set() or now - last_sent >= self._idle):
                 self._wake.clear()
                 last_sent = now
                 yield cpb.NodeMessage(heartbeat=cpb.Heartbeat(
                     seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=load))
+            timeout = self._busy
+            for sub in kv:   # prefix-cache updates, each bounded in size and rate
+                for update in sub.take(loop.time()):
+                    yield cpb.NodeMessage(kv_cache=update)
+                if sub.ready.is_set():
+                    timeout = min(timeout, max(sub.due_in(loop.time()), 0.001))
             waits = {asyncio.ensure_future(self._wake.wait()),
-                     asyncio.ensure_future(stop.wait())}
-            _, pending = await asyncio.wait(waits, timeout=self._busy,
+                     asyncio.ensure_future(stop.wait()),
+                     *(asyncio.ensure_future(sub.ready.wait()) for sub in kv
+                       if not sub.ready.is_set())}
+            _, pending = await asyncio.wait(waits, timeout=timeout,
                                             return_when=asyncio.FIRST_COMPLETED)
             for t in pending:
                 t.cancel()
@@ -101,10 +117,11 @@ class HeartbeatClient:
             parked = False
             stop = asyncio.Event()
             self._stops[addr] = stop
+            subs = {p.model: p.subscribe() for p in self._kv}
             try:
                 async with grpc.aio.insecure_channel(addr) as channel:
                     stub = cpb_grpc.ControlPlaneStub(channel)
-                    call = stub.Connect(self._messages(stop))
+                    call = stub.Connect(self._messages(stop, tuple(subs.values())))
                     async for msg in call:
                         kind = msg.WhichOneof("kind")
                         if kind == "hello":
@@ -121,6 +138,10 @@ class HeartbeatClient:
                                 # workers' own control addresses, which we now stream to.
                                 parked = True
                                 break
+                        elif kind == "kv_snapshot":
+                            sub = subs.get(msg.kv_snapshot.model)
+                            if sub is not None:
+                                sub.resnapshot()
                         elif kind == "drain" and self._on_drain is not None:
                             self._on_drain(msg.drain.reason or f"drain ordered by {addr}")
                     if self._closing:
@@ -133,6 +154,8 @@ class HeartbeatClient:
                 log.warning("heartbeat stream to %s failed", addr, exc_info=True)
             finally:
                 self.connected.pop(addr, None)
+                for p in self._kv:
+                    p.unsubscribe(subs[p.model])
             if self._closing:
                 return
             if parked:

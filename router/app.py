@@ -40,6 +40,8 @@ from gpumesh.router.dispatch import Dispatcher
 from gpumesh.router.fleet import Registry
 from gpumesh.router.fleet.quarantine import Quarantine
 from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
+from gpumesh.router.fleet.locality import PrefixLocality
+from gpumesh.router.fleet.prefix_index import PrefixIndexes
 from gpumesh.router.fleet.sessions import SessionTable
 from gpumesh.router.scheduling.steering import SteeringModel, steer
 from gpumesh.router.telemetry import RouterTelemetry
@@ -81,9 +83,18 @@ class RouterServer:
                                            config.adapter_weight, config.adapter_load_s,
                                            config.wait_scale_s))
         self.sessions = SessionTable(config.session_max_keys, config.session_ttl_s, clock)
+        # Prefix-cache locality: the per-model prefix index, fed by nodes' KV events
+        # (control plane) or the router's own record of what it sent where.
+        self.locality = PrefixLocality(
+            config.prefix_locality,
+            PrefixIndexes(config.prefix_index_max_entries, config.prefix_approx_ttl_s), clock,
+            dict(t.split("=", 1) for t in config.prefix_tokenizers),
+            engine_of=self._engine_of)
+        self.registry.add_removal_listener(lambda e: self.locality.node_left(e.node_id))
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
                                      default_filters(config.kv_hard_threshold),
-                                     rng or random.Random(), clock, sessions=self.sessions)
+                                     rng or random.Random(), clock, sessions=self.sessions,
+                                     locality=self.locality)
         # OpenTelemetry from the OTEL_* environment; off (and free) when no endpoint is set.
         self.telemetry = telemetry or RouterTelemetry(
             otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)
@@ -91,7 +102,8 @@ class RouterServer:
         self.inference = RouterInferenceServicer(config, self.registry, self.dispatcher, clock,
                                                  self.telemetry)
         self.quarantine = Quarantine(config.quarantine_s, clock)
-        self.control = RouterControlPlaneServicer(config, self.registry, self.quarantine)
+        self.control = RouterControlPlaneServicer(config, self.registry, self.quarantine,
+                                                  locality=self.locality)
         self.operator = RouterOperatorServicer(config, self.registry, self.dispatcher, clock,
                                                wall_clock, self.telemetry, self.quarantine)
         self.health = health.aio.HealthServicer()
@@ -101,6 +113,11 @@ class RouterServer:
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.port = 0
+
+    def _engine_of(self, model: str) -> str:
+        """The engine kind the model's nodes registered with ("" when none is known)."""
+        snap = self.registry.snapshot(model)
+        return snap.nodes[0].registration.engine if snap is not None and snap.nodes else ""
 
     @property
     def address(self) -> str:
@@ -144,6 +161,7 @@ class RouterServer:
         while True:
             await asyncio.sleep(period)
             expired = self.registry.expire()
+            self.locality.indexes.expire(self.clock())   # approximate prefixes past their TTL
             self.telemetry.on_sweep(expired, self.dispatcher.queue_length)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -164,6 +182,7 @@ class RouterServer:
         await self._server.stop(min(grace, 1.0))
         await self.foreign.stop()
         await self.channels.aclose()
+        self.locality.close()
         self._server = None
         await asyncio.to_thread(self.telemetry.tel.shutdown)
 

@@ -151,6 +151,19 @@ class RouterConfig:
     ticket_secret: str = field(default="", repr=False)  # empty -> Pick: FAILED_PRECONDITION
     ticket_ttl_s: float = 10.0
 
+    # --- prefix locality (router.fleet.locality; docs/routing.md#prefix-cache-locality)
+    # auto: nodes' KV events where they stream them, else the router's own record of what it
+    # sent where; precise: events only; approximate: records only; off: no locality term.
+    prefix_locality: str = "auto"
+    # Bound on the prefix index: (node, block) entries per model; past it a node's oldest
+    # blocks go first. About 150 bytes each (docs/routing.md).
+    prefix_index_max_entries: int = 4_000_000
+    # Approximate mode: a prefix the router sent to a node counts as cached there this long.
+    prefix_approx_ttl_s: float = 120.0
+    # Tokenizer per model for hashing text / chat prompts, "MODEL=SPEC" (SPEC: "sim", or an
+    # HF tokenizer path or name). Simulated nodes' models need none; token-id prompts none.
+    prefix_tokenizers: tuple[str, ...] = ()
+
     # --- node channels
     keepalive_time_ms: int = 30_000
 
@@ -174,6 +187,13 @@ class RouterConfig:
         object.__setattr__(self, "scorer_weights", MappingProxyType(weights))
         object.__setattr__(self, "peer_addresses", tuple(self.peer_addresses))
         object.__setattr__(self, "foreign_nodes", tuple(self.foreign_nodes))
+        object.__setattr__(self, "prefix_tokenizers", tuple(self.prefix_tokenizers))
+        if self.prefix_locality not in ("auto", "precise", "approximate", "off"):
+            raise ValueError("prefix_locality must be auto, precise, approximate or off")
+        if self.prefix_index_max_entries < 0 or self.prefix_approx_ttl_s < 0:
+            raise ValueError("prefix_index_max_entries and prefix_approx_ttl_s must be >= 0")
+        if any("=" not in t for t in self.prefix_tokenizers):
+            raise ValueError("prefix_tokenizers entries are MODEL=SPEC")
         for name in ("lease_ttl_s", "freshness_s", "reference_prompt_tokens_per_s",
                      "wait_scale_s", "request_timeout_s", "first_token_timeout_s", "ticket_ttl_s",
                      "foreign_poll_interval_s", "first_token_min_s", "stall_check_interval_s",

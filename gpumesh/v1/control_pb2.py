@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from gpumesh.v1 import inference_pb2 as gpumesh_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gpumesh/v1/control.proto\x12\ngpumesh.v1\x1a\x1agpumesh/v1/inference.proto\"\x91\x01\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_weight\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x64\x61pters\x18\x06 \x03(\t\"\xc6\x01\n\x0cRegistration\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\'\n\x06models\x18\x03 \x03(\x0b\x32\x17.gpumesh.v1.ServedModel\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x11\n\tgpu_model\x18\x06 \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x07 \x01(\r\x12\x1a\n\x12\x66rontend_addresses\x18\x08 \x03(\t\"e\n\x08GpuStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0butilization\x18\x02 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\"\xd4\x01\n\rRouterAccount\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11\x61\x64mitted_requests\x18\x02 \x01(\x04\x12\x1e\n\x16\x61\x64mitted_prompt_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14\x66irst_token_requests\x18\x04 \x01(\x04\x12!\n\x19\x66irst_token_prompt_tokens\x18\x05 \x01(\x04\x12\x1e\n\x11\x66inished_requests\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x14\n\x12_finished_requests\"\xd3\x03\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\"\n\x04gpus\x18\x08 \x03(\x0b\x32\x14.gpumesh.v1.GpuStats\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x32\n\x0frouter_accounts\x18\n \x03(\x0b\x32\x19.gpumesh.v1.RouterAccount\x12\x1b\n\x13prompt_tokens_per_s\x18\x0b \x01(\x01\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x04\x12%\n\x1dprefill_capacity_tokens_per_s\x18\r \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0e \x01(\x01\x12\x17\n\x0floaded_adapters\x18\x0f \x03(\t\x12\x16\n\x0e\x61\x64\x61pter_load_s\x18\x10 \x01(\x01\"h\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ms\x18\x02 \x01(\x03\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.gpumesh.v1.LoadReport\x12\x12\n\nrouter_ids\x18\x04 \x03(\t\" \n\x0e\x44\x65registration\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa9\x01\n\x0bNodeMessage\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x18.gpumesh.v1.RegistrationH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.gpumesh.v1.HeartbeatH\x00\x12\x34\n\x0e\x64\x65registration\x18\x03 \x01(\x0b\x32\x1a.gpumesh.v1.DeregistrationH\x00\x42\x06\n\x04kind\"m\n\x0bRouterHello\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x16\n\x0epeer_addresses\x18\x02 \x03(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1c\n\nDrainOrder\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\x0cUndrainOrder\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc0\x01\n\rRouterMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.gpumesh.v1.RouterHelloH\x00\x12\'\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x18.gpumesh.v1.HeartbeatAckH\x00\x12\'\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x16.gpumesh.v1.DrainOrderH\x00\x12+\n\x07undrain\x18\x04 \x01(\x0b\x32\x18.gpumesh.v1.UndrainOrderH\x00\x42\x06\n\x04kind\"\x11\n\x0fGetFleetRequest\"\xed\x02\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.gpumesh.v1.NodeState\x12\'\n\x06models\x18\x04 \x03(\x0b\x32\x17.gpumesh.v1.ServedModel\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.gpumesh.v1.LoadReport\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x18\n\x10router_in_flight\x18\x07 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\x11\n\tgpu_model\x18\t \x01(\t\x12\x0c\n\x04kind\x18\n \x01(\t\x12\x1a\n\x12\x66rontend_addresses\x18\x0b \x03(\t\x12\x19\n\x11quarantine_reason\x18\x0c \x01(\t\x12\x14\n\x0cstate_reason\x18\r \x01(\t\x12\x12\n\nrouter_ids\x18\x0e \x03(\t\"v\n\x10GetFleetResponse\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12%\n\x05nodes\x18\x03 \x03(\x0b\x32\x16.gpumesh.v1.NodeStatus\x12\x18\n\x10worker_addresses\x18\x04 \x03(\t\"U\n\x0bPickRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.gpumesh.v1.GenerateRequest\x12\x18\n\x10\x65xclude_node_ids\x18\x02 \x03(\t\"h\n\x0cPickResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x04 \x01(\x03\x12\r\n\x05model\x18\x05 \x01(\t\"3\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"J\n\x11\x44rainNodeResponse\x12$\n\x04node\x18\x01 \x01(\x0b\x32\x16.gpumesh.v1.NodeStatus\x12\x0f\n\x07ordered\x18\x02 \x01(\x08\"%\n\x12UndrainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"L\n\x13UndrainNodeResponse\x12$\n\x04node\x18\x01 \x01(\x0b\x32\x16.gpumesh.v1.NodeStatus\x12\x0f\n\x07ordered\x18\x02 \x01(\x08*\x8a\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12NODE_STATE_HEALTHY\x10\x01\x12\x14\n\x10NODE_STATE_STALE\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x12\x1a\n\x16NODE_STATE_QUARANTINED\x10\x04\x32Q\n\x0c\x43ontrolPlane\x12\x41\n\x07\x43onnect\x12\x17.gpumesh.v1.NodeMessage\x1a\x19.gpumesh.v1.RouterMessage(\x01\x30\x01\x32\xa4\x02\n\x06Router\x12\x45\n\x08GetFleet\x12\x1b.gpumesh.v1.GetFleetRequest\x1a\x1c.gpumesh.v1.GetFleetResponse\x12\x39\n\x04Pick\x12\x17.gpumesh.v1.PickRequest\x1a\x18.gpumesh.v1.PickResponse\x12H\n\tDrainNode\x12\x1c.gpumesh.v1.DrainNodeRequest\x1a\x1d.gpumesh.v1.DrainNodeResponse\x12N\n\x0bUndrainNode\x12\x1e.gpumesh.v1.UndrainNodeRequest\x1a\x1f.gpumesh.v1.UndrainNodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gpumesh/v1/control.proto\x12\ngpumesh.v1\x1a\x1agpumesh/v1/inference.proto\"\x91\x01\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_weight\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x64\x61pters\x18\x06 \x03(\t\"\xc6\x01\n\x0cRegistration\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\'\n\x06models\x18\x03 \x03(\x0b\x32\x17.gpumesh.v1.ServedModel\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x11\n\tgpu_model\x18\x06 \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x07 \x01(\r\x12\x1a\n\x12\x66rontend_addresses\x18\x08 \x03(\t\"e\n\x08GpuStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0butilization\x18\x02 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\"\xd4\x01\n\rRouterAccount\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11\x61\x64mitted_requests\x18\x02 \x01(\x04\x12\x1e\n\x16\x61\x64mitted_prompt_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14\x66irst_token_requests\x18\x04 \x01(\x04\x12!\n\x19\x66irst_token_prompt_tokens\x18\x05 \x01(\x04\x12\x1e\n\x11\x66inished_requests\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x14\n\x12_finished_requests\"\xd3\x03\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\"\n\x04gpus\x18\x08 \x03(\x0b\x32\x14.gpumesh.v1.GpuStats\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x32\n\x0frouter_accounts\x18\n \x03(\x0b\x32\x19.gpumesh.v1.RouterAccount\x12\x1b\n\x13prompt_tokens_per_s\x18\x0b \x01(\x01\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x04\x12%\n\x1dprefill_capacity_tokens_per_s\x18\r \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0e \x01(\x01\x12\x17\n\x0floaded_adapters\x18\x0f \x03(\t\x12\x16\n\x0e\x61\x64\x61pter_load_s\x18\x10 \x01(\x01\"h\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ms\x18\x02 \x01(\x03\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.gpumesh.v1.LoadReport\x12\x12\n\nrouter_ids\x18\x04 \x03(\t\" \n\x0e\x44\x65registration\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xd8\x01\n\x0bNodeMessage\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x18.gpumesh.v1.RegistrationH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.gpumesh.v1.HeartbeatH\x00\x12\x34\n\x0e\x64\x65registration\x18\x03 \x01(\x0b\x32\x1a.gpumesh.v1.DeregistrationH\x00\x12-\n\x08kv_cache\x18\x04 \x01(\x0b\x32\x19.gpumesh.v1.KvCacheUpdateH\x00\x42\x06\n\x04kind\"\x83\x01\n\rKvCacheUpdate\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0f\n\x07\x63leared\x18\x04 \x01(\x08\x12\x0e\n\x06stored\x18\x05 \x03(\x06\x12\x0f\n\x07removed\x18\x06 \x03(\x06\x12\x12\n\nblock_size\x18\x07 \x01(\r\"m\n\x0bRouterHello\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x16\n\x0epeer_addresses\x18\x02 \x03(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1c\n\nDrainOrder\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\x0cUndrainOrder\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xf6\x01\n\rRouterMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.gpumesh.v1.RouterHelloH\x00\x12\'\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x18.gpumesh.v1.HeartbeatAckH\x00\x12\'\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x16.gpumesh.v1.DrainOrderH\x00\x12+\n\x07undrain\x18\x04 \x01(\x0b\x32\x18.gpumesh.v1.UndrainOrderH\x00\x12\x34\n\x0bkv_snapshot\x18\x05 \x01(\x0b\x32\x1d.gpumesh.v1.KvSnapshotRequestH\x00\x42\x06\n\x04kind\"\"\n\x11KvSnapshotRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x11\n\x0fGetFleetRequest\"\xed\x02\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.gpumesh.v1.NodeState\x12\'\n\x06models\x18\x04 \x03(\x0b\x32\x17.gpumesh.v1.ServedModel\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.gpumesh.v1.LoadReport\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x18\n\x10router_in_flight\x18\x07 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\x11\n\tgpu_model\x18\t \x01(\t\x12\x0c\n\x04kind\x18\n \x01(\t\x12\x1a\n\x12\x66rontend_addresses\x18\x0b \x03(\t\x12\x19\n\x11quarantine_reason\x18\x0c \x01(\t\x12\x14\n\x0cstate_reason\x18\r \x01(\t\x12\x12\n\nrouter_ids\x18\x0e \x03(\t\"v\n\x10GetFleetResponse\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12%\n\x05nodes\x18\x03 \x03(\x0b\x32\x16.gpumesh.v1.NodeStatus\x12\x18\n\x10worker_addresses\x18\x04 \x03(\t\"U\n\x0bPickRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.gpumesh.v1.GenerateRequest\x12\x18\n\x10\x65xclude_node_ids\x18\x02 \x03(\t\"h\n\x0cPickResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x04 \x01(\x03\x12\r\n\x05model\x18\x05 \x01(\t\"3\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"J\n\x11\x44rainNodeResponse\x12$\n\x04node\x18\x01 \x01(\x0b\x32\x16.gpumesh.v1.NodeStatus\x12\x0f\n\x07ordered\x18\x02 \x01(\x08\"%\n\x12UndrainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"L\n\x13UndrainNodeResponse\x12$\n\x04node\x18\x01 \x01(\x0b\x32\x16.gpumesh.v1.NodeStatus\x12\x0f\n\x07ordered\x18\x02 \x01(\x08*\x8a\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12NODE_STATE_HEALTHY\x10\x01\x12\x14\n\x10NODE_STATE_STALE\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x12\x1a\n\x16NODE_STATE_QUARANTINED\x10\x04\x32Q\n\x0c\x43ontrolPlane\x12\x41\n\x07\x43onnect\x12\x17.gpumesh.v1.NodeMessage\x1a\x19.gpumesh.v1.RouterMessage(\x01\x30\x01\x32\xa4\x02\n\x06Router\x12\x45\n\x08GetFleet\x12\x1b.gpumesh.v1.GetFleetRequest\x1a\x1c.gpumesh.v1.GetFleetResponse\x12\x39\n\x04Pick\x12\x17.gpumesh.v1.PickRequest\x1a\x18.gpumesh.v1.PickResponse\x12H\n\tDrainNode\x12\x1c.gpumesh.v1.DrainNodeRequest\x1a\x1d.gpumesh.v1.DrainNodeResponse\x12N\n\x0bUndrainNode\x12\x1e.gpumesh.v1.UndrainNodeRequest\x1a\x1f.gpumesh.v1.UndrainNodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpumesh.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODESTATE']._serialized_start=2861
-  _globals['_NODESTATE']._serialized_end=2999
+  _globals['_NODESTATE']._serialized_start=3132
+  _globals['_NODESTATE']._serialized_end=3270
   _globals['_SERVEDMODEL']._serialized_start=69
   _globals['_SERVEDMODEL']._serialized_end=214
   _globals['_REGISTRATION']._serialized_start=217
@@ -49,37 +49,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DEREGISTRATION']._serialized_start=1311
   _globals['_DEREGISTRATION']._serialized_end=1343
   _globals['_NODEMESSAGE']._serialized_start=1346
-  _globals['_NODEMESSAGE']._serialized_end=1515
-  _globals['_ROUTERHELLO']._serialized_start=1517
-  _globals['_ROUTERHELLO']._serialized_end=1626
-  _globals['_HEARTBEATACK']._serialized_start=1628
-  _globals['_HEARTBEATACK']._serialized_end=1655
-  _globals['_DRAINORDER']._serialized_start=1657
-  _globals['_DRAINORDER']._serialized_end=1685
-  _globals['_UNDRAINORDER']._serialized_start=1687
-  _globals['_UNDRAINORDER']._serialized_end=1717
-  _globals['_ROUTERMESSAGE']._serialized_start=1720
-  _globals['_ROUTERMESSAGE']._serialized_end=1912
-  _globals['_GETFLEETREQUEST']._serialized_start=1914
-  _globals['_GETFLEETREQUEST']._serialized_end=1931
-  _globals['_NODESTATUS']._serialized_start=1934
-  _globals['_NODESTATUS']._serialized_end=2299
-  _globals['_GETFLEETRESPONSE']._serialized_start=2301
-  _globals['_GETFLEETRESPONSE']._serialized_end=2419
-  _globals['_PICKREQUEST']._serialized_start=2421
-  _globals['_PICKREQUEST']._serialized_end=2506
-  _globals['_PICKRESPONSE']._serialized_start=2508
-  _globals['_PICKRESPONSE']._serialized_end=2612
-  _globals['_DRAINNODEREQUEST']._serialized_start=2614
-  _globals['_DRAINNODEREQUEST']._serialized_end=2665
-  _globals['_DRAINNODERESPONSE']._serialized_start=2667
-  _globals['_DRAINNODERESPONSE']._serialized_end=2741
-  _globals['_UNDRAINNODEREQUEST']._serialized_start=2743
-  _globals['_UNDRAINNODEREQUEST']._serialized_end=2780
-  _globals['_UNDRAINNODERESPONSE']._serialized_start=2782
-  _globals['_UNDRAINNODERESPONSE']._serialized_end=2858
-  _globals['_CONTROLPLANE']._serialized_start=3001
-  _globals['_CONTROLPLANE']._serialized_end=3082
-  _globals['_ROUTER']._serialized_start=3085
-  _globals['_ROUTER']._serialized_end=3377
+  _globals['_NODEMESSAGE']._serialized_end=1562
+  _globals['_KVCACHEUPDATE']._serialized_start=1565
+  _globals['_KVCACHEUPDATE']._serialized_end=1696
+  _globals['_ROUTERHELLO']._serialized_start=1698
+  _globals['_ROUTERHELLO']._serialized_end=1807
+  _globals['_HEARTBEATACK']._serialized_start=1809
+  _globals['_HEARTBEATACK']._serialized_end=1836
+  _globals['_DRAINORDER']._serialized_start=1838
+  _globals['_DRAINORDER']._serialized_end=1866
+  _globals['_UNDRAINORDER']._serialized_start=1868
+  _globals['_UNDRAINORDER']._serialized_end=1898
+  _globals['_ROUTERMESSAGE']._serialized_start=1901
+  _globals['_ROUTERMESSAGE']._serialized_end=2147
+  _globals['_KVSNAPSHOTREQUEST']._serialized_start=2149
+  _globals['_KVSNAPSHOTREQUEST']._serialized_end=2183
+  _globals['_GETFLEETREQUEST']._serialized_start=2185
+  _globals['_GETFLEETREQUEST']._serialized_end=2202
+  _globals['_NODESTATUS']._serialized_start=2205
+  _globals['_NODESTATUS']._serialized_end=2570
+  _globals['_GETFLEETRESPONSE']._serialized_start=2572
+  _globals['_GETFLEETRESPONSE']._serialized_end=2690
+  _globals['_PICKREQUEST']._serialized_start=2692
+  _globals['_PICKREQUEST']._serialized_end=2777
+  _globals['_PICKRESPONSE']._serialized_start=2779
+  _globals['_PICKRESPONSE']._serialized_end=2883
+  _globals['_DRAINNODEREQUEST']._serialized_start=2885
+  _globals['_DRAINNODEREQUEST']._serialized_end=2936
+  _globals['_DRAINNODERESPONSE']._serialized_start=2938
+  _globals['_DRAINNODERESPONSE']._serialized_end=3012
+  _globals['_UNDRAINNODEREQUEST']._serialized_start=3014
+  _globals['_UNDRAINNODEREQUEST']._serialized_end=3051
+  _globals['_UNDRAINNODERESPONSE']._serialized_start=3053
+  _globals['_UNDRAINNODERESPONSE']._serialized_end=3129
+  _globals['_CONTROLPLANE']._serialized_start=3272
+  _globals['_CONTROLPLANE']._serialized_end=3353
+  _globals['_ROUTER']._serialized_start=3356
+  _globals['_ROUTER']._serialized_end=3648
 # @@protoc_insertion_point(module_scope)

@@ -140,14 +140,34 @@ class Deregistration(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class NodeMessage(_message.Message):
-    __slots__ = ("registration", "heartbeat", "deregistration")
+    __slots__ = ("registration", "heartbeat", "deregistration", "kv_cache")
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DEREGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     registration: Registration
     heartbeat: Heartbeat
     deregistration: Deregistration
-    def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., deregistration: _Optional[_Union[Deregistration, _Mapping]] = ...) -> None: ...
+    kv_cache: KvCacheUpdate
+    def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., deregistration: _Optional[_Union[Deregistration, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheUpdate, _Mapping]] = ...) -> None: ...
+
+class KvCacheUpdate(_message.Message):
+    __slots__ = ("model", "seq", "snapshot", "cleared", "stored", "removed", "block_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    seq: int
+    snapshot: bool
+    cleared: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, model: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class RouterHello(_message.Message):
     __slots__ = ("router_id", "peer_addresses", "heartbeat_interval_ms", "lease_ttl_ms")
@@ -180,16 +200,24 @@ class UndrainOrder(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class RouterMessage(_message.Message):
-    __slots__ = ("hello", "ack", "drain", "undrain")
+    __slots__ = ("hello", "ack", "drain", "undrain", "kv_snapshot")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     UNDRAIN_FIELD_NUMBER: _ClassVar[int]
+    KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     hello: RouterHello
     ack: HeartbeatAck
     drain: DrainOrder
     undrain: UndrainOrder
-    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., drain: _Optional[_Union[DrainOrder, _Mapping]] = ..., undrain: _Optional[_Union[UndrainOrder, _Mapping]] = ...) -> None: ...
+    kv_snapshot: KvSnapshotRequest
+    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., drain: _Optional[_Union[DrainOrder, _Mapping]] = ..., undrain: _Optional[_Union[UndrainOrder, _Mapping]] = ..., kv_snapshot: _Optional[_Union[KvSnapshotRequest, _Mapping]] = ...) -> None: ...
+
+class KvSnapshotRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetFleetRequest(_message.Message):
     __slots__ = ()

@@ -124,6 +124,16 @@ class RouterStub:
                 request_serializer=gpumesh_dot_v1_dot_control__pb2.PickRequest.SerializeToString,
                 response_deserializer=gpumesh_dot_v1_dot_control__pb2.PickResponse.FromString,
                 _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/gpumesh.v1.Router/DrainNode',
+                request_serializer=gpumesh_dot_v1_dot_control__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=gpumesh_dot_v1_dot_control__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
+        self.UndrainNode = channel.unary_unary(
+                '/gpumesh.v1.Router/UndrainNode',
+                request_serializer=gpumesh_dot_v1_dot_control__pb2.UndrainNodeRequest.SerializeToString,
+                response_deserializer=gpumesh_dot_v1_dot_control__pb2.UndrainNodeResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -145,6 +155,23 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainNode(self, request, context):
+        """Operators: stop routing to a node (this router at once) and order the node to drain (it
+        then reports draining to every router and its gRPC health turns NOT_SERVING). NOT_FOUND:
+        the node is not in this router's fleet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndrainNode(self, request, context):
+        """Operators: undo DrainNode (this router routes to it again; the node, unless it is
+        shutting down, leaves draining and reports so to every router).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +184,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Pick,
                     request_deserializer=gpumesh_dot_v1_dot_control__pb2.PickRequest.FromString,
                     response_serializer=gpumesh_dot_v1_dot_control__pb2.PickResponse.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=gpumesh_dot_v1_dot_control__pb2.DrainNodeRequest.FromString,
+                    response_serializer=gpumesh_dot_v1_dot_control__pb2.DrainNodeResponse.SerializeToString,
+            ),
+            'UndrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndrainNode,
+                    request_deserializer=gpumesh_dot_v1_dot_control__pb2.UndrainNodeRequest.FromString,
+                    response_serializer=gpumesh_dot_v1_dot_control__pb2.UndrainNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -214,6 +251,60 @@ class Router:
             '/gpumesh.v1.Router/Pick',
             gpumesh_dot_v1_dot_control__pb2.PickRequest.SerializeToString,
             gpumesh_dot_v1_dot_control__pb2.PickResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumesh.v1.Router/DrainNode',
+            gpumesh_dot_v1_dot_control__pb2.DrainNodeRequest.SerializeToString,
+            gpumesh_dot_v1_dot_control__pb2.DrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumesh.v1.Router/UndrainNode',
+            gpumesh_dot_v1_dot_control__pb2.UndrainNodeRequest.SerializeToString,
+            gpumesh_dot_v1_dot_control__pb2.UndrainNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -109,6 +109,19 @@ class WindowMean:
         return max(self._sum, 0.0) / len(self._items) if self._items else 0.0
 
 
+class KvEventSink(Protocol):
+    """Receives an engine's prefix-cache block events in order, on the node's event loop:
+    hashes of full 16-token blocks (``gpumesh.kvblocks``) stored in or evicted from its KV
+    cache, or the whole cache cleared. Engines that emit them have
+    ``set_kv_event_sink(sink) -> bool`` (``gpumesh.node.cache.KvPublisher`` is the sink)."""
+
+    def stored(self, hashes: Sequence[int]) -> None: ...
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class EngineError(Exception):
     """An engine failure the servicer maps to a gRPC status (see node.errors)."""
 

@@ -19,6 +19,7 @@ import grpc
 
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.fleet import Registry
+from gpumesh.router.fleet.locality import PrefixLocality
 from gpumesh.router.fleet.quarantine import HeartbeatRate, Quarantine
 from gpumesh.router.fleet.validation import (
     InvalidNodeInput,
@@ -30,14 +31,17 @@ from gpumesh.security.guard import is_unparseable
 from gpumesh.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
+KV_UPDATE_MAX_HASHES = 8192   # per list of one KvCacheUpdate (nodes send at most 4096)
 
 
 class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
     """Set ``closing`` to end every open stream (router shutdown)."""
 
     def __init__(self, config: RouterConfig, registry: Registry,
-                 quarantine: Quarantine | None = None) -> None:
+                 quarantine: Quarantine | None = None,
+                 locality: PrefixLocality | None = None) -> None:
         self.config = config
+        self.locality = locality   # prefix-cache updates from nodes (router.fleet.locality)
         self.registry = registry
         self.quarantine = quarantine or Quarantine(config.quarantine_s, registry.clock)
         self.limits = NodeLimits(
@@ -111,6 +115,9 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                     self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms, load)
                     await context.write(control_pb2.RouterMessage(
                         ack=control_pb2.HeartbeatAck(seq=hb.seq)))
+                elif kind == "kv_cache":
+                    await self._kv_cache(msg.kv_cache, node_id, reg if node_id else None,
+                                         context)
                 elif kind == "deregistration":
                     if node_id:
                         self.registry.deregister(node_id, stream_id,
@@ -121,6 +128,23 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
             closing.cancel()
             if node_id:
                 self.registry.stream_closed(node_id, stream_id)
+
+    async def _kv_cache(self, update: control_pb2.KvCacheUpdate, node_id: str, reg: object,
+                        context: grpc.aio.ServicerContext) -> None:
+        """A node's prefix-cache update into the index; a gap asks the node for a snapshot."""
+        if not node_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the first message must be a Registration")
+        if len(update.stored) > KV_UPDATE_MAX_HASHES or len(update.removed) > KV_UPDATE_MAX_HASHES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"KvCacheUpdate carries more than {KV_UPDATE_MAX_HASHES} hashes")
+        if self.locality is None or update.model not in {
+                m.name for m in getattr(reg, "models", ())}:
+            return   # locality off, or a model the node does not serve: nothing to index
+        gap = self.locality.apply(node_id, update)
+        if gap is not None:
+            await context.write(control_pb2.RouterMessage(
+                kv_snapshot=control_pb2.KvSnapshotRequest(model=gap)))
 
     async def _reject(self, context: grpc.aio.ServicerContext, claimed_id: str, address: str,
                       registered_id: str, stream_id: int, exc: InvalidNodeInput) -> None:

@@ -50,6 +50,7 @@ class RouterInferenceServicer:
         async with self._call("GenerateStream", context) as (record, trace):
             req = intake.parse_request(raw)
             info, deadline = self._route(req, context)
+            info = await intake.with_prefix(req, info, self.dispatcher.locality)
             trace.routed(req, info.model, info.prompt_tokens)
             async with contextlib.aclosing(self.dispatcher.stream(
                     raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
@@ -61,6 +62,7 @@ class RouterInferenceServicer:
         async with self._call("Generate", context) as (record, trace):
             req = intake.parse_request(raw)
             info, deadline = self._route(req, context)
+            info = await intake.with_prefix(req, info, self.dispatcher.locality)
             trace.routed(req, info.model, info.prompt_tokens)
             response = await self.dispatcher.unary(raw, info, deadline, record,
                                                    on_attempt=trace.on_attempt)

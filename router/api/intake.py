@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 
@@ -18,6 +19,7 @@ from gpumesh.router import errors
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import DispatchRecord
 from gpumesh.router.fleet import Registry
+from gpumesh.router.fleet.locality import PrefixLocality
 from gpumesh.router.scheduling import RequestInfo
 from gpumesh.router.telemetry import NOOP, Trace
 from gpumesh.v1 import inference_pb2
@@ -84,6 +86,16 @@ def check_routing_fields(req: inference_pb2.GenerateRequest, registry: Registry,
         raise errors.RouterError(grpc.StatusCode.NOT_FOUND,
                                  f"adapter {req.adapter!r} is not served for model {model!r}; "
                                  f"served: {listed}")
+
+
+async def with_prefix(req: inference_pb2.GenerateRequest, info: RequestInfo,
+                      locality: PrefixLocality | None) -> RequestInfo:
+    """``info`` with the prompt's block hashes for prefix locality (tokenized off the event
+    loop when long; unchanged without locality or a tokenizer for the model)."""
+    if locality is None or not locality.enabled:
+        return info
+    hashes = await locality.hashes(req, info.model)
+    return replace(info, prefix_hashes=hashes) if hashes else info
 
 
 def trailing(record: DispatchRecord, trace: Trace = NOOP) -> tuple[tuple[str, str], ...]:

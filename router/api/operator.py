@@ -83,6 +83,7 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
             req = request.request
             info, deadline = intake.request_info(req, self.config, self.registry, context,
                                                  self.clock)
+            info = await intake.with_prefix(req, info, self.dispatcher.locality)
             trace.routed(req, info.model, info.prompt_tokens)
             slot = await self.dispatcher.pick(info, deadline, record,
                                               frozenset(request.exclude_node_ids))

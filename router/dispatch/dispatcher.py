@@ -42,6 +42,7 @@ from gpumesh.router.dispatch.records import (
     DispatchRecord,
 )
 from gpumesh.router.fleet import Credit, Registry
+from gpumesh.router.fleet.locality import PrefixLocality
 from gpumesh.router.fleet.sessions import SessionTable
 from gpumesh.router.scheduling import Decision, Profile, RequestInfo
 from gpumesh.router.scheduling.filters import Filter, fresh_first
@@ -58,8 +59,11 @@ class Dispatcher:
     def __init__(self, config: RouterConfig, registry: Registry, channels: NodeChannels,
                  profile: Profile, filters: Sequence[Filter], rng: random.Random,
                  clock: Callable[[], float] = time.monotonic,
-                 sessions: SessionTable | None = None) -> None:
+                 sessions: SessionTable | None = None,
+                 locality: PrefixLocality | None = None) -> None:
         self.config = config
+        # prefix-cache locality (router.fleet.locality); None = none
+        self.locality = locality
         # routing_key -> last node (session affinity); None = no affinity
         self.sessions = sessions
         self.registry = registry
@@ -81,6 +85,8 @@ class Dispatcher:
 
     def decide(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Decision:
         """One routing decision now, without charging (Router.Pick preview, tests)."""
+        if self.locality is not None and info.prefix_hashes:
+            info = self.locality.annotate(info)
         return self.admission.decide(info, exclude)
 
     def queue_length(self, model: str) -> int:
@@ -245,12 +251,17 @@ class Dispatcher:
         sessions = self.sessions
         if sessions is not None and info.routing_key:
             info = replace(info, session_node=sessions.lookup(info.model, info.routing_key))
+        locality = self.locality
+        if locality is not None and info.prefix_hashes:
+            info = locality.annotate(info)
         try:
             d, credit, queued = await self.admission.acquire(info, deadline, charge, exclude)
         except errors.RouterError:
             if last_error is not None:
                 raise last_error from None
             raise
+        if locality is not None and info.prefix_hashes:
+            locality.routed(info, d.node_id)
         if sessions is not None and info.routing_key:
             sessions.remember(info.model, info.routing_key, d.node_id)
         entry = self.registry.entry(d.node_id)

@@ -195,6 +195,36 @@ async def test_status_table_shows_real_figures(mesh):
     assert "na" in table and "nb" in table and "healthy" in table
 
 
+async def test_prefix_locality_with_real_engines(mesh):
+    """vLLM's KV events reach the router's prefix index, heartbeats carry the engine's own
+    prefix-cache hit rate, and requests sharing a long prefix go to the node holding it."""
+    from gpumesh.kvblocks import block_hashes
+
+    prefix = [(7 * i + 3) % 1900 + 20 for i in range(384)]   # 3 CPU KV blocks of 128 tokens
+
+    async def send(tail):
+        r = StreamResult()
+        async for _ in client.stream(build_request(prefix + tail, model="tiny", max_tokens=2),
+                                     timeout=60, result=r):
+            pass
+        return r.node_id
+
+    async with MeshClient(mesh.router_addr) as client:
+        holder = await send([11, 12, 13])
+        index = mesh.router.locality.indexes.model("tiny")
+        hashes = block_hashes(prefix)
+        deadline = time.monotonic() + 30
+        while index.match(hashes).get(holder, 0) < len(hashes):
+            assert time.monotonic() < deadline, index.match(hashes)
+            await asyncio.sleep(0.05)
+        assert index.is_precise(holder)
+        served = [await send([100 + k, 200 + k]) for k in range(4)]
+    assert served == [holder] * 4
+    fleet = await mesh.wait_fleet(lambda f: any(
+        n.node_id == holder and n.load.prefix_cache_hit_rate > 0.5 for n in f.nodes), 15)
+    assert fleet
+
+
 async def test_router_restart_rebuilds_fleet(mesh):
     await mesh.router.stop(0.5)
     with pytest.raises(grpc.aio.AioRpcError):

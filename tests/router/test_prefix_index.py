@@ -105,3 +105,29 @@ async def test_hashes_from_token_ids_and_sim_text() -> None:
     got = await loc.hashes(inference_pb2.GenerateRequest(model="m", text=text), "m")
     assert got == tuple(want) and len(got) > 5
     loc.close()
+
+
+def test_sampled_decisions_include_the_holders() -> None:
+    import random
+
+    from gpumesh.router.fleet import Registry
+    from gpumesh.router.scheduling import WaitModel, build_profile, default_filters, select_from
+    from gpumesh.types import LoadReport, ModelSpec, Registration
+
+    reg = Registry("rt", lease_ttl_s=30.0, freshness_s=30.0, max_concurrency_default=0,
+                   known_model_retention_s=60.0, clock=lambda: 100.0)
+    for i in range(64):
+        nid = f"n{i:02d}"
+        reg.register(Registration(nid, f"h:{i}", (ModelSpec("m", (), 8192, 1, 1.0),), "x"), i)
+        reg.heartbeat(nid, i, 1, 0, LoadReport(num_running=2, prefill_capacity_tokens_per_s=1e4,
+                                              kv_capacity_tokens=10**6))
+    profile = build_profile("weighted_least_load", {"expected_wait": 1.0}, WaitModel())
+    info = RequestInfo("m", 4200, prefix_hashes=tuple(A), cached_tokens={"n37": 4000})
+    rng = random.Random(0)
+    picks = {select_from(profile, reg.candidate_source("m"), info, rng,
+                         default_filters(0.99), sample_size=4).node_id for _ in range(20)}
+    assert picks == {"n37"}
+    plain = RequestInfo("m", 4200)
+    assert len({select_from(profile, reg.candidate_source("m"), plain, rng,
+                            default_filters(0.99), sample_size=4).node_id
+                for _ in range(20)}) > 1

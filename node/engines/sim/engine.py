@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import zlib
 from array import array
 from collections.abc import AsyncIterator, Sequence
 
+from gpumesh.kvblocks import block_hashes
 from gpumesh.node.engines.base import (
     EngineError,
     EngineLoad,
     EngineOutput,
     EngineRequest,
     Finish,
+    KvEventSink,
     PromptTooLong,
 )
+from gpumesh.node.engines.sim.adapters import SimAdapters
 from gpumesh.node.engines.sim.config import SimEngineConfig
 from gpumesh.node.engines.sim.scheduler import SimRequest, SimScheduler
 from gpumesh.node.engines.sim.text import SimTokenizer, detokenize
-from gpumesh.kvblocks import block_hashes
 from gpumesh.types import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,8 @@ class SimEngine(SimScheduler):
             capacity_weight=cfg.capacity_weight,
         )
         self._tok = SimTokenizer(cfg.vocab_size)
+        # LoRA adapters: a simulated cache with a modelled load time (adapters.py)
+        self.adapters = SimAdapters(cfg.max_loras, cfg.adapter_load_ms, cfg.time_scale)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -76,6 +81,8 @@ class SimEngine(SimScheduler):
         iteration. Deltas that pile up while the consumer is busy are merged into one output,
         like vLLM's RequestOutputCollector; a prompt consumer sees one output per step.
         """
+        if request.adapter is not None:   # a simulated load first when it is not held
+            await self.adapters.acquire(request.adapter.name)
         req = self._add(request)
         loop = asyncio.get_running_loop()
         try:
@@ -111,7 +118,11 @@ class SimEngine(SimScheduler):
             now: float | None = asyncio.get_running_loop().time()
         except RuntimeError:
             now = None
-        return self.load_at(now)
+        load = self.load_at(now)
+        if self.adapters.loads:
+            load = dataclasses.replace(load, loaded_adapters=self.adapters.loaded,
+                                       adapter_load_s=self.adapters.load_s)
+        return load
 
     async def shutdown(self) -> None:
         self._closed = True
@@ -124,6 +135,16 @@ class SimEngine(SimScheduler):
             except asyncio.CancelledError:
                 pass
             self._task = None
+
+    def set_kv_event_sink(self, sink: KvEventSink) -> bool:
+        """Reports the prefix cache's block events (stored / removed / cleared) to ``sink``
+        from now on; False when prefix caching is off (no events)."""
+        if self.prefix is None:
+            return False
+        self.prefix.sink = sink
+        if self.prefix.cached_blocks:
+            sink.stored(self.prefix.hashes())
+        return True
 
     # --- requests ------------------------------------------------------------------------
 

@@ -23,19 +23,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+
+from gpumesh.node.engines.base import KvEventSink
 
 HIT_WINDOW = 1000   # lookups in the hit-rate window (vLLM's CachingMetrics default)
-
-
-class KvEventSink(Protocol):
-    """Receives block events in the order they happen (called on the engine's loop)."""
-
-    def stored(self, hashes: Sequence[int]) -> None: ...
-
-    def removed(self, hashes: Sequence[int]) -> None: ...
-
-    def cleared(self) -> None: ...
 
 
 class PrefixCache:

@@ -34,6 +34,14 @@ class VllmEngineConfig:
     enable_prefix_caching: bool = True
     stream_interval: int = 1   # vLLM's: an output every N tokens (first and last at once)
     capacity_weight: float = 1.0
+    # LoRA (lora.py): vLLM's enable_lora, max_loras (adapters in one batch), max_lora_rank,
+    # max_cpu_loras (adapters the engine keeps loaded; 0 = max_loras)
+    enable_lora: bool = False
+    max_loras: int = 2
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    # Publish vLLM's KV-cache events to the node (kv_events.py): prefix-cache state for routers
+    kv_events: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @property

@@ -19,6 +19,7 @@ from gpumesh.node.engines.base import (
     EngineUnavailable,
     Finish,
     InvalidRequest,
+    KvEventSink,
     PromptTooLong,
 )
 from gpumesh.node.engines.vllm.compat import (
@@ -28,6 +29,13 @@ from gpumesh.node.engines.vllm.compat import (
 )
 from gpumesh.node.engines.vllm.config import VllmEngineConfig
 from gpumesh.node.engines.vllm.engine_args import engine_kwargs
+from gpumesh.node.engines.vllm.lora import LoraAdapters
+from gpumesh.node.engines.vllm.kv_events import (
+    KvEventSubscriber,
+    KvEventTranslator,
+    kv_events_config,
+    new_endpoint,
+)
 from gpumesh.node.engines.vllm.lifetime import install as die_with_node
 from gpumesh.node.engines.vllm.shared_core import FrontendSlot, SharedEngineCore
 from gpumesh.node.engines.vllm.stats import LoadStatLogger, stat_logger_factory
@@ -64,6 +72,10 @@ class VllmEngine:
         engine core launched elsewhere. Neither: a core of its own (one front end)."""
         if frontends < 1 or (frontend is not None and frontends != 1):
             raise ValueError("frontends must be >= 1, and 1 when joining with frontend=")
+        # KV events (kv_events.py): the engine core publishes on a private endpoint, the main
+        # front end subscribes once a sink is attached (set_kv_event_sink)
+        self._kv_endpoint = new_endpoint() if config.kv_events and frontend is None else ""
+        self._kv_subscriber: KvEventSubscriber | None = None
         self._config = config
         self._frontends = frontends
         self._frontend = frontend
@@ -71,6 +83,7 @@ class VllmEngine:
         self.peer_slots: list[FrontendSlot] = []
         self._gpu_sampler = gpu_sampler
         self._stats = LoadStatLogger()
+        self._loras = LoraAdapters()   # LoRA adapters, loaded on demand (lora.py)
         self._llm: Any = None
         self._tokenizer: Any = None
         self._max_model_len = config.max_model_len or 0
@@ -108,6 +121,9 @@ class VllmEngine:
         # exception (with its frames) alive: importing in a worker thread keeps the loop
         # responsive and keeps this frame, and with it the engine, out of those tracebacks.
         AsyncEngineArgs, AsyncLLM, serving = await asyncio.to_thread(import_entry_points)
+        if self._kv_endpoint and "kv_events_config" not in self._config.extra:
+            self._config = dataclasses.replace(self._config, extra={
+                **self._config.extra, "kv_events_config": kv_events_config(self._kv_endpoint)})
         # the engine core and its workers end when this process ends, however it ends
         die_with_node()
         if self._frontends > 1 and self._core is None:
@@ -174,6 +190,8 @@ class VllmEngine:
             run_handler()
         self._max_model_len = int(self._llm.model_config.max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
+        if self._kv_subscriber is not None:
+            self._kv_subscriber.start()
         cache_vllm_envs()
         if self._gpu_sampler is not None and self._sampler_task is None:
             # One reading now, so the first heartbeat (sent once start() returns) carries GPU
@@ -227,9 +245,12 @@ class VllmEngine:
         params = self._sampling_params(request)
         # An already-rendered engine input: vLLM skips its (deprecated) raw-prompt path.
         prompt = tokens_input(list(request.prompt_token_ids))
+        lora = None
+        if request.adapter is not None:   # loaded first (timed); AdapterLoadFailed on failure
+            lora = await self._loras.request_for(llm, request.adapter)
         try:
             async with contextlib.aclosing(
-                llm.generate(prompt, params, request.request_id)
+                llm.generate(prompt, params, request.request_id, lora_request=lora)
             ) as stream:
                 async for out in stream:
                     c = out.outputs[0]
@@ -260,12 +281,29 @@ class VllmEngine:
     def load(self) -> EngineLoad:
         """Latest scheduler snapshot plus the latest GPU sample; O(1), no I/O."""
         snap = self._stats.snapshot()
+        if self._config.enable_lora:
+            snap = dataclasses.replace(snap, loaded_adapters=self._loras.loaded,
+                                       adapter_load_s=self._loras.load_s)
         if self._gpu_sampler is not None:
             return dataclasses.replace(snap, gpus=self._gpu_sampler.latest)
         return snap
 
+    def set_kv_event_sink(self, sink: KvEventSink) -> bool:
+        """Mirrors the engine's KV events into ``sink`` (kv_events.py) from the start (or
+        now); False when the engine was configured without KV events."""
+        if not self._kv_endpoint:
+            return False
+        if self._kv_subscriber is None:
+            self._kv_subscriber = KvEventSubscriber(self._kv_endpoint, KvEventTranslator(sink))
+            if self._llm is not None:
+                self._kv_subscriber.start()
+        return True
+
     async def shutdown(self) -> None:
         """Abort what is left and stop the engine core process. Idempotent."""
+        if self._kv_subscriber is not None:
+            await self._kv_subscriber.close()
+            self._kv_subscriber = None
         if self._sampler_task is not None:
             self._sampler_task.cancel()
             await asyncio.gather(self._sampler_task, return_exceptions=True)
