@@ -95,3 +95,43 @@ async def test_events_reach_the_index_and_survive_a_router_restart() -> None:
             assert rebuilt < 5.0   # within a heartbeat of reconnecting (loaded machine: slack)
         finally:
             await again.stop(0.2)
+
+
+async def test_a_shared_prefix_goes_to_the_node_that_holds_it() -> None:
+    async with mesh(3) as (router, nodes):
+        tenants = [f"Tenant {t} system prompt: policies, tools and tone. " * 80 for t in range(3)]
+        first = {}
+        for t, system in enumerate(tenants):
+            first[t] = await generate(router.address, system + " opening question")
+            hashes = prefix_hashes(system)
+            ix = router.locality.indexes.model(MODEL)
+            await wait_for(lambda h=hashes, n=first[t]: ix.match(h).get(n, 0) >= len(h) - 1)
+        for turn in range(3):
+            for t, system in enumerate(tenants):
+                served = await generate(router.address, system + f" follow-up {turn}")
+                assert served == first[t], (t, turn, served, first[t])
+
+
+async def test_without_events_the_router_approximates() -> None:
+    port = free_port()
+    router = RouterServer(router_config(port))
+    await router.start()
+    nodes = []
+    try:
+        for i in range(3):
+            engine = SimEngine(SimEngineConfig(model_name=MODEL, time_scale=1.0, seed=i))
+            node = NodeServer(NodeConfig(engine="sim", port=0, node_id=f"q{i}",
+                                         routers=(router.address,), kv_events=False), engine)
+            await node.start()
+            nodes.append(node)
+        await wait_for(lambda: len(router.registry) == 3)
+        system = "A long shared preamble for every request of this tenant. " * 80
+        holder = await generate(router.address, system + " one")
+        ix = router.locality.indexes.model(MODEL)
+        assert not ix.is_precise(holder) and ix.node_blocks(holder) > 0
+        for k in range(3):
+            assert await generate(router.address, system + f" again {k}") == holder
+    finally:
+        for node in nodes:
+            await node.stop()
+        await router.stop(0.2)
