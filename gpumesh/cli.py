@@ -102,9 +102,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from gpumesh.status import print_fleet
+    from gpumesh.status import run_status
 
-    return asyncio.run(print_fleet(args.router))
+    return asyncio.run(run_status(args.router, as_json=args.json, watch_s=args.watch,
+                                  count=args.count, check=args.check, timeout_s=args.timeout))
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from gpumesh.drain import run_drain
+
+    return asyncio.run(run_drain(args.router, args.node, undrain=args.cmd == "undrain",
+                                 reason=getattr(args, "reason", ""),
+                                 wait_s=getattr(args, "wait", 0.0), as_json=args.json,
+                                 timeout_s=args.timeout))
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -158,9 +168,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.set_defaults(func=_cmd_generate)
 
-    s = sub.add_parser("status", help="print the fleet as the router sees it")
+    s = sub.add_parser("status", help="print the fleet as the router sees it",
+                       description="Exit codes: 0 ok, 1 router unreachable or refused, "
+                                   "4 --check found a node not healthy (or none).")
     s.add_argument("--router", default="127.0.0.1:50050")
+    s.add_argument("--json", action="store_true", help="JSON (schema gpumesh.status.v1)")
+    s.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="S",
+                   help="print again every S seconds (default 2); JSON: one line each")
+    s.add_argument("--count", type=int, default=0, help="with --watch: stop after N prints")
+    s.add_argument("--check", action="store_true",
+                   help="exit 4 unless every node is healthy and there is at least one")
+    s.add_argument("--timeout", type=float, default=10.0, help="per-call deadline, seconds")
     s.set_defaults(func=_cmd_status)
+
+    for name, text in (("drain", "stop routing to a node and order it to drain"),
+                       ("undrain", "undo a drain: the node serves again")):
+        dr = sub.add_parser(name, help=text,
+                            description="Exit codes: 0 ok, 1 router unreachable or refused, "
+                                        "3 no such node, 5 drain --wait timed out.")
+        dr.add_argument("node", help="node id (as gpumesh status lists it)")
+        dr.add_argument("--router", default="127.0.0.1:50050")
+        dr.add_argument("--json", action="store_true", help="print the node as JSON")
+        dr.add_argument("--timeout", type=float, default=10.0, help="per-call deadline, s")
+        if name == "drain":
+            dr.add_argument("--reason", default="", help="shown in the node's state reason")
+            dr.add_argument("--wait", type=float, nargs="?", const=600.0, default=0.0,
+                            metavar="S", help="wait up to S seconds (default 600) until the "
+                                              "node holds no request; exit 5 on timeout")
+        dr.set_defaults(func=_cmd_drain)
 
     d = sub.add_parser("demo", help="router + two CPU vLLM nodes on the tiny model, one answer")
     d.add_argument("--model-dir", default=os.environ.get("GPUMESH_TINY_MODEL", "models/tiny"))

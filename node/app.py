@@ -23,6 +23,7 @@ from gpumesh.node.api.inference import NodeInferenceServicer
 from gpumesh.node.api.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
 from gpumesh.node.cache import KvPublisher
 from gpumesh.node.config import NodeConfig, new_incarnation
+from gpumesh.node.discovery import RouterDiscovery
 from gpumesh.node.engines.base import Engine
 from gpumesh.node.engines.prompts import PromptEncoder
 from gpumesh.node.frontends import FrontendGroup
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+# grpc.health.v1 name that answers SERVING from bind to exit, also while starting or draining
+# (liveness probes); the empty name and the services answer SERVING only while ready.
+LIVENESS_SERVICE = "liveness"
+
 
 
 def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engine:
@@ -103,6 +108,8 @@ class NodeServer:
         self.prompts = PromptEncoder(engine)
         self._drained = asyncio.Event()
         self.incarnation = new_incarnation()
+        self.discovery: RouterDiscovery | None = None
+        self.stopping = False   # shutting down: an UndrainOrder no longer applies
 
     @property
     def address(self) -> str:
@@ -154,6 +161,7 @@ class NodeServer:
         guarded = GuardedServer(self.server)   # unparseable requests: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self._health, guarded)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         inference_pb2_grpc.add_InferenceServicer_to_server(NodeInferenceServicer(
             self.engine, self.state,
             # the budget is the node's (what its routers and clients receive): each of its
@@ -178,13 +186,18 @@ class NodeServer:
         if self.peers is not None:
             await self.peers.start(self)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.discovery = RouterDiscovery(
+            self.cfg.routers, lambda addrs: self.heartbeats and self.heartbeats.set_discovered(addrs),
+            self.cfg.router_resolve_interval_s)
         self.heartbeats = HeartbeatClient(
-            self.cfg.routers, lambda: registration_to_proto(self.registration()),
+            self.discovery.static, lambda: registration_to_proto(self.registration()),
             lambda: load_report_to_proto(self.load_report()),
             self.cfg.heartbeat_busy_interval_s, self.cfg.heartbeat_idle_interval_s,
             self.cfg.reconnect_max_backoff_s, on_drain=self._drain_ordered,
+            on_undrain=self._undrain_ordered, on_stream_lost=self.discovery.poke,
             kv_publishers=self._kv_publishers())
         self.heartbeats.start()
+        await self.discovery.start()   # dns: router targets (gpumesh.node.discovery)
 
     def _kv_publishers(self) -> tuple[KvPublisher, ...]:
         """The engine's prefix-cache block events for routers, where it emits them."""
@@ -223,6 +236,25 @@ class NodeServer:
         log.warning("drain ordered: %s", reason)
         asyncio.get_running_loop().create_task(self.drain())
 
+    def _undrain_ordered(self, reason: str) -> None:
+        if self.undrain():
+            log.warning("undrain ordered: %s", reason)
+
+    def undrain(self) -> bool:
+        """Leaves an operator-ordered drain: ready again (health SERVING, heartbeats say not
+        draining). False, and nothing changes, while shutting down or with several front
+        ends (their drain is final)."""
+        assert self.state is not None
+        if not self.state.draining or self.stopping or self.peers is not None:
+            return False
+        self.state.draining = False
+        self._drained = asyncio.Event()
+        asyncio.get_running_loop().create_task(
+            self._set_health(health_pb2.HealthCheckResponse.SERVING))
+        if self.heartbeats is not None:
+            self.heartbeats.wake()
+        return True
+
     async def drain(self, timeout_s: float | None = None) -> None:
         """Refuse new work, report draining, wait for in-flight requests (bounded)."""
         assert self.state is not None
@@ -253,6 +285,9 @@ class NodeServer:
         self.failed.set()
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        self.stopping = True
+        if self.discovery is not None:
+            await self.discovery.close()
         if self.state is not None and not self.state.draining:
             await self.drain(timeout_s=0)
         if self.heartbeats is not None:
@@ -286,6 +321,7 @@ async def serve(cfg: NodeConfig) -> int:
         for w in waits:
             w.cancel()
         log.info("%s: draining", node.failure or "signal received")
+        node.stopping = True
         await node.drain()
     finally:
         await node.stop()

@@ -26,6 +26,9 @@ class NodeConfig:
     port: int = 50051                     # 0 -> any free port
     advertise_address: str = ""          # "" -> host:bound_port
     routers: tuple[str, ...] = ()         # control-plane addresses (host:port)
+    # dns:///NAME:PORT router targets (gpumesh.node.discovery): re-resolved this often, and
+    # soon after a heartbeat stream breaks.
+    router_resolve_interval_s: float = 10.0
 
     engine: str = "vllm"                  # "vllm" | "sim"
     model: str = ""                       # model folder (vllm) or name (sim)

@@ -5,8 +5,13 @@ One task per router address keeps a stream open: Registration first, then a Hear
 check after it went idle, and every ``idle_interval_s`` otherwise. A broken stream is retried
 with jittered exponential backoff; the node keeps serving direct clients meanwhile. A
 router's RouterHello may list peer processes (multi-worker routers): the node opens a stream
-to each of them too. A DrainOrder from any router starts the node's drain. ``wake()`` sends
-the next heartbeat at once (used when draining starts).
+to each of them too. A DrainOrder from any router starts the node's drain, an UndrainOrder
+ends an operator's drain. ``wake()`` sends the next heartbeat at once (used when draining
+starts). Each heartbeat lists the router ids of the node's live streams.
+
+Router discovery (``gpumesh.node.discovery``) calls ``set_discovered`` with the addresses a
+DNS name resolves to: streams to new addresses start, streams to addresses no longer listed
+deregister and end; ``on_stream_lost`` tells discovery a stream broke (re-resolve now).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 
@@ -31,6 +36,8 @@ class HeartbeatClient:
                  load: Callable[[], cpb.LoadReport], busy_interval_s: float = 0.25,
                  idle_interval_s: float = 2.0, max_backoff_s: float = 5.0,
                  on_drain: Callable[[str], None] | None = None,
+                 on_undrain: Callable[[str], None] | None = None,
+                 on_stream_lost: Callable[[str], None] | None = None,
                  rng: random.Random | None = None,
                  kv_publishers: Sequence[KvPublisher] = ()) -> None:
         self._seeds = routers
@@ -48,6 +55,10 @@ class HeartbeatClient:
         self.connected: dict[str, str] = {}  # address -> router_id of live streams
         self.reconnects = 0
         self._stops: dict[str, asyncio.Event] = {}
+        self._on_undrain = on_undrain
+        self._on_stream_lost = on_stream_lost
+        self._discovered: set[str] = set()   # addresses from discovery (set_discovered)
+        self._retired: set[str] = set()      # discovered before, no longer: streams end
         # prefix-cache block events, one subscription per stream (gpumesh.node.cache)
         self._kv = tuple(kv_publishers)
 
@@ -56,8 +67,25 @@ class HeartbeatClient:
             self._ensure(addr)
 
     def _ensure(self, addr: str) -> None:
-        if addr not in self._tasks and not self._closing:
+        if (addr not in self._tasks or self._tasks[addr].done()) and not self._closing:
             self._tasks[addr] = asyncio.create_task(self._keep(addr), name=f"heartbeat:{addr}")
+
+    def set_discovered(self, addresses: Iterable[str]) -> None:
+        """The router addresses discovery resolved now: streams start to new ones; streams to
+        discovered addresses no longer listed deregister and end."""
+        new = set(addresses)
+        for addr in self._discovered - new:
+            self._retired.add(addr)
+            if (stop := self._stops.get(addr)) is not None:
+                stop.set()
+        for addr in sorted(new):
+            self._retired.discard(addr)
+            self._ensure(addr)
+        self._discovered = new
+
+    def router_ids(self) -> list[str]:
+        """The router ids of the node's live streams (what heartbeats report)."""
+        return sorted(set(self.connected.values()))
 
     def wake(self) -> None:
         self._wake.set()
@@ -68,7 +96,8 @@ class HeartbeatClient:
 
     def _heartbeat(self) -> cpb.NodeMessage:
         return cpb.NodeMessage(heartbeat=cpb.Heartbeat(
-            seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=self._load()))
+            seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=self._load(),
+            router_ids=self.router_ids()))
 
     async def _messages(self, stop: asyncio.Event,
                         kv: Sequence[KvSubscription] = ()) -> AsyncIterator[cpb.NodeMessage]:
@@ -93,7 +122,8 @@ class HeartbeatClient:
                 self._wake.clear()
                 last_sent = now
                 yield cpb.NodeMessage(heartbeat=cpb.Heartbeat(
-                    seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=load))
+                    seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=load,
+                    router_ids=self.router_ids()))
             timeout = self._busy
             for sub in kv:   # prefix-cache updates, each bounded in size and rate
                 for update in sub.take(loop.time()):
@@ -113,7 +143,7 @@ class HeartbeatClient:
 
     async def _keep(self, addr: str) -> None:
         backoff = 0.1
-        while not self._closing:
+        while not self._closing and addr not in self._retired:
             parked = False
             stop = asyncio.Event()
             self._stops[addr] = stop
@@ -144,6 +174,8 @@ class HeartbeatClient:
                                 sub.resnapshot()
                         elif kind == "drain" and self._on_drain is not None:
                             self._on_drain(msg.drain.reason or f"drain ordered by {addr}")
+                        elif kind == "undrain" and self._on_undrain is not None:
+                            self._on_undrain(msg.undrain.reason or f"undrain ordered by {addr}")
                     if self._closing:
                         return
             except asyncio.CancelledError:
@@ -158,6 +190,8 @@ class HeartbeatClient:
                     p.unsubscribe(subs[p.model])
             if self._closing:
                 return
+            if addr in self._retired:
+                return   # discovery no longer lists it
             if parked:
                 # Come back to the shared address only when no worker stream is left (the
                 # router restarted elsewhere, or on other control ports).
@@ -166,6 +200,8 @@ class HeartbeatClient:
                     await asyncio.sleep(self._max_backoff)
                 continue
             self.reconnects += 1
+            if self._on_stream_lost is not None:
+                self._on_stream_lost(addr)
             delay = backoff * (0.5 + self._rng.random())
             backoff = min(self._max_backoff, backoff * 2)
             await asyncio.sleep(delay)

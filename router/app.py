@@ -105,7 +105,8 @@ class RouterServer:
         self.control = RouterControlPlaneServicer(config, self.registry, self.quarantine,
                                                   locality=self.locality)
         self.operator = RouterOperatorServicer(config, self.registry, self.dispatcher, clock,
-                                               wall_clock, self.telemetry, self.quarantine)
+                                               wall_clock, self.telemetry, self.quarantine,
+                                               self.control.orders)
         self.health = health.aio.HealthServicer()
         # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
         self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,

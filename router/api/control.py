@@ -17,6 +17,7 @@ import logging
 
 import grpc
 
+from gpumesh.router.api.orders import NodeOrders, wait_read
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.fleet import Registry
 from gpumesh.router.fleet.locality import PrefixLocality
@@ -49,6 +50,7 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
             max_name_length=config.node_max_name_length,
             max_capacity_weight=config.node_max_capacity_weight)
         self.heartbeats_dropped = 0
+        self.orders = NodeOrders()   # the operator API's drain/undrain orders, per stream
         self._ids = itertools.count(1)
         self.closing = asyncio.Event()
 
@@ -62,12 +64,11 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
         stream_id = next(self._ids)
         node_id = ""
         closing = asyncio.ensure_future(self.closing.wait())
+        outbox = self.orders.open(stream_id)
         try:
             while True:
                 read = asyncio.ensure_future(context.read())
-                done, _ = await asyncio.wait({read, closing},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if read not in done:
+                if not await wait_read(read, closing, outbox, context):
                     read.cancel()
                     return   # router shutting down: the node reconnects elsewhere/later
                 msg = read.result()
@@ -112,7 +113,8 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                         # Dropped meanwhile (its other stream to this router closed, or the lease
                         # lapsed) but this stream is alive: soft state re-admits it.
                         self.registry.register(reg, stream_id)
-                    self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms, load)
+                    self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms, load,
+                                            tuple(r[:256] for r in hb.router_ids[:64]))
                     await context.write(control_pb2.RouterMessage(
                         ack=control_pb2.HeartbeatAck(seq=hb.seq)))
                 elif kind == "kv_cache":
@@ -126,6 +128,7 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                     return
         finally:
             closing.cancel()
+            self.orders.close(stream_id)
             if node_id:
                 self.registry.stream_closed(node_id, stream_id)
 

@@ -1,5 +1,9 @@
-"""``RouterOperatorServicer``: the Router service — GetFleet (operators, ``gpumesh status``)
-and Pick (lookaside: choose and charge a node, answer a signed ticket for it).
+"""``RouterOperatorServicer``: the Router service — GetFleet (operators, ``gpumesh status``),
+DrainNode / UndrainNode (operators, ``gpumesh drain`` / ``undrain``) and Pick (lookaside:
+choose and charge a node, answer a signed ticket for it).
+
+DrainNode stops this router's routing to the node at once and writes a DrainOrder on the
+node's Connect stream (``api.orders``): the node then drains and reports it to every router.
 
 Pick needs ``ticket_secret`` (FAILED_PRECONDITION without it); its trailing metadata carries
 the dispatch record like a routed call's.
@@ -7,6 +11,7 @@ the dispatch record like a routed call's.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -15,6 +20,7 @@ import grpc
 from gpumesh import tickets, wire
 from gpumesh.router import errors
 from gpumesh.router.api import intake
+from gpumesh.router.api.orders import NodeOrders
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import Dispatcher, DispatchRecord
 from gpumesh.router.fleet import NodeView, Registry
@@ -23,15 +29,33 @@ from gpumesh.router.scheduling.types import NodeState
 from gpumesh.router.telemetry import RouterTelemetry
 from gpumesh.v1 import control_pb2, control_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 _STATE = {NodeState.HEALTHY: control_pb2.NODE_STATE_HEALTHY,
           NodeState.STALE: control_pb2.NODE_STATE_STALE,
           NodeState.DRAINING: control_pb2.NODE_STATE_DRAINING}
+
+
+def state_reason(v: NodeView) -> str:
+    """Why the node is in its state, for operators (empty when healthy)."""
+    if v.state is NodeState.DRAINING:
+        if v.entry.drain_ordered:
+            why = v.entry.drain_reason
+            return "drain ordered by an operator" + (f": {why}" if why else "")
+        return "the node reports draining"
+    if v.state is NodeState.STALE:
+        if not math.isfinite(v.report_age_s):
+            return "no report yet"
+        return f"last report {v.report_age_s:.1f}s old"
+    return ""
 
 
 def node_status(v: NodeView) -> control_pb2.NodeStatus:
     reg = v.entry.registration
     report = v.entry.report
     return control_pb2.NodeStatus(
+        state_reason=state_reason(v),
+        router_ids=report.router_ids if report is not None else (),
         node_id=reg.node_id, address=reg.address, state=_STATE[v.state],
         models=[wire.model_spec_to_proto(m) for m in reg.models],
         load=(wire.load_report_to_proto(report.load) if report is not None
@@ -44,7 +68,8 @@ def node_status(v: NodeView) -> control_pb2.NodeStatus:
 def quarantined_status(q: Quarantined) -> control_pb2.NodeStatus:
     return control_pb2.NodeStatus(node_id=q.node_id, address=q.address,
                                   state=control_pb2.NODE_STATE_QUARANTINED,
-                                  quarantine_reason=q.reason, last_heartbeat_age_s=-1.0)
+                                  quarantine_reason=q.reason, last_heartbeat_age_s=-1.0,
+                                  state_reason=f"quarantined: {q.reason}")
 
 
 class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
@@ -53,8 +78,10 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig, registry: Registry, dispatcher: Dispatcher,
                  clock: Callable[[], float], wall_clock: Callable[[], float],
                  telemetry: RouterTelemetry | None = None,
-                 quarantine: Quarantine | None = None) -> None:
+                 quarantine: Quarantine | None = None,
+                 orders: NodeOrders | None = None) -> None:
         self.config = config
+        self.orders = orders or NodeOrders()
         self.quarantine = quarantine
         self.telemetry = telemetry or RouterTelemetry.disabled()
         self.registry = registry
@@ -72,6 +99,45 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
             + [quarantined_status(q) for q in (self.quarantine.listing()
                                                if self.quarantine is not None else ())],
             worker_addresses=workers)
+
+    def _view(self, node_id: str) -> NodeView | None:
+        return next((v for v in self.registry.fleet() if v.entry.node_id == node_id), None)
+
+    async def _known(self, node_id: str, context: grpc.aio.ServicerContext) -> NodeView:
+        if not node_id or len(node_id) > 256:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "node_id must be 1..256 characters")
+        view = self._view(node_id)
+        if view is None:
+            known = ", ".join(v.entry.node_id for v in self.registry.fleet()) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"node {node_id!r} is not in router {self.config.router_id}'s "
+                                f"fleet (nodes: {known})")
+        assert view is not None
+        return view
+
+    async def DrainNode(self, request: control_pb2.DrainNodeRequest,
+                        context: grpc.aio.ServicerContext) -> control_pb2.DrainNodeResponse:
+        view = await self._known(request.node_id, context)
+        reason = request.reason[:256]
+        self.registry.drain(request.node_id, reason)
+        why = f"operator via router {self.config.router_id}" + (f": {reason}" if reason else "")
+        ordered = self.orders.send(view.entry.stream_id, control_pb2.RouterMessage(
+            drain=control_pb2.DrainOrder(reason=why)))
+        log.info("node %s: drain ordered (%s)", request.node_id, why)
+        view = self._view(request.node_id) or view
+        return control_pb2.DrainNodeResponse(node=node_status(view), ordered=ordered)
+
+    async def UndrainNode(self, request: control_pb2.UndrainNodeRequest,
+                          context: grpc.aio.ServicerContext) -> control_pb2.UndrainNodeResponse:
+        view = await self._known(request.node_id, context)
+        self.registry.undrain(request.node_id)
+        ordered = self.orders.send(view.entry.stream_id, control_pb2.RouterMessage(
+            undrain=control_pb2.UndrainOrder(
+                reason=f"operator via router {self.config.router_id}")))
+        log.info("node %s: undrain ordered", request.node_id)
+        view = self._view(request.node_id) or view
+        return control_pb2.UndrainNodeResponse(node=node_status(view), ordered=ordered)
 
     async def Pick(self, request: control_pb2.PickRequest,
                    context: grpc.aio.ServicerContext) -> control_pb2.PickResponse:

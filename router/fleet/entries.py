@@ -30,6 +30,7 @@ class Report:
     account: RouterAccount | None = None
     step_s: float = 0.0
     running_avg: float = 0.0
+    router_ids: tuple[str, ...] = ()   # the routers the node reported live streams to
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class NodeEntry:
     last_seen: float             # registration or last accepted heartbeat (the lease)
     report: Report | None = None
     drain_ordered: bool = False
+    drain_reason: str = ""       # the operator's reason for drain_ordered
 
     @property
     def node_id(self) -> str:

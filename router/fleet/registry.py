@@ -117,9 +117,10 @@ class Registry:
         self._notify(affected)
 
     def heartbeat(self, node_id: str, stream_id: int, seq: int, sent_unix_ms: int,
-                  load: LoadReport) -> bool:
+                  load: LoadReport, router_ids: tuple[str, ...] = ()) -> bool:
         """Applies a heartbeat (every router's account in ``load.router_accounts``); False
-        when ignored (unknown node, other stream, old seq)."""
+        when ignored (unknown node, other stream, old seq). ``router_ids``: the routers the
+        node reports to (validated by the caller)."""
         entry = self._nodes.get(node_id)
         if entry is None or entry.stream_id != stream_id:
             return False
@@ -132,9 +133,15 @@ class Registry:
         step_s, running_avg = estimate_step_s(load, entry.report, now, self.step_from_report)
         self.speeds.observe(entry.registration.models, step_s,
                             load.prefill_capacity_tokens_per_s)
-        report = Report(seq, sent_unix_ms, now, load, ours, step_s, running_avg)
+        report = Report(seq, sent_unix_ms, now, load, ours, step_s, running_avg, router_ids)
         was_draining = entry.draining
-        self._nodes[node_id] = replace(entry, report=report, last_seen=now)
+        # An ordered drain ends when the node, having reported draining, reports it no longer
+        # drains (an operator undrained it through another router).
+        ordered = entry.drain_ordered and not (
+            entry.report is not None and entry.report.load.draining and not load.draining)
+        self._nodes[node_id] = replace(entry, report=report, last_seen=now,
+                                       drain_ordered=ordered,
+                                       drain_reason=entry.drain_reason if ordered else "")
         if was_draining != self._nodes[node_id].draining:
             self._rebuild()   # capacity sums change
         else:
@@ -149,11 +156,19 @@ class Registry:
     def stream_closed(self, node_id: str, stream_id: int) -> None:
         self._remove(node_id, stream_id, "control stream closed")
 
-    def drain(self, node_id: str) -> None:
+    def drain(self, node_id: str, reason: str = "") -> None:
         """Stops routing to a node (operator drain); it stays listed until it leaves."""
         entry = self._nodes.get(node_id)
         if entry is not None and not entry.drain_ordered:
-            self._nodes[node_id] = replace(entry, drain_ordered=True)
+            self._nodes[node_id] = replace(entry, drain_ordered=True, drain_reason=reason)
+            self._rebuild()
+            self._notify(m.name for m in entry.registration.models)
+
+    def undrain(self, node_id: str) -> None:
+        """Undoes ``drain`` (a node that reports draining itself stays DRAINING)."""
+        entry = self._nodes.get(node_id)
+        if entry is not None and entry.drain_ordered:
+            self._nodes[node_id] = replace(entry, drain_ordered=False, drain_reason="")
             self._rebuild()
             self._notify(m.name for m in entry.registration.models)
 
