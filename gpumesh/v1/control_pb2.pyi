@@ -256,16 +256,38 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ..., frontend_addresses: _Optional[_Iterable[str]] = ..., quarantine_reason: _Optional[str] = ..., state_reason: _Optional[str] = ..., router_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetFleetResponse(_message.Message):
-    __slots__ = ("router_id", "policy", "nodes", "worker_addresses")
+    __slots__ = ("router_id", "policy", "nodes", "worker_addresses", "models")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     policy: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     worker_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, router_id: _Optional[str] = ..., policy: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., worker_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelLoad]
+    def __init__(self, router_id: _Optional[str] = ..., policy: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ...) -> None: ...
+
+class ModelLoad(_message.Message):
+    __slots__ = ("model", "nodes", "queued", "slot_utilization", "prefill_backlog_s", "saturation", "at_limit_fraction", "nodes_wanted")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BACKLOG_S_FIELD_NUMBER: _ClassVar[int]
+    SATURATION_FIELD_NUMBER: _ClassVar[int]
+    AT_LIMIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    NODES_WANTED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    nodes: int
+    queued: int
+    slot_utilization: float
+    prefill_backlog_s: float
+    saturation: float
+    at_limit_fraction: float
+    nodes_wanted: int
+    def __init__(self, model: _Optional[str] = ..., nodes: _Optional[int] = ..., queued: _Optional[int] = ..., slot_utilization: _Optional[float] = ..., prefill_backlog_s: _Optional[float] = ..., saturation: _Optional[float] = ..., at_limit_fraction: _Optional[float] = ..., nodes_wanted: _Optional[int] = ...) -> None: ...
 
 class PickRequest(_message.Message):
     __slots__ = ("request", "exclude_node_ids")
