@@ -67,7 +67,12 @@ def fleet_table(fleet: cpb.GetFleetResponse) -> str:
     # why each node that is not healthy is in its state (quarantined: what it sent wrong)
     why = [f"{state_name(n.state)} {n.node_id}: {reason_of(n)}"
            for n in sorted(fleet.nodes, key=lambda n: n.node_id) if reason_of(n)]
-    return "\n".join([title, *lines, *why])
+    # the scaling signal per model (router.fleet.saturation)
+    models = [f"model {m.model}: saturation {m.saturation:.2f} (slots {m.slot_utilization:.0%}, "
+              f"prefill backlog {m.prefill_backlog_s:.2f}s, at limit "
+              f"{m.at_limit_fraction:.0%}, queued {m.queued})  nodes {m.nodes}  "
+              f"wanted {m.nodes_wanted}" for m in fleet.models]
+    return "\n".join([title, *lines, *why, *models])
 
 
 def _load_json(ld: cpb.LoadReport) -> dict[str, Any]:
@@ -117,7 +122,12 @@ def fleet_json(fleet: cpb.GetFleetResponse, target: str) -> dict[str, Any]:
             "router": {"id": fleet.router_id, "target": target, "policy": fleet.policy,
                        "worker_addresses": list(fleet.worker_addresses)},
             "summary": {"nodes": len(nodes), **counts},
-            "nodes": nodes}
+            "nodes": nodes,
+            "models": [{"model": m.model, "nodes": m.nodes, "queued": m.queued,
+                        "slot_utilization": m.slot_utilization,
+                        "prefill_backlog_s": m.prefill_backlog_s,
+                        "saturation": m.saturation, "at_limit_fraction": m.at_limit_fraction,
+                        "nodes_wanted": m.nodes_wanted} for m in fleet.models]}
 
 
 def all_healthy(fleet: cpb.GetFleetResponse) -> bool:

@@ -38,6 +38,7 @@ from gpumesh.router.backends.vllm_grpc import ForeignFleet
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import Dispatcher
 from gpumesh.router.fleet import Registry
+from gpumesh.router.fleet.saturation import SaturationPolicy, SaturationTracker
 from gpumesh.router.fleet.quarantine import Quarantine
 from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
 from gpumesh.router.fleet.locality import PrefixLocality
@@ -99,6 +100,14 @@ class RouterServer:
         self.telemetry = telemetry or RouterTelemetry(
             otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)
         self.telemetry.register_gauges()
+        # The scaling signal (router.fleet.saturation): sampled by the sweeper, read by
+        # gauges and GetFleet.
+        self.saturation = SaturationTracker(SaturationPolicy(
+            config.saturation_slo_ttft_s, config.saturation_target,
+            config.saturation_default_slots, config.saturation_half_life_s,
+            config.reference_prompt_tokens_per_s, config.max_concurrency_default),
+            self.registry.fleet, self.dispatcher.queue_length)
+        self.telemetry.register_saturation(lambda: self.saturation.latest)
         self.inference = RouterInferenceServicer(config, self.registry, self.dispatcher, clock,
                                                  self.telemetry)
         self.quarantine = Quarantine(config.quarantine_s, clock)
@@ -106,7 +115,8 @@ class RouterServer:
                                                   locality=self.locality)
         self.operator = RouterOperatorServicer(config, self.registry, self.dispatcher, clock,
                                                wall_clock, self.telemetry, self.quarantine,
-                                               self.control.orders)
+                                               self.control.orders,
+                                               lambda: self.saturation.latest)
         self.health = health.aio.HealthServicer()
         # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
         self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,
@@ -164,6 +174,7 @@ class RouterServer:
             expired = self.registry.expire()
             self.locality.indexes.expire(self.clock())   # approximate prefixes past their TTL
             self.telemetry.on_sweep(expired, self.dispatcher.queue_length)
+            self.saturation.sample(self.clock())
 
     async def stop(self, grace_s: float | None = None) -> None:
         if self._server is None:

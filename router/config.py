@@ -172,7 +172,17 @@ class RouterConfig:
     foreign_nodes: tuple[str, ...] = ()
     foreign_poll_interval_s: float = 0.25  # GetLoads while no pushed load record arrives
 
+    # --- scaling signal (router.fleet.saturation): the SLO and target it is measured against
+    saturation_slo_ttft_s: float = 2.0   # queued prefill worth this much wait = saturated
+    saturation_target: float = 0.8       # nodes_wanted keeps saturation at or below this
+    saturation_default_slots: int = 256  # a node's slots when neither it nor the router caps
+    saturation_half_life_s: float = 30.0  # of the at-limit fraction
+
     def __post_init__(self) -> None:
+        if (not self.saturation_slo_ttft_s > 0 or not 0 < self.saturation_target <= 1
+                or self.saturation_default_slots < 1 or not self.saturation_half_life_s > 0):
+            raise ValueError("saturation_slo_ttft_s > 0, 0 < saturation_target <= 1, "
+                             "saturation_default_slots >= 1, saturation_half_life_s > 0")
         if "." in self.router_id or not self.router_id:
             raise ValueError(f"router_id must be non-empty and contain no '.': {self.router_id!r}")
         if self.policy not in POLICIES:

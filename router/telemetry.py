@@ -34,7 +34,9 @@ node's gRPC code; a retried request therefore shows both attempts side by side.
 Metrics (``register_gauges`` + ``on_sweep``): per-node gauges ``gpumesh.router.node.*``
 (num_running, num_waiting, kv_cache_usage, in_flight as the node reported; router_in_flight;
 state 0 healthy / 1 stale / 2 draining), ``gpumesh.router.heartbeat_age`` (s),
-``gpumesh.router.queue_length`` per model; counters ``gpumesh.router.lease_expiries``,
+``gpumesh.router.queue_length`` per model; the scaling signal per model
+(``register_saturation``: ``gpumesh.router.model.{saturation, slot_utilization,
+prefill_backlog, at_limit_fraction, nodes, nodes_wanted}``); counters ``gpumesh.router.lease_expiries``,
 ``gpumesh.router.stale_transitions``, ``gpumesh.heartbeat.reconnects`` (a node id registering
 again with a new stream); ``gpumesh.requests`` / ``gpumesh.request.duration`` /
 ``gpumesh.request.time_to_first_token`` with ``model``, ``node``, ``status``.
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -59,6 +61,7 @@ from gpumesh import metadata as md
 from gpumesh import telemetry as gt
 
 if TYPE_CHECKING:
+    from gpumesh.router.fleet.saturation import ModelSaturation
     from gpumesh.router.dispatch import Assignment, DispatchRecord
     from gpumesh.router.fleet import Registry
     from gpumesh.router.scheduling.types import Decision
@@ -355,3 +358,35 @@ class RouterTelemetry:
         m.gauge("gpumesh.router.queue_length",
                 lambda: [(float(q), {"model": model}) for model, q in self._queues],
                 unit="{request}", description="Requests waiting for a node slot, per model")
+
+    def register_saturation(self, latest: Callable[[], Mapping[str, ModelSaturation]]) -> None:
+        """The scaling signal's gauges, per model (router.fleet.saturation; ``latest()`` is the
+        tracker's last sample, replaced wholesale by the sweeper, so reading it from the
+        exporter's thread is safe)."""
+        m = self.metrics
+        if not m.enabled:
+            return
+        for name, unit, attr, text in SATURATION_GAUGES:
+            m.gauge(name, lambda a=attr: [
+                (float(getattr(s, a)) if math.isfinite(getattr(s, a)) else 1e9,
+                 {"model": model}) for model, s in latest().items()],
+                unit=unit, description=text)
+
+
+# (instrument, unit, ModelSaturation field, help text): what an autoscaler and alerts read.
+SATURATION_GAUGES = (
+    ("gpumesh.router.model.saturation", "1", "saturation",
+     "Demand over measured capacity per model: max(slot utilization, queued prefill seconds / "
+     "TTFT SLO); 1 = at capacity"),
+    ("gpumesh.router.model.slot_utilization", "1", "slot_utilization",
+     "(requests the nodes hold + this router's queue) / the nodes' concurrency slots"),
+    ("gpumesh.router.model.prefill_backlog", "s", "prefill_backlog_s",
+     "Queued prompt tokens / the nodes' measured prefill capacity, seconds"),
+    ("gpumesh.router.model.at_limit_fraction", "1", "at_limit_fraction",
+     "Fraction of recent time the model's nodes spent at their concurrency limit"),
+    ("gpumesh.router.model.nodes", "{node}", "nodes",
+     "Nodes serving the model that are not draining"),
+    ("gpumesh.router.model.nodes_wanted", "{node}", "nodes_wanted",
+     "Nodes that would keep saturation at the configured target (scale the node "
+     "Deployment on it)"),
+)

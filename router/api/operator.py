@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -25,6 +25,7 @@ from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import Dispatcher, DispatchRecord
 from gpumesh.router.fleet import NodeView, Registry
 from gpumesh.router.fleet.quarantine import Quarantine, Quarantined
+from gpumesh.router.fleet.saturation import ModelSaturation
 from gpumesh.router.scheduling.types import NodeState
 from gpumesh.router.telemetry import RouterTelemetry
 from gpumesh.v1 import control_pb2, control_pb2_grpc
@@ -65,6 +66,15 @@ def node_status(v: NodeView) -> control_pb2.NodeStatus:
         kind=reg.kind, frontend_addresses=reg.frontend_addresses)
 
 
+def model_load(s: ModelSaturation) -> control_pb2.ModelLoad:
+    return control_pb2.ModelLoad(
+        model=s.model, nodes=s.nodes, queued=s.queued,
+        slot_utilization=s.slot_utilization if math.isfinite(s.slot_utilization) else 1e9,
+        prefill_backlog_s=s.prefill_backlog_s,
+        saturation=s.saturation if math.isfinite(s.saturation) else 1e9,
+        at_limit_fraction=s.at_limit_fraction, nodes_wanted=s.nodes_wanted)
+
+
 def quarantined_status(q: Quarantined) -> control_pb2.NodeStatus:
     return control_pb2.NodeStatus(node_id=q.node_id, address=q.address,
                                   state=control_pb2.NODE_STATE_QUARANTINED,
@@ -79,9 +89,12 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
                  clock: Callable[[], float], wall_clock: Callable[[], float],
                  telemetry: RouterTelemetry | None = None,
                  quarantine: Quarantine | None = None,
-                 orders: NodeOrders | None = None) -> None:
+                 orders: NodeOrders | None = None,
+                 saturation: Callable[[], Mapping[str, ModelSaturation]] | None = None
+                 ) -> None:
         self.config = config
         self.orders = orders or NodeOrders()
+        self.saturation = saturation or dict
         self.quarantine = quarantine
         self.telemetry = telemetry or RouterTelemetry.disabled()
         self.registry = registry
@@ -98,7 +111,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
             nodes=[node_status(v) for v in self.registry.fleet()]
             + [quarantined_status(q) for q in (self.quarantine.listing()
                                                if self.quarantine is not None else ())],
-            worker_addresses=workers)
+            worker_addresses=workers,
+            models=[model_load(s) for _, s in sorted(self.saturation().items())])
 
     def _view(self, node_id: str) -> NodeView | None:
         return next((v for v in self.registry.fleet() if v.entry.node_id == node_id), None)
