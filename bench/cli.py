@@ -11,6 +11,7 @@
   gpumesh bench overhead [--parts direct,modes,workers,tracing,decision] [--repeats R]
   gpumesh bench scaling [--sizes 1,2,4,8,16,64] [--vllm]
   gpumesh bench vs-smg [--concurrency 8,32] [--repeats R]
+  gpumesh bench prefix [--loads 0.5,0.8,...] [--setups least_request,wll,...] [--unique]
   gpumesh bench engine-loop --config NODE.toml --concurrency C [--warmup S] [--seconds S]
                             [--prompt DIST] [--output DIST] [--json OUT]
 
@@ -142,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     el = sub.add_parser("engine-loop", help="closed loop on a node's own engine, in process, "
                                             "no gRPC (the node's engine vs raw vLLM)")
     engine_loop.add_arguments(el)
+    from gpumesh_bench import prefix_bench
+
+    pb = sub.add_parser("prefix", help="cache-aware routing on a live simulated fleet: a "
+                                       "multi-tenant shared-prefix workload, per setup")
+    prefix_bench.add_arguments(pb)
     return p
 
 
@@ -299,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return {"overhead": overhead.main, "scaling": scaling.main,
                 "vs-smg": vs_smg.main}[a.cmd](a)
+    if a.cmd == "prefix":
+        from gpumesh_bench import prefix_bench
+
+        return prefix_bench.main(a)
     if a.cmd == "engine-loop":
         from gpumesh_bench import engine_loop
 
