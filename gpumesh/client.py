@@ -94,9 +94,12 @@ def build_request(prompt: str | Sequence[int] | Sequence[tuple[str, str]], model
                   max_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), ignore_eos: bool = False, request_id: str = "",
-                  routing_key: str = "", per_token: bool = False) -> pb.GenerateRequest:
-    """prompt: text, token ids, or chat messages as (role, content) pairs."""
-    req = pb.GenerateRequest(model=model, request_id=request_id, routing_key=routing_key)
+                  routing_key: str = "", per_token: bool = False,
+                  adapter: str = "") -> pb.GenerateRequest:
+    """prompt: text, token ids, or chat messages as (role, content) pairs; ``adapter``: a
+    LoRA adapter the model's nodes serve (ListModels' ``adapters``)."""
+    req = pb.GenerateRequest(model=model, request_id=request_id, routing_key=routing_key,
+                             adapter=adapter)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], tuple):

@@ -10,4 +10,5 @@ CHARGED_TOKENS = "x-gpumesh-charged-tokens"
 # Trailing metadata, router/node -> client.
 NODE_ID = "x-gpumesh-node-id"          # the node that served the request
 ATTEMPTS = "x-gpumesh-attempts"        # dispatch attempts the router made (1 = no retry)
+MIGRATIONS = "x-gpumesh-migrations"    # of those, continuations of a stream after output
 TRACE_ID = "x-gpumesh-trace-id"        # the OpenTelemetry trace id (hex), when tracing

@@ -8,6 +8,7 @@ work (UNAVAILABLE) -> wait for in-flight requests (bounded by drain_timeout_s) -
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import logging
 import signal
@@ -19,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpumesh import telemetry
+from gpumesh.node.adapters import AdapterCatalog
 from gpumesh.node.api.inference import NodeInferenceServicer
 from gpumesh.node.api.vllm_grpc import VLLM_ENGINE_SERVICE, add_vllm_engine_service
 from gpumesh.node.cache import KvPublisher
@@ -59,6 +61,7 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
         sim.setdefault("model_name", cfg.resolved_served_name())
         sim.setdefault("aliases", cfg.aliases)
         sim.setdefault("capacity_weight", cfg.weight)
+        sim.setdefault("max_loras", cfg.max_loras)
         if cfg.max_model_len:
             sim.setdefault("max_context_length", cfg.max_model_len)
         return SimEngine(SimEngineConfig(**sim))
@@ -75,6 +78,8 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
             enforce_eager=cfg.enforce_eager,
             num_gpu_blocks_override=cfg.num_gpu_blocks_override or None,
             stream_interval=cfg.stream_interval, capacity_weight=cfg.weight,
+            enable_lora=bool(cfg.adapters or cfg.adapter_dir), max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras,
             kv_events=cfg.kv_events,
             extra=dict(cfg.engine_args)),
             # GPU samples: the main process's (the node's report carries them)
@@ -108,6 +113,9 @@ class NodeServer:
         self.prompts = PromptEncoder(engine)
         self._drained = asyncio.Event()
         self.incarnation = new_incarnation()
+        # LoRA adapters served by name (fixed for the process; the registration lists them)
+        self.adapters = AdapterCatalog.from_config(cfg.adapters, cfg.adapter_dir,
+                                                   cfg.max_lora_rank)
         self.discovery: RouterDiscovery | None = None
         self.stopping = False   # shutting down: an UndrainOrder no longer applies
 
@@ -127,8 +135,9 @@ class NodeServer:
 
     def registration(self) -> Registration:
         assert self.state is not None
+        model = dataclasses.replace(self.engine.model, adapters=self.adapters.names)
         return Registration(
-            node_id=self.state.node_id, address=self.address, models=(self.engine.model,),
+            node_id=self.state.node_id, address=self.address, models=(model,),
             incarnation=self.incarnation, engine=self.engine.kind,
             gpu_model=getattr(self.engine, "gpu_model", "") or "",
             max_concurrency=self.cfg.max_concurrency,
@@ -169,7 +178,7 @@ class NodeServer:
             CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk,
                            self.cfg.stream_messages_per_s / self.cfg.frontends),
             self.cfg.ticket_secret.encode(), self.cfg.require_ticket, self.telemetry,
-            self.prompts),
+            self.prompts, adapters=self.adapters),
             guarded)
         # vLLM's native gRPC (what SMG and vLLM clients speak) on the same port and ledger.
         add_vllm_engine_service(guarded, self.engine, self.state,

@@ -54,6 +54,14 @@ class NodeConfig:
     frontends: int = 1
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs
     sim: Mapping[str, Any] = field(default_factory=dict)          # SimEngineConfig fields
+    # LoRA adapters (gpumesh.node.adapters), served by name on GenerateRequest.adapter and
+    # loaded on demand: name -> adapter folder (PEFT format), and/or a folder whose
+    # subfolders are adapters named after them. Either turns LoRA on in the engine.
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    adapter_dir: str = ""
+    max_loras: int = 2                    # adapters in one batch (vLLM); held at once (sim)
+    max_lora_rank: int = 16               # largest adapter rank served
+    max_cpu_loras: int = 0                # adapters vLLM keeps loaded; 0 = max_loras
 
     max_concurrency: int = 0              # advertised to routers; 0 = unlimited
     heartbeat_busy_interval_s: float = 0.25
@@ -81,6 +89,8 @@ class NodeConfig:
             raise ValueError(f"frontends must be >= 1, got {self.frontends}")
         if self.frontends > 1 and self.engine != "vllm":
             raise ValueError("frontends > 1 needs engine = 'vllm' (the simulator has one process)")
+        if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 0:
+            raise ValueError("max_loras and max_lora_rank must be >= 1, max_cpu_loras >= 0")
         if not self.stream_messages_per_s >= 0:
             raise ValueError(f"stream_messages_per_s must be >= 0, got {self.stream_messages_per_s}")
 

@@ -37,6 +37,7 @@ def permission_denied(message: str) -> RequestError:
 def from_engine_exception(exc: BaseException) -> RequestError:
     """Engine failures: bad token ids and length errors are the caller's; the rest INTERNAL."""
     from gpumesh.node.engines.base import (
+        AdapterLoadFailed,
         EngineOverloaded,
         EngineUnavailable,
         InvalidRequest,
@@ -51,6 +52,8 @@ def from_engine_exception(exc: BaseException) -> RequestError:
         return invalid(f"engine rejected the request: {exc}")
     if isinstance(exc, EngineUnavailable):
         return RequestError(grpc.StatusCode.UNAVAILABLE, f"engine not serving: {exc}")
+    if isinstance(exc, AdapterLoadFailed):
+        return RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"adapter not loadable: {exc}")
     if isinstance(exc, EngineOverloaded):
         return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"engine is full: {exc}")
     if isinstance(exc, ValueError):

@@ -25,6 +25,8 @@ def build_load_report(load: EngineLoad, ledger: AdmissionLedger, draining: bool)
         kv_capacity_tokens=max(0, load.kv_capacity_tokens),
         prefill_capacity_tokens_per_s=max(0.0, load.prefill_capacity_tokens_per_s),
         decode_step_s=max(0.0, load.decode_step_s),
+        loaded_adapters=tuple(load.loaded_adapters),
+        adapter_load_s=max(0.0, load.adapter_load_s),
         in_flight=ledger.in_flight, draining=draining, gpus=tuple(load.gpus),
         router_accounts=ledger.accounts())
 

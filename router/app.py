@@ -79,11 +79,11 @@ class RouterServer:
                                config.service_weight, config.output_tokens_cap)
         # Session affinity and LoRA adapters on top of the load profile (scheduling.steering).
         self.profile = steer(build_profile(config.policy, config.scorer_weights, wait_model),
-                             SteeringModel(config.session_affinity_weight,
-                                           config.session_affinity_epsilon,
+                             SteeringModel(config.affinity_weight,
+                                           config.affinity_epsilon,
                                            config.adapter_weight, config.adapter_load_s,
                                            config.wait_scale_s))
-        self.sessions = SessionTable(config.session_max_keys, config.session_ttl_s, clock)
+        self.sessions = SessionTable(config.affinity_max_keys, config.affinity_ttl_s, clock)
         # Prefix-cache locality: the per-model prefix index, fed by nodes' KV events
         # (control plane) or the router's own record of what it sent where.
         self.locality = PrefixLocality(

@@ -92,16 +92,16 @@ class RouterConfig:
     decision_sample_size: int = 32
     chars_per_token: float = 4.0    # prompt-size estimate for text/chat prompts
 
-    # --- session affinity (GenerateRequest.routing_key; scheduling.scorers.affinity)
+    # --- routing-key affinity (GenerateRequest.routing_key; scheduling.scorers.affinity)
     # Weight of the session_affinity score (1 on the node that served the key last, while it
     # is within its bounded load) added to weighted_least_load's total; >= 1: within the bound
     # the session node always wins; 0 = off.
-    session_affinity_weight: float = 1.0
+    affinity_weight: float = 1.0
     # Bounded load: affinity never puts a node above ceil((1 + epsilon) x its fair share of
     # this router's in-flight requests (by capacity weight).
-    session_affinity_epsilon: float = 0.25
-    session_max_keys: int = 100_000   # routing keys remembered (LRU); ~200 bytes each; 0 = off
-    session_ttl_s: float = 600.0      # a key unused this long is forgotten
+    affinity_epsilon: float = 0.25
+    affinity_max_keys: int = 100_000  # routing keys remembered (LRU); ~200 bytes each; 0 = off
+    affinity_ttl_s: float = 600.0     # a key unused this long is forgotten
     # --- LoRA adapters (GenerateRequest.adapter; scheduling.scorers.adapter)
     # Weight of the adapter score (1 where the adapter is loaded, less where it must be
     # loaded first) added to weighted_least_load's total; 0 = ignore where adapters are loaded.
@@ -216,12 +216,11 @@ class RouterConfig:
             raise ValueError("peer_share_half_life_s must be >= 0 (0 = ignore peers)")
         if self.service_weight < 0 or self.output_tokens_cap < 0:
             raise ValueError("service_weight and output_tokens_cap must be >= 0")
-        if (self.session_affinity_weight < 0 or self.session_affinity_epsilon < 0
-                or self.session_max_keys < 0 or self.session_ttl_s <= 0
+        if (self.affinity_weight < 0 or self.affinity_epsilon < 0
+                or self.affinity_max_keys < 0 or self.affinity_ttl_s <= 0
                 or self.adapter_weight < 0 or self.adapter_load_s < 0):
-            raise ValueError("session_affinity_weight, session_affinity_epsilon, "
-                             "session_max_keys, adapter_weight, adapter_load_s must be >= 0 "
-                             "and session_ttl_s > 0")
+            raise ValueError("affinity_weight, affinity_epsilon, affinity_max_keys, "
+                             "adapter_weight, adapter_load_s must be >= 0 and affinity_ttl_s > 0")
         if self.decode_steps_per_request < 0:
             raise ValueError("decode_steps_per_request must be >= 0 (0 = the constant)")
         if self.decision_sample_size < 0 or self.kv_output_allowance_tokens < 0:

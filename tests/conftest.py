@@ -34,6 +34,18 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of two tiny random LoRA adapters for the tiny model (PEFT format, rank 8):
+    ``alpha`` (seed 1) and ``beta`` (seed 2), a node's ``adapter_dir``."""
+    from gpumesh.tiny_adapter import build_tiny_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    build_tiny_adapter(root / "alpha", seed=1)
+    build_tiny_adapter(root / "beta", seed=2)
+    return root
+
+
+@pytest.fixture(scope="session")
 async def vllm_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
     """One started ``VllmEngine`` on the tiny model for the whole session.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -23,8 +24,10 @@ from gpumesh import tickets, wire
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh.node.accounting import Admission
+from gpumesh.node.adapters import AdapterCatalog
 from gpumesh.node.api.sampling import check_sampling_ranges
 from gpumesh.node.engines.base import (
+    AdapterRef,
     Engine,
     EngineError,
     EngineOutput,
@@ -82,8 +85,10 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, engine: Engine, state: ServingState, default_coalescing: CoalescePolicy,
                  ticket_secret: bytes = b"", require_ticket: bool = False,
                  telemetry: NodeTelemetry | None = None,
-                 prompts: PromptEncoder | None = None) -> None:
+                 prompts: PromptEncoder | None = None,
+                 adapters: AdapterCatalog | None = None) -> None:
         self._engine = engine
+        self._adapters = adapters or AdapterCatalog({})
         # The node's shared one (gpumesh.node.app); a servicer built alone gets its own.
         self._prompts = prompts or PromptEncoder(engine)
         self._telemetry = telemetry or NodeTelemetry.disabled()
@@ -102,6 +107,17 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
         if name and name != spec.name and name not in spec.aliases:
             served = ", ".join((spec.name, *spec.aliases))
             raise not_found(f"model {name!r} is not served here; served: {served}")
+
+    def _resolve_adapter(self, name: str) -> AdapterRef | None:
+        """The named LoRA adapter; NOT_FOUND when this node can never serve it (its adapter
+        set is fixed at start: gpumesh.node.adapters)."""
+        if not name:
+            return None
+        ref = self._adapters.get(name)
+        if ref is None:
+            served = ", ".join(self._adapters.names[:20]) or "none"
+            raise not_found(f"adapter {name[:128]!r} is not served here; served: {served}")
+        return ref
 
     async def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         kind = req.WhichOneof("prompt")
@@ -147,6 +163,7 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
         if self._state.draining:
             raise unavailable(f"node {self._state.node_id} is draining")
         self._resolve_model(req.model)
+        adapter = self._resolve_adapter(req.adapter)
         sampling = _sampling(req.sampling)
         try:
             # Tokenizes (off the loop when long): the engine may be starting or shut down.
@@ -182,8 +199,8 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
             ids = ids + resumed
             sampling = dataclasses.replace(sampling,
                                            max_tokens=sampling.max_tokens - len(resumed))
-        return Prepared(EngineRequest(request_id, tuple(ids), sampling), router_id, charged,
-                        policy, len(resumed))
+        return Prepared(EngineRequest(request_id, tuple(ids), sampling, adapter), router_id,
+                        charged, policy, len(resumed))
 
     # --- the generation loop shared by unary and streaming ------------------------------
     async def _run(self, prep: Prepared, coalescing: CoalescePolicy,
@@ -289,7 +306,7 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        spec = self._engine.model
+        spec = dataclasses.replace(self._engine.model, adapters=self._adapters.names)
         return pb.ListModelsResponse(
             models=[wire.model_info_to_proto(spec, [self._state.node_id])],
             frontend_addresses=self._state.frontend_addresses)

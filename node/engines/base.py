@@ -38,10 +38,21 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter the node serves (``gpumesh.node.adapters``): its request name, its
+    folder (PEFT format) and its stable id (>= 1; vLLM's ``lora_int_id``)."""
+
+    name: str
+    path: str
+    int_id: int
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling
+    adapter: AdapterRef | None = None   # generate with this LoRA adapter (loaded on demand)
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,10 @@ class EngineLoad:
     # Mean wall-clock seconds of the engine's recent steps while it had running requests (its
     # decode step time); 0 = not measured yet.
     decode_step_s: float = 0.0
+    # LoRA adapters loaded in the engine now, and the mean seconds of its recent adapter
+    # loads (0 = none yet)
+    loaded_adapters: tuple[str, ...] = ()
+    adapter_load_s: float = 0.0
     # time.monotonic() of the scheduler snapshot above (0 = unknown): with several front-end
     # processes on one engine, vLLM sends each step's stats to one of them, and the node
     # reports the freshest (gpumesh.node.frontends)
@@ -138,6 +153,11 @@ class InvalidRequest(EngineError):
 class EngineUnavailable(EngineError):
     """The engine is not serving yet (still starting) or any more (shut down) -> UNAVAILABLE,
     so clients and routers retry elsewhere or later."""
+
+
+class AdapterLoadFailed(EngineError):
+    """A served LoRA adapter could not be loaded (its files missing, unreadable or not for
+    this model) -> FAILED_PRECONDITION."""
 
 
 class EngineOverloaded(EngineError):

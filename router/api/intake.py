@@ -100,7 +100,7 @@ async def with_prefix(req: inference_pb2.GenerateRequest, info: RequestInfo,
 
 def trailing(record: DispatchRecord, trace: Trace = NOOP) -> tuple[tuple[str, str], ...]:
     return ((md.NODE_ID, record.node_id), (md.ATTEMPTS, str(len(record.attempts))),
-            *trace.trailing())
+            (md.MIGRATIONS, str(record.migrations)), *trace.trailing())
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException,

@@ -37,7 +37,7 @@ class SteeringModel:
     """The request terms' parameters (from ``RouterConfig``)."""
 
     affinity_weight: float = 1.0
-    epsilon: float = 0.25            # session_affinity_epsilon
+    epsilon: float = 0.25            # affinity_epsilon
     adapter_weight: float = 1.0
     adapter_load_s: float = 1.0      # assumed load time where a node measured none
     wait_scale_s: float = 0.5        # the expected-wait score's scale, shared by the adapter's

@@ -58,6 +58,9 @@ class Candidate:
     # one, else its running count averaged over reports / its generation rate, else the
     # model's reference step scaled by its weight; 0 = none measured or no fresh report.
     step_s: float = 0.0
+    # LoRA adapters of the model this node can serve (its registration); loaded ones are in
+    # ``report.loaded_adapters``.
+    adapters: tuple[str, ...] = ()
 
     @property
     def at_capacity(self) -> bool:
@@ -105,6 +108,11 @@ class RequestInfo:
     model: str
     prompt_tokens: int
     routing_key: str = ""
+    # The LoRA adapter named (GenerateRequest.adapter); "" = the base model.
+    adapter: str = ""
+    # The node that served ``routing_key`` last (fleet.sessions), "" = none: the
+    # session_affinity scorer's preference.
+    session_node: str = ""
     # Prefix locality (router/fleet/locality.py): the prompt's block hashes
     # (gpumesh.kvblocks), and per node id the prompt tokens that node holds in its KV cache
     # (nodes holding none are absent). The expected-wait scorer charges each node only the

@@ -39,6 +39,9 @@ class SimEngineConfig:
     vocab_size: int = VOCAB_SIZE
     eos_token_id: int = -1
     rate_window_s: float = 5.0  # wall-clock window of the load() rates
+    # LoRA adapters (adapters.py): adapters held at once (LRU), simulated ms to load one
+    max_loras: int = 2
+    adapter_load_ms: float = 20.0
     # vLLM's automatic prefix caching (prefix_cache.py): cached prompt blocks skip prefill
     prefix_caching: bool = True
 

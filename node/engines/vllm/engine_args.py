@@ -37,6 +37,9 @@ def engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
         "disable_log_stats": False,  # our stat logger needs the per-step stats
         "enable_log_requests": False,
     }
+    if c.enable_lora:
+        kwargs.update(enable_lora=True, max_loras=c.max_loras, max_lora_rank=c.max_lora_rank,
+                      max_cpu_loras=c.max_cpu_loras or c.max_loras)
     platform = current_platform()
     if platform.is_cpu():
         kwargs["worker_extension_cls"] = WORKER_SETUP

@@ -22,7 +22,7 @@ weight, the sums over the decision's candidates::
 So affinity never puts a node above ceil((1 + epsilon) x its fair share): past it, the
 session node scores 0 like every other node and the request goes where load alone sends it
 (and the session then moves with it: the dispatcher remembers the new node). epsilon is
-``RouterConfig.session_affinity_epsilon``. The ceiling lets an idle fleet's first request
+``RouterConfig.affinity_epsilon``. The ceiling lets an idle fleet's first request
 stick (fair share < 1). In-flight counts are this router's own, exact at every decision, so
 the bound holds per router; with a sampled decision (``decision_sample_size``) the sums are
 over the sample, an unbiased estimate of the fleet's mean load per unit of weight.
