@@ -50,7 +50,6 @@ INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_
 LIVENESS_SERVICE = "liveness"
 
 
-
 def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engine:
     """The one place that picks an engine implementation from config. ``frontend``: the
     engine of one of the node's other front-end processes (gpumesh.node.frontends)."""
@@ -214,7 +213,11 @@ class NodeServer:
         if not self.cfg.kv_events or attach is None:
             return ()
         pub = KvPublisher(self.engine.model.name)
-        return (pub,) if attach(pub) else ()
+        if not attach(pub):
+            return ()
+        if self.state is not None:
+            self.state.cached_prefix_tokens = pub.cached_prefix_tokens
+        return (pub,)
 
     def _init_telemetry(self) -> NodeTelemetry:
         """OpenTelemetry from the OTEL_* environment (off, at no cost, when unset)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from gpumesh.node.accounting import AdmissionLedger
 
 
@@ -13,5 +15,8 @@ class ServingState:
         self.node_id = node_id
         self.draining = False
         self.ledger = AdmissionLedger()
+        # prompt ids -> tokens of their prefix the engine holds in its KV cache (the node's
+        # mirror of its engine's block events, gpumesh.node.cache); None = not known
+        self.cached_prefix_tokens: Callable[[Sequence[int]], int] | None = None
         # each front-end process's own host:port when the node has several (gpumesh.node.frontends)
         self.frontend_addresses: tuple[str, ...] = ()

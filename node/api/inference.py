@@ -206,7 +206,11 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
     async def _run(self, prep: Prepared, coalescing: CoalescePolicy,
                    trace: Trace = NOOP) -> AsyncIterator[EngineOutput]:
         req = prep.request
-        admission: Admission = self._state.ledger.admit(prep.router_id, len(req.prompt_token_ids),
+        # pending prefill counts what the engine still computes: less the cached prefix
+        # (gpumesh.node.cache) where the node knows it
+        cached = self._state.cached_prefix_tokens
+        prefill = len(req.prompt_token_ids) - (cached(req.prompt_token_ids) if cached else 0)
+        admission: Admission = self._state.ledger.admit(prep.router_id, prefill,
                                                         prep.charged_tokens)
         finished = False
         trace.admitted()

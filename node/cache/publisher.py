@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from gpumesh.kvblocks import chain_hash
 from gpumesh.v1 import control_pb2 as cpb
 
 
@@ -131,6 +132,21 @@ class KvPublisher:
         self.max_pending = max_pending
         self.held: dict[int, None] = {}
         self._subs: list[KvSubscription] = []
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids``' leading full blocks the engine holds (at most all but the
+        last token, as the engine recomputes that one): hashes block by block, stopping at the
+        first block not held."""
+        held, size = self.held, self.block_size
+        if not held:
+            return 0
+        parent, n = 0, 0
+        for i in range(min(len(token_ids) - 1, len(token_ids) // size * size) // size):
+            parent = chain_hash(parent, token_ids[i * size:(i + 1) * size])
+            if parent not in held:
+                break
+            n += size
+        return n
 
     def subscribe(self) -> KvSubscription:
         sub = KvSubscription(self)

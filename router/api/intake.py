@@ -90,12 +90,15 @@ def check_routing_fields(req: inference_pb2.GenerateRequest, registry: Registry,
 
 async def with_prefix(req: inference_pb2.GenerateRequest, info: RequestInfo,
                       locality: PrefixLocality | None) -> RequestInfo:
-    """``info`` with the prompt's block hashes for prefix locality (tokenized off the event
-    loop when long; unchanged without locality or a tokenizer for the model)."""
+    """``info`` for prefix locality: the prompt's exact token count and block hashes
+    (tokenized off the event loop when long), and the tokens each node holds of it
+    (``cached_tokens``); unchanged without locality or a tokenizer for the model."""
     if locality is None or not locality.enabled:
         return info
-    hashes = await locality.hashes(req, info.model)
-    return replace(info, prefix_hashes=hashes) if hashes else info
+    n, hashes = await locality.hashes(req, info.model)
+    if not n:
+        return info
+    return locality.annotate(replace(info, prompt_tokens=n, prefix_hashes=hashes))
 
 
 def trailing(record: DispatchRecord, trace: Trace = NOOP) -> tuple[tuple[str, str], ...]:

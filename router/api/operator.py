@@ -24,6 +24,7 @@ from gpumesh.router.api.orders import NodeOrders
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import Dispatcher, DispatchRecord
 from gpumesh.router.fleet import NodeView, Registry
+from gpumesh.router.fleet.locality import prefill_tokens
 from gpumesh.router.fleet.quarantine import Quarantine, Quarantined
 from gpumesh.router.fleet.saturation import ModelSaturation
 from gpumesh.router.scheduling.types import NodeState
@@ -169,7 +170,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
                                               frozenset(request.exclude_node_ids))
             ticket, expires_ms = tickets.issue(
                 self.config.ticket_secret_bytes, self.config.router_id, slot.node_id,
-                info.prompt_tokens, self.config.ticket_ttl_s, now=self.wall_clock())
+                prefill_tokens(info, slot.node_id), self.config.ticket_ttl_s,
+                now=self.wall_clock())
         except (errors.RouterError, ValueError) as e:
             if isinstance(e, ValueError):
                 e = errors.RouterError(grpc.StatusCode.FAILED_PRECONDITION, str(e))

@@ -42,7 +42,7 @@ from gpumesh.router.dispatch.records import (
     DispatchRecord,
 )
 from gpumesh.router.fleet import Credit, Registry
-from gpumesh.router.fleet.locality import PrefixLocality
+from gpumesh.router.fleet.locality import PrefixLocality, prefill_tokens
 from gpumesh.router.fleet.sessions import SessionTable
 from gpumesh.router.scheduling import Decision, Profile, RequestInfo
 from gpumesh.router.scheduling.filters import Filter, fresh_first
@@ -85,8 +85,6 @@ class Dispatcher:
 
     def decide(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Decision:
         """One routing decision now, without charging (Router.Pick preview, tests)."""
-        if self.locality is not None and info.prefix_hashes:
-            info = self.locality.annotate(info)
         return self.admission.decide(info, exclude)
 
     def queue_length(self, model: str) -> int:
@@ -102,7 +100,7 @@ class Dispatcher:
         ``on_attempt(assignment)`` (tracing) runs before each node call and returns metadata
         to add."""
         return self._attempts(request, info, deadline, record, True,
-                              self._proxy_charge(info.prompt_tokens), extra_metadata, on_attempt)
+                              self._proxy_charge(info), extra_metadata, on_attempt)
 
     async def unary(self, request: bytes, info: RequestInfo, deadline: float,
                     record: DispatchRecord, extra_metadata: Sequence[tuple[str, str]] = (),
@@ -110,7 +108,7 @@ class Dispatcher:
         """Returns the node's serialized GenerateResponse; same retries as ``stream``."""
         async with contextlib.aclosing(self._attempts(
                 request, info, deadline, record, False,
-                self._blind_charge(info.prompt_tokens, True), extra_metadata,
+                self._blind_charge(info, True), extra_metadata,
                 on_attempt)) as responses:
             async for response in responses:
                 return response
@@ -122,7 +120,7 @@ class Dispatcher:
         ``exclude``: nodes the client saw fail before a first token (its retry)."""
         record.model, record.prompt_tokens = info.model, info.prompt_tokens
         return await self._assign(info, deadline, exclude,
-                                  self._blind_charge(info.prompt_tokens, False), record, None)
+                                  self._blind_charge(info, False), record, None)
 
     # ------------------------------------------------------------------ the attempt loop
 
@@ -252,8 +250,6 @@ class Dispatcher:
         if sessions is not None and info.routing_key:
             info = replace(info, session_node=sessions.lookup(info.model, info.routing_key))
         locality = self.locality
-        if locality is not None and info.prefix_hashes:
-            info = locality.annotate(info)
         try:
             d, credit, queued = await self.admission.acquire(info, deadline, charge, exclude)
         except errors.RouterError:
@@ -276,7 +272,9 @@ class Dispatcher:
         """Starts the node call (a ``grpc.aio`` call, or a backend's equivalent)."""
         client = self.channels.get(slot.node_id, slot.address, slot.frontends)
         extra = (*extra_metadata, *on_attempt(slot)) if on_attempt else extra_metadata
-        metadata = dispatch_metadata(self.registry.router_id, info.prompt_tokens, extra)
+        # charged = the prefill the node still does (prefix locality: less its cached prefix)
+        metadata = dispatch_metadata(self.registry.router_id,
+                                     prefill_tokens(info, slot.node_id), extra)
         timeout_s = max(0.001, min(deadline - self.clock(), self.config.request_timeout_s))
         rpc = client.stream if streaming else client.unary
         return rpc(request, timeout_s=timeout_s, metadata=metadata)
@@ -314,10 +312,10 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ charging
 
-    def _proxy_charge(self, tokens: int) -> ChargeFn:
-        return lambda node_id, d: self.registry.charge(node_id, tokens)
+    def _proxy_charge(self, info: RequestInfo) -> ChargeFn:
+        return lambda node_id, d: self.registry.charge(node_id, prefill_tokens(info, node_id))
 
-    def _blind_charge(self, tokens: int, slot_until_finish: bool) -> ChargeFn:
+    def _blind_charge(self, info: RequestInfo, slot_until_finish: bool) -> ChargeFn:
         """A blind credit (the router will not see its first token) holds its tokens for twice
         the decision's expected wait plus a second, plus a ticket's lifetime when the slot
         is not held until the end (lookaside), capped by lookaside_credit_max_s."""
@@ -327,6 +325,6 @@ class Dispatcher:
             hold = min(self.config.lookaside_credit_max_s,
                        (self.config.ticket_ttl_s if not slot_until_finish else 0.0)
                        + 2.0 * wait + 1.0)
-            return self.registry.charge(node_id, tokens, blind=True, hold_s=hold,
-                                        slot_until_finish=slot_until_finish)
+            return self.registry.charge(node_id, prefill_tokens(info, node_id), blind=True,
+                                        hold_s=hold, slot_until_finish=slot_until_finish)
         return charge

@@ -2,15 +2,17 @@
 
 ``PrefixLocality`` is the router's one entry point for it:
 
-- ``hashes(request, model)``: the prompt's block hashes (``gpumesh.kvblocks``), as the engine
-  computes them. Token-id prompts are hashed directly; text and chat prompts are tokenized
-  with the model's tokenizer (``prefix_tokenizers``: ``sim`` for the simulator's, or an HF
+- ``hashes(request, model)``: the prompt's token count and block hashes
+  (``gpumesh.kvblocks``), as the engine computes them. Token-id prompts are hashed directly;
+  text and chat prompts are tokenized with the model's tokenizer (``prefix_tokenizers``: ``sim`` for the simulator's, or an HF
   tokenizer path; simulated nodes get ``sim`` without configuration), on a worker thread for
   a long prompt so the event loop never waits. No tokenizer: no hashes (locality plays no
   part for that request).
 - ``annotate(info)``: the request's ``cached_tokens`` per node from the model's
   ``PrefixIndex``: what the expected-wait scorer subtracts from the prefill each node would
   still do.
+- ``prefill_tokens(info, node_id)``: the prompt less what the node holds: what the router
+  charges that node for the request (its credit, and the CHARGED_TOKENS it tells the node).
 - ``routed(info, node_id)``: approximate mode, the router's record of where it sent which
   prefix (for nodes that stream no KV events, or every node in ``approximate`` mode).
 - ``apply(node_id, update)``: a node's ``KvCacheUpdate`` (precise mode). Returns the model
@@ -131,17 +133,20 @@ class PrefixLocality:
         self._tokenizers[model] = tok
         return tok
 
-    async def hashes(self, req: inference_pb2.GenerateRequest, model: str) -> tuple[int, ...]:
-        """The prompt's block hashes; () when locality is off or there is no tokenizer."""
+    async def hashes(self, req: inference_pb2.GenerateRequest, model: str
+                     ) -> tuple[int, tuple[int, ...]]:
+        """(the prompt's exact token count, its block hashes); (0, ()) when locality is off or
+        there is no tokenizer for the model."""
         if not self.enabled:
-            return ()
+            return 0, ()
         kind = req.WhichOneof("prompt")
         limit = self.max_prompt_blocks
         if kind == "token_ids":
-            return tuple(block_hashes(req.token_ids.ids, BLOCK_SIZE, limit=limit))
+            ids = req.token_ids.ids
+            return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, limit=limit))
         tok = self._tokenizer(model)
         if tok is None or kind not in ("text", "chat"):
-            return ()
+            return 0, ()
         if self._worker is None:
             self._worker = SerialWorker("gpumesh-prefix-tokenize")
         if kind == "text":
@@ -214,10 +219,18 @@ class PrefixLocality:
             self._worker.close()
 
 
-def _hash_text(tok: PromptTokenizer, text: str, limit: int) -> tuple[int, ...]:
-    return tuple(block_hashes(tok.encode(text), BLOCK_SIZE, limit=limit))
+def prefill_tokens(info: RequestInfo, node_id: str) -> int:
+    """The prompt tokens ``node_id`` would still prefill for ``info``: its prompt less the
+    prefix the node holds (what the router charges the node and tells it it charged)."""
+    return max(info.prompt_tokens - info.cached_tokens.get(node_id, 0), 0)
+
+
+def _hash_text(tok: PromptTokenizer, text: str, limit: int) -> tuple[int, tuple[int, ...]]:
+    ids = tok.encode(text)
+    return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, limit=limit))
 
 
 def _hash_chat(tok: PromptTokenizer, messages: list[tuple[str, str]],
-               limit: int) -> tuple[int, ...]:
-    return tuple(block_hashes(tok.render_chat(messages), BLOCK_SIZE, limit=limit))
+               limit: int) -> tuple[int, tuple[int, ...]]:
+    ids = tok.render_chat(messages)
+    return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, limit=limit))

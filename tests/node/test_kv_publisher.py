@@ -37,3 +37,15 @@ def test_gap_request_and_overflow_turn_into_a_snapshot() -> None:
     pub.unsubscribe(sub)
     pub.stored([99])
     assert sub.take(3.0) == []
+
+
+def test_cached_prefix_tokens_follows_the_held_chain() -> None:
+    from gpumesh.kvblocks import block_hashes
+
+    pub = KvPublisher("m")
+    ids = list(range(1, 101))                   # 6 full blocks + 4 tokens
+    assert pub.cached_prefix_tokens(ids) == 0
+    pub.stored(block_hashes(ids)[:4])
+    assert pub.cached_prefix_tokens(ids) == 64
+    assert pub.cached_prefix_tokens(ids[:64]) == 48   # the last token is always computed
+    assert pub.cached_prefix_tokens([0] + ids[1:]) == 0

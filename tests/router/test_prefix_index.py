@@ -98,12 +98,12 @@ async def test_hashes_from_token_ids_and_sim_text() -> None:
                          engine_of=lambda model: "sim")
     req = inference_pb2.GenerateRequest(model="m", token_ids=inference_pb2.TokenIds(
         ids=list(range(160))))
-    assert await loc.hashes(req, "m") == tuple(A)
+    assert await loc.hashes(req, "m") == (160, tuple(A))
     from gpumesh.node.engines.sim import SimEngine
     text = "the same long system prompt " * 40
     want = block_hashes(SimEngine().tokenize(text))
-    got = await loc.hashes(inference_pb2.GenerateRequest(model="m", text=text), "m")
-    assert got == tuple(want) and len(got) > 5
+    n, got = await loc.hashes(inference_pb2.GenerateRequest(model="m", text=text), "m")
+    assert got == tuple(want) and len(got) > 5 and n == len(SimEngine().tokenize(text))
     loc.close()
 
 
