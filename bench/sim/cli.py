@@ -1,0 +1,207 @@
+"""``gpumesh sim``: the virtual-time fleet simulator's command line (docs/simulator.md).
+
+  gpumesh sim run   --fleet F [--workload W | --trace T.jsonl] (--load L | --rate R)
+                    [--policies P,...] [--requests N] [--seeds 1,2,3] [--slo TTFT_MS:TPOT_MS]
+                    [--json OUT] [--md OUT]
+  gpumesh sim grid  [--fleets F,...] [--workloads W,...] [--loads 0.8,0.95] [--policies P,...]
+                    [--seeds 5] [--requests 20000] [--slo ...] --out DIR
+  gpumesh sim report DIR/grid.jsonl... --out DIR
+  gpumesh sim plan  --fleet F [--fleet G ...] (--trace T.jsonl | --workload W) --slo TTFT:TPOT
+                    [--rates R,...] [--attainment 0.99] [--policy P] [--out DIR]
+  gpumesh sim trace --workload W --requests N --rate R --out T.jsonl [--seed S]
+  gpumesh sim --fleet F ... --trace T --slo ...      (= plan)
+
+F: a built-in fleet (homo, hetero-speed, hetero-kv, hetero-kvspeed, large) or a fleet TOML.
+W: lognormal, bimodal, long-output, long-prompt, mixed, bursty, ramp, join-leave, slowdown,
+conversations. Times are simulated seconds; --slo in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpumesh_bench.sim import capacity as cap_mod
+from gpumesh_bench.sim import fleets, grid, report
+from gpumesh_bench.sim import workloads as wl
+from gpumesh_bench.sim.metrics import SLOSpec
+
+SUBCOMMANDS = ("run", "grid", "report", "plan", "trace")
+
+
+def _slo(s: str) -> SLOSpec:
+    try:
+        t, _, p = s.partition(":")
+        return SLOSpec(float(t), float(p) if p else float("inf"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--slo takes TTFT_MS:TPOT_MS, got {s!r}") from e
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _seeds(s: str) -> list[int]:
+    """"5" -> seeds 1..5; "1,4,7" -> those."""
+    return [int(x) for x in s.split(",")] if "," in s else list(range(1, int(s) + 1))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpumesh sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="one fleet, one workload, several policies and seeds")
+    r.add_argument("--fleet", default="hetero-speed")
+    r.add_argument("--workload", default="lognormal", choices=wl.WORKLOADS)
+    r.add_argument("--trace", default="")
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--load", type=float, default=0.8, help="fraction of measured capacity")
+    g.add_argument("--rate", type=float, default=0.0, help="requests per simulated second")
+    r.add_argument("--policies", default=",".join(grid.POLICIES))
+    r.add_argument("--requests", type=int, default=20000)
+    r.add_argument("--seeds", type=_seeds, default=_seeds("5"))
+    r.add_argument("--slo", type=_slo, default=SLOSpec())
+    r.add_argument("--json", default="")
+    r.add_argument("--md", default="")
+
+    gr = sub.add_parser("grid", help="fleets x workloads x loads, every policy")
+    gr.add_argument("--fleets", default="hetero-speed,homo")
+    gr.add_argument("--workloads", default="lognormal,long-output,mixed")
+    gr.add_argument("--loads", type=_floats, default=[0.8, 0.95])
+    gr.add_argument("--policies", default=",".join(grid.POLICIES))
+    gr.add_argument("--seeds", type=_seeds, default=_seeds("5"))
+    gr.add_argument("--requests", type=int, default=20000)
+    gr.add_argument("--slo", type=_slo, default=SLOSpec())
+    gr.add_argument("--out", required=True)
+
+    rp = sub.add_parser("report", help="tables and plots of grid.jsonl files")
+    rp.add_argument("files", nargs="+")
+    rp.add_argument("--out", required=True)
+
+    pl = sub.add_parser("plan", help="capacity planning: which fleet holds the SLO at which rate")
+    _plan_args(pl)
+
+    t = sub.add_parser("trace", help="write a named workload as a JSONL trace")
+    t.add_argument("--workload", default="lognormal", choices=wl.WORKLOADS)
+    t.add_argument("--requests", type=int, default=20000)
+    t.add_argument("--rate", type=float, required=True)
+    t.add_argument("--seed", type=int, default=1)
+    t.add_argument("--out", required=True)
+    return p
+
+
+def _plan_args(pl: argparse.ArgumentParser) -> None:
+    pl.add_argument("--fleet", action="append", required=True,
+                    help="a built-in fleet or a fleet TOML (repeat to compare)")
+    pl.add_argument("--trace", default="")
+    pl.add_argument("--workload", default="lognormal", choices=wl.WORKLOADS)
+    pl.add_argument("--slo", type=_slo, required=True)
+    pl.add_argument("--rates", type=_floats, default=[])
+    pl.add_argument("--attainment", type=float, default=0.99)
+    pl.add_argument("--ttft-p99-ms", type=float, default=float("inf"))
+    pl.add_argument("--e2e-p99-ms", type=float, default=float("inf"))
+    pl.add_argument("--policy", default="weighted_least_load")
+    pl.add_argument("--seeds", type=_seeds, default=_seeds("3"))
+    pl.add_argument("--requests", type=int, default=5000)
+    pl.add_argument("--out", default="sim-plan")
+
+
+def _cmd_run(a: argparse.Namespace) -> int:
+    fleet = fleets.resolve(a.fleet)
+    trace = wl.load_trace(a.trace) if a.trace else None
+    rate = a.rate
+    if rate <= 0:
+        if trace is not None:
+            raise SystemExit("with --trace, give --rate (or 0 to keep the trace's times)")
+        rate = a.load * grid.capacity(fleet, a.workload)
+    if trace is not None and a.rate > 0:
+        trace = wl.load_trace(a.trace, rate=a.rate)
+    t0 = time.process_time()
+    cell = grid.run_cell(fleet, a.workload, rate, a.policies.split(","), a.seeds,
+                         a.requests, a.slo, trace=trace)
+    rec = {"fleet": fleet.name, "workload": trace.name if trace else a.workload,
+           "load": a.load if a.rate <= 0 else 0.0, "rate": rate, "requests": a.requests,
+           "seeds": a.seeds, "nodes": [x.node_id for x in fleet.nodes],
+           "speeds": [x.engine.speed for x in fleet.nodes], **cell}
+    md = (f"{fleet.name} / {rec['workload']} at {rate:.1f} req/s, {a.requests} requests x "
+          f"{len(a.seeds)} seeds ({time.process_time() - t0:.1f} s CPU)\n\n"
+          + report.cell_table(rec) + "\n\n" + report.share_table(rec) + "\n")
+    sys.stdout.write(md)
+    if a.md:
+        Path(a.md).write_text(md, encoding="utf-8")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rec) + "\n", encoding="utf-8")
+    return 0
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    trace = wl.load_trace(a.trace) if a.trace else None
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for f in a.fleet:
+        fleet = fleets.resolve(f)
+        results[fleet.name] = cap_mod.plan(
+            fleet, a.slo, trace=trace, workload=a.workload, rates=a.rates, policy=a.policy,
+            seeds=a.seeds, n=a.requests, attainment=a.attainment,
+            ttft_p99_ms=a.ttft_p99_ms, e2e_p99_ms=a.e2e_p99_ms)
+    md = cap_mod.markdown(results, a.slo, a.attainment)
+    (out / "plan.md").write_text(md + "\n", encoding="utf-8")
+    (out / "plan.json").write_text(json.dumps(cap_mod.as_json(results)) + "\n",
+                                   encoding="utf-8")
+    png = cap_mod.plot(results, a.attainment, out / "plan.png")
+    sys.stdout.write(md + f"\n\nplot: {png}\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] not in SUBCOMMANDS and args[0] not in ("-h", "--help"):
+        args = ["plan", *args]   # `gpumesh sim --fleet ... --trace ... --slo ...`
+    a = build_parser().parse_args(args)
+    if a.cmd == "run":
+        return _cmd_run(a)
+    if a.cmd == "plan":
+        return _cmd_plan(a)
+    if a.cmd == "grid":
+        path = grid.grid(a.fleets.split(","), a.workloads.split(","), a.loads,
+                         a.policies.split(","), a.seeds, a.requests, a.slo, Path(a.out),
+                         log=lambda m: print(m, file=sys.stderr, flush=True))
+        md, pngs = report.write(report.load_cells([path]), Path(a.out))
+        print(f"{md}\n" + "\n".join(map(str, pngs)))
+        return 0
+    if a.cmd == "report":
+        md, pngs = report.write(report.load_cells(a.files), Path(a.out))
+        print(f"{md}\n" + "\n".join(map(str, pngs)))
+        return 0
+    if a.cmd == "trace":
+        w = wl.build(a.workload, a.requests, a.rate, a.seed, ["n0", "n1"])
+        with open(a.out, "w", encoding="utf-8") as f:
+            for x in w.arrivals:
+                rec = {"arrival_s": round(x.arrival_s, 6), "prompt_tokens": x.prompt_tokens,
+                       "max_tokens": x.output_tokens}
+                if x.blocks:
+                    rec["blocks"] = list(x.blocks)
+                f.write(json.dumps(rec) + "\n")
+        print(f"{len(w.arrivals)} requests -> {a.out}")
+        return 0
+    raise AssertionError(a.cmd)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``gpumesh sim`` to the ``gpumesh`` command line (``gpumesh.commands`` entry
+    point); the arguments after ``sim`` go to :func:`main` unparsed."""
+    s = sub.add_parser("sim", help="virtual-time fleet simulator and capacity planning",
+                       add_help=False)
+    s.add_argument("-h", "--help", action="store_true", dest="sim_help")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(func=lambda a: main((["--help"] if a.sim_help else []) + a.rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

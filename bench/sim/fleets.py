@@ -1,0 +1,165 @@
+"""Fleets for the simulator: built-in ones and the TOML format.
+
+A fleet is a list of nodes, each a ``SimEngineConfig`` (speed, KV capacity, batch limits,
+calibrated shape) plus the capacity weight it declares, and the routers' settings.
+
+TOML (every key optional except ``[[group]]``)::
+
+    name = "my-fleet"
+    shape = "0.5b-h200"        # SimEngineConfig.for_shape: 0.5b, 7b, 0.5b-h200, 7b-h200
+    routers = 1                # routers, each request to one of them (round robin)
+    heartbeat_interval_s = 0.25
+    network_delay_s = 0.0005   # one way, router <-> node, every message
+
+    [engine]                   # SimEngineConfig fields for every node
+    max_num_seqs = 32
+    kv_capacity_tokens = 8192
+
+    [router]                   # RouterConfig fields (scorer_weights as a table)
+    kv_penalty_s = 0.05
+
+    [[group]]
+    count = 4
+    speed = 1.0                # GPU speed factor
+    weight = 1.0               # declared capacity weight (default: speed)
+    kv_capacity_tokens = 8192  # any SimEngineConfig field overrides [engine] for the group
+
+Built-in fleets (``BUILTIN``): ``homo`` (8 x speed 1), ``hetero-speed`` (speeds
+1,1,1,1,2,2,0.5,0.5, equal KV), ``hetero-kv`` (8 x speed 1, KV 0.5x/1x/2x), ``hetero-kvspeed``
+(the hetero-speed speeds, KV in proportion to speed), ``large`` (1,024 nodes, the
+hetero-speed mix x 128). Engine defaults: the ``0.5b-h200`` shape, ``max_num_seqs`` 32,
+8,192 KV tokens per speed-1 node, context 4,096 (the live policy comparison's nodes).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from gpumesh.node.engines.sim import SimEngineConfig
+
+HETERO_SPEEDS = (1, 1, 1, 1, 2, 2, 0.5, 0.5)
+ENGINE_DEFAULTS: dict[str, Any] = {"max_num_seqs": 32, "kv_capacity_tokens": 8192,
+                                   "max_context_length": 4096}
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    node_id: str
+    engine: SimEngineConfig
+    weight: float
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    routers: int = 1
+    heartbeat_interval_s: float = 0.25
+    network_delay_s: float = 0.0005
+    router: dict[str, Any] = field(default_factory=dict)   # RouterConfig overrides
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError("a fleet needs at least one node")
+        if self.routers < 1 or self.heartbeat_interval_s <= 0 or self.network_delay_s < 0:
+            raise ValueError("routers >= 1, heartbeat_interval_s > 0, network_delay_s >= 0")
+        ids = [n.node_id for n in self.nodes]
+        if len(set(ids)) != len(ids):
+            raise ValueError("node ids must be unique")
+
+    @property
+    def fastest(self) -> str:
+        return max(self.nodes, key=lambda n: n.engine.speed).node_id
+
+
+_ENGINE_FIELDS = {f.name for f in fields(SimEngineConfig)}
+
+
+def _engine(shape: str, base: dict[str, Any], group: dict[str, Any]) -> SimEngineConfig:
+    merged = {**base, **{k: v for k, v in group.items() if k in _ENGINE_FIELDS}}
+    unknown = set(base) - _ENGINE_FIELDS
+    if unknown:
+        raise ValueError(f"unknown engine setting(s) {sorted(unknown)}")
+    # time_scale 1: the simulator's clock is the engine's simulated clock
+    return SimEngineConfig.for_shape(shape, **{**merged, "time_scale": 1.0,
+                                               "prefix_caching": merged.get("prefix_caching",
+                                                                            True)})
+
+
+def from_dict(d: dict[str, Any], name: str = "fleet") -> FleetSpec:
+    """A fleet from the TOML format's dict (module docstring)."""
+    shape = str(d.get("shape", "0.5b-h200"))
+    base = {**ENGINE_DEFAULTS, **dict(d.get("engine", {}))}
+    groups = d.get("group")
+    if not isinstance(groups, list) or not groups:
+        raise ValueError("a fleet needs [[group]] tables")
+    nodes: list[NodeSpec] = []
+    for gi, g in enumerate(groups):
+        g = dict(g)
+        count = int(g.pop("count", 1))
+        weight = g.pop("weight", None)
+        prefix = str(g.pop("prefix", f"g{gi}"))
+        extra = set(g) - _ENGINE_FIELDS
+        if extra:
+            raise ValueError(f"unknown group setting(s) {sorted(extra)}")
+        if count < 1:
+            raise ValueError("group count must be >= 1")
+        eng = _engine(shape, base, g)
+        w = float(weight) if weight is not None else eng.speed
+        for i in range(count):
+            nodes.append(NodeSpec(f"{prefix}-{i:04d}-x{eng.speed:g}", eng, w))
+    router = dict(d.get("router", {}))
+    return FleetSpec(str(d.get("name", name)), tuple(nodes), int(d.get("routers", 1)),
+                     float(d.get("heartbeat_interval_s", 0.25)),
+                     float(d.get("network_delay_s", 0.0005)), router)
+
+
+def load(path: str | Path) -> FleetSpec:
+    p = Path(path)
+    with open(p, "rb") as f:
+        return from_dict(tomllib.load(f), p.stem)
+
+
+def _speeds(name: str, speeds: tuple[float, ...], kv_grows: bool = False,
+            kvs: tuple[float, ...] = ()) -> FleetSpec:
+    groups = []
+    for i, s in enumerate(speeds):
+        kv_factor = kvs[i] if kvs else (s if kv_grows else 1.0)
+        groups.append({"count": 1, "speed": float(s), "prefix": f"n{i:02d}",
+                       "kv_capacity_tokens": int(ENGINE_DEFAULTS["kv_capacity_tokens"]
+                                                 * kv_factor) // 16 * 16})
+    return from_dict({"name": name, "group": groups})
+
+
+def builtin(name: str) -> FleetSpec:
+    if name == "homo":
+        return _speeds(name, (1,) * 8)
+    if name == "hetero-speed":
+        return _speeds(name, HETERO_SPEEDS)
+    if name == "hetero-kvspeed":
+        return _speeds(name, HETERO_SPEEDS, kv_grows=True)
+    if name == "hetero-kv":
+        return _speeds(name, (1,) * 8, kvs=(0.5, 0.5, 1, 1, 1, 1, 2, 2))
+    if name == "large":
+        groups = [{"count": 128 * HETERO_SPEEDS.count(s), "speed": float(s),
+                   "prefix": f"s{s:g}"} for s in sorted(set(HETERO_SPEEDS))]
+        return from_dict({"name": name, "group": groups})
+    raise ValueError(f"unknown fleet {name!r}; built in: {', '.join(BUILTIN)} (or a .toml)")
+
+
+BUILTIN = ("homo", "hetero-speed", "hetero-kv", "hetero-kvspeed", "large")
+HETEROGENEOUS = ("hetero-speed", "hetero-kvspeed", "large")
+
+
+def resolve(name_or_path: str) -> FleetSpec:
+    """A built-in fleet's name or a TOML file's path."""
+    if name_or_path.endswith(".toml") or Path(name_or_path).is_file():
+        return load(name_or_path)
+    return builtin(name_or_path)
+
+
+def with_router(f: FleetSpec, **overrides: Any) -> FleetSpec:
+    return replace(f, router={**f.router, **overrides})

@@ -1,0 +1,232 @@
+"""The simulator's workloads: what arrives when, how long it is, and what happens to the fleet.
+
+A workload is a list of :class:`Arrival` (sorted by time) plus a list of :class:`FleetEvent`
+(nodes joining, leaving, slowing), both from a seed, so a (workload, seed, rate) triple is one
+exact run. Rates are requests per simulated second; a named workload is built for a target
+mean rate, so the grid sets load as a fraction of a fleet's measured capacity.
+
+Named workloads (``WORKLOADS``; lengths are ``gpumesh_bench.workload.LengthDist`` specs):
+
+- ``lognormal``, ``bimodal``: the policy comparison's chat-like and chat + documents mixes
+  (``gpumesh_bench.compare.WORKLOADS``), Poisson arrivals.
+- ``long-output``: short prompts, long generations (decode-bound).
+- ``long-prompt``: long prompts, short outputs (prefill-bound).
+- ``mixed``: a three-way mix of chat, long-output and long-prompt requests.
+- ``bursty``: the lognormal lengths with on/off arrivals (a two-state MMPP: bursts at 3x
+  the mean rate for 2 s, then 1/3 x... alternating so the mean is the target rate).
+- ``ramp``: the lognormal lengths, the rate rising linearly from 20 % to 180 % of the target
+  (mean = the target).
+- ``join-leave``: lognormal; two nodes leave at 30 % of the run and rejoin at 70 %.
+- ``slowdown``: lognormal; the first fast (or first) node runs at a quarter of its speed from
+  40 % of the run on.
+- ``conversations``: multi-tenant multi-turn chats with shared prefixes: each tenant has a
+  system prompt (its own blocks), each conversation grows turn by turn, and every prompt
+  carries its token-block structure (``Arrival.blocks``: block ids, equal ids = equal
+  16-token blocks, a chain) so a prefix cache can reuse it.
+
+``load_trace`` reads a JSONL trace (``gpumesh_bench.workload.load_trace`` format, plus an
+optional ``blocks`` list per record) for replay.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpumesh_bench.workload import LengthDist
+
+BLOCK = 16  # tokens per KV block (the engines' kv_block_size)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request: arrival (simulated seconds from the start), prompt and output lengths
+    (tokens; the output is max_tokens, always generated in full), and optionally the prompt's
+    full-block structure (``blocks``: one id per full 16-token block; equal ids = equal
+    content with equal content before it)."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """At ``at_s``: ``kind`` "leave" (the node deregisters and finishes what it holds),
+    "join" (it registers again) or "speed" (its GPU speed becomes ``value``)."""
+
+    at_s: float
+    kind: str
+    node_id: str
+    value: float = 0.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    arrivals: list[Arrival]
+    events: list[FleetEvent]
+
+
+LENGTHS: dict[str, tuple[str, str]] = {
+    "lognormal": ("lognormal:256:1.0:3072", "lognormal:48:0.8:384"),
+    "bimodal": ("bimodal:128:3072:0.15", "bimodal:48:128:0.15"),
+    "long-output": ("lognormal:64:0.5:512", "lognormal:384:0.4:1536"),
+    "long-prompt": ("lognormal:1536:0.4:3500", "lognormal:16:0.5:64"),
+}
+MIXED = (("lognormal", 0.6), ("long-output", 0.2), ("long-prompt", 0.2))
+WORKLOADS = ("lognormal", "bimodal", "long-output", "long-prompt", "mixed", "bursty", "ramp",
+             "join-leave", "slowdown", "conversations")
+
+
+def _lengths(name: str, rng: random.Random) -> tuple[int, int]:
+    if name == "mixed":
+        u = rng.random()
+        for sub, p in MIXED:
+            if u < p:
+                return _lengths(sub, rng)
+            u -= p
+        return _lengths(MIXED[-1][0], rng)
+    p, o = (LengthDist.parse(x) for x in LENGTHS[name])
+    u = rng.random()
+    return p.sample(rng, u), o.sample(rng, u)
+
+
+def _poisson_times(n: int, rate: float, rng: random.Random) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _onoff_times(n: int, rate: float, rng: random.Random, period_s: float = 2.0,
+                 high: float = 3.0) -> list[float]:
+    """Two-state MMPP: ``high`` x rate for ``period_s``, then the low rate that keeps the mean
+    (``(2 - high)`` x rate, at least 5 % of it) for ``period_s``, alternating."""
+    low = max(2.0 - high, 0.05)
+    rates = (rate * high, rate * low)
+    t, out, state, until = 0.0, [], 0, period_s
+    while len(out) < n:
+        gap = rng.expovariate(rates[state])
+        if t + gap > until:   # memoryless: restart the draw at the switch
+            t, state, until = until, 1 - state, until + period_s
+            continue
+        t += gap
+        out.append(t)
+    return out
+
+
+def _ramp_times(n: int, rate: float, rng: random.Random, lo: float = 0.2,
+                hi: float = 1.8) -> list[float]:
+    """Rate rising linearly from lo x rate to hi x rate over the run (mean = rate): the
+    cumulative arrivals Λ(t) are inverted for unit-rate Poisson points."""
+    duration = n / rate
+    a, b = lo * rate, (hi - lo) * rate / duration   # λ(t) = a + b t
+    out, s = [], 0.0
+    for _ in range(n):
+        s += rng.expovariate(1.0)
+        out.append((-a + math.sqrt(a * a + 2 * b * s)) / b)
+    return out
+
+
+def _conversations(n: int, rate: float, rng: random.Random) -> list[Arrival]:
+    """Tenants x conversations x turns; prompts grow by each turn's user text and answer."""
+    tenants = 8
+    sys_len = [rng.choice((256, 512, 1024)) for _ in range(tenants)]
+    next_id = iter(range(1, 1 << 62))
+    tenant_blocks = [tuple(next(next_id) for _ in range(s // BLOCK)) for s in sys_len]
+    times = _poisson_times(n, rate, rng)
+    live: list[dict[str, object]] = []
+    out: list[Arrival] = []
+    for i, t in enumerate(times):
+        if not live or len(live) < 64 and rng.random() < 0.3:
+            k = rng.randrange(tenants)
+            live.append({"tenant": k, "tokens": sys_len[k], "blocks": list(tenant_blocks[k]),
+                         "turns": rng.randint(2, 8)})
+        conv = live[rng.randrange(len(live))]
+        user = max(8, round(rng.lognormvariate(math.log(64), 0.6)))
+        answer = max(1, round(rng.lognormvariate(math.log(96), 0.6)))
+        prompt = int(conv["tokens"]) + user   # type: ignore[call-overload]
+        blocks: list[int] = conv["blocks"]   # type: ignore[assignment]
+        while len(blocks) < prompt // BLOCK:
+            blocks.append(next(next_id))
+        out.append(Arrival(i, t, prompt, answer, tuple(blocks[:prompt // BLOCK])))
+        conv["tokens"] = prompt + answer
+        conv["turns"] = int(conv["turns"]) - 1   # type: ignore[call-overload]
+        if int(conv["turns"]) <= 0:   # type: ignore[call-overload]
+            live.remove(conv)
+    return out
+
+
+def build(name: str, n: int, rate: float, seed: int, node_ids: list[str],
+          fast_node: str = "") -> Workload:
+    """``n`` requests of workload ``name`` at a mean of ``rate`` req/s from ``seed``.
+    ``node_ids`` (the fleet's, in order) and ``fast_node`` pick the nodes fleet events touch."""
+    if rate <= 0 or n < 1:
+        raise ValueError("a workload needs rate > 0 and n >= 1")
+    rng = random.Random(seed)
+    gaps = random.Random(seed ^ 0x5EED)
+    events: list[FleetEvent] = []
+    if name == "conversations":
+        return Workload(name, _conversations(n, rate, rng), events)
+    if name == "bursty":
+        times = _onoff_times(n, rate, gaps)
+    elif name == "ramp":
+        times = _ramp_times(n, rate, gaps)
+    elif name in LENGTHS or name in ("mixed", "join-leave", "slowdown"):
+        times = _poisson_times(n, rate, gaps)
+    else:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    lengths = "lognormal" if name in ("bursty", "ramp", "join-leave", "slowdown") else name
+    arrivals = [Arrival(i, t, *_lengths(lengths, rng)) for i, t in enumerate(times)]
+    span = times[-1]
+    if name == "join-leave":
+        for nid in node_ids[:2]:
+            events += [FleetEvent(0.3 * span, "leave", nid), FleetEvent(0.7 * span, "join", nid)]
+    elif name == "slowdown":
+        events.append(FleetEvent(0.4 * span, "speed", fast_node or node_ids[0], 0.25))
+    return Workload(name, arrivals, events)
+
+
+def load_trace(path: str | Path, rate: float = 0.0) -> Workload:
+    """A JSONL trace as a workload: ``{"arrival_s", "prompt_tokens", "max_tokens"}`` per line
+    (``t`` for ``arrival_s``; ``prompt`` text counts 4 characters a token; optional
+    ``blocks``: block ids). ``rate`` > 0 rescales the arrivals to that mean rate."""
+    recs: list[tuple[float, int, int, tuple[int, ...]]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                r = json.loads(line)
+                n = (int(r["prompt_tokens"]) if "prompt_tokens" in r
+                     else max(1, len(str(r["prompt"])) // 4))
+                out = int(r["max_tokens"])
+                t = float(r.get("arrival_s", r.get("t", 0.0)))
+                if n < 1 or out < 1 or not math.isfinite(t) or t < 0:
+                    raise ValueError("lengths must be >= 1 and arrival_s finite, >= 0")
+                recs.append((t, n, out, tuple(int(b) for b in r.get("blocks", ()))))
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: bad trace record ({exc})") from exc
+    if not recs:
+        raise ValueError(f"{path}: empty trace")
+    recs.sort(key=lambda r: r[0])
+    t0 = recs[0][0]
+    span = recs[-1][0] - t0
+    scale = 1.0
+    if rate > 0 and span > 0:
+        scale = (len(recs) - 1) / rate / span
+    return Workload(Path(path).stem, [Arrival(i, (t - t0) * scale, n, o, b)
+                                      for i, (t, n, o, b) in enumerate(recs)], [])
+
+
+def mean_rate(w: Workload) -> float:
+    span = w.arrivals[-1].arrival_s - w.arrivals[0].arrival_s
+    return (len(w.arrivals) - 1) / span if span > 0 else math.inf
