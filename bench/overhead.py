@@ -18,6 +18,9 @@ Parts (``--parts``, default all):
   SO_REUSEPORT spreads them), 1-token requests.
 - ``tracing``: router req/s and CPU per request with tracing off, 100 % and 1 % sampling
   (OTLP to a local receiver).
+- ``decision``: the routing decision alone per policy and fleet size (``microbench``).
+- ``prefix`` (not in the default): the decision with prefix locality, the index holding
+  ``--prefix-blocks`` entries, and the index's memory (``prefix_decision``).
 """
 
 from __future__ import annotations
@@ -219,6 +222,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pin", action="store_true", help="do not taskset router / node")
     p.add_argument("--decision-sizes", default="16,64,256,1024,4096")
     p.add_argument("--decision-iters", type=int, default=3000)
+    p.add_argument("--prefix-blocks", type=int, default=1_000_000,
+                   help="part prefix: (node, block) entries in the prefix index")
     p.add_argument("--out", default="bench-results/overhead")
 
 
@@ -259,6 +264,13 @@ def main(a: argparse.Namespace) -> int:
             sizes = [int(x) for x in a.decision_sizes.split(",") if x]
             result["decision"] = microbench.run(sizes, a.decision_iters)
             print(microbench.markdown(result["decision"]))
+        if "prefix" in parts:
+            from gpumesh_bench import prefix_decision
+
+            sizes = [int(x) for x in a.decision_sizes.split(",") if x]
+            result["prefix"] = prefix_decision.run(sizes, a.decision_iters,
+                                                   blocks=a.prefix_blocks)
+            print(prefix_decision.markdown(result["prefix"]))
     finally:
         write_json(out / "overhead.json", result)
         (out / "overhead.md").write_text(markdown(result), encoding="utf-8")
@@ -336,4 +348,9 @@ def markdown(r: dict[str, Any]) -> str:
         from gpumesh_bench import microbench
 
         lines += ["### Routing decision time", "", microbench.markdown(r["decision"])]
+    if "prefix" in r:
+        from gpumesh_bench import prefix_decision
+
+        lines += ["### Routing decision time with a prefix index", "",
+                  prefix_decision.markdown(r["prefix"])]
     return "\n".join(lines) + "\n"
