@@ -13,7 +13,7 @@ Named workloads (``WORKLOADS``; lengths are ``gpumesh_bench.workload.LengthDist`
 - ``long-prompt``: long prompts, short outputs (prefill-bound).
 - ``mixed``: a three-way mix of chat, long-output and long-prompt requests.
 - ``bursty``: the lognormal lengths with on/off arrivals (a two-state MMPP: bursts at 3x
-  the mean rate for 2 s, then 1/3 x... alternating so the mean is the target rate).
+  the mean rate for 1 s, then 0.2x for 2.5 s, alternating; the mean is the target rate).
 - ``ramp``: the lognormal lengths, the rate rising linearly from 20 % to 180 % of the target
   (mean = the target).
 - ``join-leave``: lognormal; two nodes leave at 30 % of the run and rejoin at 70 %.
@@ -105,17 +105,18 @@ def _poisson_times(n: int, rate: float, rng: random.Random) -> list[float]:
     return out
 
 
-def _onoff_times(n: int, rate: float, rng: random.Random, period_s: float = 2.0,
-                 high: float = 3.0) -> list[float]:
-    """Two-state MMPP: ``high`` x rate for ``period_s``, then the low rate that keeps the mean
-    (``(2 - high)`` x rate, at least 5 % of it) for ``period_s``, alternating."""
-    low = max(2.0 - high, 0.05)
+def _onoff_times(n: int, rate: float, rng: random.Random, on_s: float = 1.0,
+                 high: float = 3.0, low: float = 0.2) -> list[float]:
+    """Two-state MMPP: ``high`` x rate for ``on_s``, then ``low`` x rate for the off period
+    that keeps the mean at ``rate`` (``on_s * (high - 1) / (1 - low)``), alternating."""
+    periods = (on_s, on_s * (high - 1) / (1 - low))
     rates = (rate * high, rate * low)
-    t, out, state, until = 0.0, [], 0, period_s
+    t, out, state, until = 0.0, [], 0, periods[0]
     while len(out) < n:
         gap = rng.expovariate(rates[state])
         if t + gap > until:   # memoryless: restart the draw at the switch
-            t, state, until = until, 1 - state, until + period_s
+            t, state = until, 1 - state
+            until += periods[state]
             continue
         t += gap
         out.append(t)
