@@ -270,7 +270,7 @@ class GetFleetResponse(_message.Message):
     def __init__(self, router_id: _Optional[str] = ..., policy: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("model", "nodes", "queued", "slot_utilization", "prefill_backlog_s", "saturation", "at_limit_fraction", "nodes_wanted")
+    __slots__ = ("model", "nodes", "queued", "slot_utilization", "prefill_backlog_s", "saturation", "at_limit_fraction", "nodes_wanted", "kv_utilization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,7 @@ class ModelLoad(_message.Message):
     SATURATION_FIELD_NUMBER: _ClassVar[int]
     AT_LIMIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
     NODES_WANTED_FIELD_NUMBER: _ClassVar[int]
+    KV_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     nodes: int
     queued: int
@@ -287,7 +288,8 @@ class ModelLoad(_message.Message):
     saturation: float
     at_limit_fraction: float
     nodes_wanted: int
-    def __init__(self, model: _Optional[str] = ..., nodes: _Optional[int] = ..., queued: _Optional[int] = ..., slot_utilization: _Optional[float] = ..., prefill_backlog_s: _Optional[float] = ..., saturation: _Optional[float] = ..., at_limit_fraction: _Optional[float] = ..., nodes_wanted: _Optional[int] = ...) -> None: ...
+    kv_utilization: float
+    def __init__(self, model: _Optional[str] = ..., nodes: _Optional[int] = ..., queued: _Optional[int] = ..., slot_utilization: _Optional[float] = ..., prefill_backlog_s: _Optional[float] = ..., saturation: _Optional[float] = ..., at_limit_fraction: _Optional[float] = ..., nodes_wanted: _Optional[int] = ..., kv_utilization: _Optional[float] = ...) -> None: ...
 
 class PickRequest(_message.Message):
     __slots__ = ("request", "exclude_node_ids")
