@@ -69,6 +69,7 @@ def fleet_table(fleet: cpb.GetFleetResponse) -> str:
            for n in sorted(fleet.nodes, key=lambda n: n.node_id) if reason_of(n)]
     # the scaling signal per model (router.fleet.saturation)
     models = [f"model {m.model}: saturation {m.saturation:.2f} (slots {m.slot_utilization:.0%}, "
+              f"KV {m.kv_utilization:.0%}, "
               f"prefill backlog {m.prefill_backlog_s:.2f}s, at limit "
               f"{m.at_limit_fraction:.0%}, queued {m.queued})  nodes {m.nodes}  "
               f"wanted {m.nodes_wanted}" for m in fleet.models]
@@ -125,6 +126,7 @@ def fleet_json(fleet: cpb.GetFleetResponse, target: str) -> dict[str, Any]:
             "nodes": nodes,
             "models": [{"model": m.model, "nodes": m.nodes, "queued": m.queued,
                         "slot_utilization": m.slot_utilization,
+                        "kv_utilization": m.kv_utilization,
                         "prefill_backlog_s": m.prefill_backlog_s,
                         "saturation": m.saturation, "at_limit_fraction": m.at_limit_fraction,
                         "nodes_wanted": m.nodes_wanted} for m in fleet.models]}

@@ -36,7 +36,7 @@ Metrics (``register_gauges`` + ``on_sweep``): per-node gauges ``gpumesh.router.n
 state 0 healthy / 1 stale / 2 draining), ``gpumesh.router.heartbeat_age`` (s),
 ``gpumesh.router.queue_length`` per model; the scaling signal per model
 (``register_saturation``: ``gpumesh.router.model.{saturation, slot_utilization,
-prefill_backlog, at_limit_fraction, nodes, nodes_wanted}``); counters ``gpumesh.router.lease_expiries``,
+kv_utilization, prefill_backlog, at_limit_fraction, nodes, nodes_wanted}``); counters ``gpumesh.router.lease_expiries``,
 ``gpumesh.router.stale_transitions``, ``gpumesh.heartbeat.reconnects`` (a node id registering
 again with a new stream); ``gpumesh.requests`` / ``gpumesh.request.duration`` /
 ``gpumesh.request.time_to_first_token`` with ``model``, ``node``, ``status``.
@@ -376,10 +376,12 @@ class RouterTelemetry:
 # (instrument, unit, ModelSaturation field, help text): what an autoscaler and alerts read.
 SATURATION_GAUGES = (
     ("gpumesh.router.model.saturation", "1", "saturation",
-     "Demand over measured capacity per model: max(slot utilization, queued prefill seconds / "
-     "TTFT SLO); 1 = at capacity"),
+     "Demand over measured capacity per model: max(slot utilization, KV utilization, queued "
+     "prefill seconds / TTFT SLO); 1 = at capacity"),
     ("gpumesh.router.model.slot_utilization", "1", "slot_utilization",
      "(requests the nodes hold + this router's queue) / the nodes' concurrency slots"),
+    ("gpumesh.router.model.kv_utilization", "1", "kv_utilization",
+     "The nodes' KV-cache usage, averaged over their KV capacity"),
     ("gpumesh.router.model.prefill_backlog", "s", "prefill_backlog_s",
      "Queued prompt tokens / the nodes' measured prefill capacity, seconds"),
     ("gpumesh.router.model.at_limit_fraction", "1", "at_limit_fraction",

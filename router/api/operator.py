@@ -71,7 +71,7 @@ def model_load(s: ModelSaturation) -> control_pb2.ModelLoad:
     return control_pb2.ModelLoad(
         model=s.model, nodes=s.nodes, queued=s.queued,
         slot_utilization=s.slot_utilization if math.isfinite(s.slot_utilization) else 1e9,
-        prefill_backlog_s=s.prefill_backlog_s,
+        prefill_backlog_s=s.prefill_backlog_s, kv_utilization=s.kv_utilization,
         saturation=s.saturation if math.isfinite(s.saturation) else 1e9,
         at_limit_fraction=s.at_limit_fraction, nodes_wanted=s.nodes_wanted)
 

@@ -11,13 +11,16 @@ models counts for each):
   slots are its declared ``max_concurrency``, else the router's ``max_concurrency_default``,
   else ``saturation_default_slots``. Q: this router's queue for the model (requests waiting
   for a node slot). U = 1: every slot taken.
+- ``kv_utilization`` K: the nodes' reported KV-cache usage, averaged over their KV capacity
+  (tokens; equal weights where unknown). Many engines run out of KV cache before they run out
+  of batch slots, and KV use grows with the tokens held, linearly with load.
 - ``prefill_backlog_s`` B = Σ pending prefill tokens / Σ prefill capacity (tokens/s): how long
   the fleet needs for the prompt tokens it already holds, at its measured speed (a node that
   reports no capacity counts ``reference_prompt_tokens_per_s`` × its weight). Spread evenly,
   a new request waits about B before its own prefill starts.
 - ``prefill_pressure`` P = B / ``saturation_slo_ttft_s``: that wait against the TTFT budget.
-- ``saturation`` S = max(U, P): 1.0 means at capacity (slots full, or queued prefill worth
-  the whole TTFT budget).
+- ``saturation`` S = max(U, K, P): 1.0 means at capacity (slots or KV cache full, or queued
+  prefill worth the whole TTFT budget).
 - ``at_limit_fraction`` F: the fraction of time (exponentially weighted, half-life
   ``saturation_half_life_s``) that the model's nodes spent at their limit — a node is at its
   limit when busy >= slots or its engine has requests waiting (KV cache or batch full), and
@@ -63,6 +66,8 @@ class NodeDemand:
     waiting: int                    # requests its engine has waiting
     pending_prefill_tokens: int
     prefill_tokens_per_s: float     # its prefill capacity
+    kv_usage: float = 0.0           # 0..1 as reported
+    kv_capacity_tokens: int = 0     # 0 = unknown
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class ModelSaturation:
     nodes: int
     queued: int                     # this router's queue for the model
     slot_utilization: float
+    kv_utilization: float
     prefill_backlog_s: float
     prefill_pressure: float
     saturation: float
@@ -90,7 +96,8 @@ def node_demand(v: NodeView, model: str, policy: SaturationPolicy) -> NodeDemand
     ld = report.load
     busy = max(ld.num_running + ld.num_waiting, ld.in_flight, v.router_in_flight)
     cap = ld.prefill_capacity_tokens_per_s or policy.reference_prompt_tokens_per_s * weight
-    return NodeDemand(busy, slots, ld.num_waiting, ld.pending_prefill_tokens, cap)
+    return NodeDemand(busy, slots, ld.num_waiting, ld.pending_prefill_tokens, cap,
+                      min(max(ld.kv_cache_usage, 0.0), 1.0), ld.kv_capacity_tokens)
 
 
 def model_saturation(model: str, nodes: Sequence[NodeDemand], queued: int,
@@ -105,10 +112,12 @@ def model_saturation(model: str, nodes: Sequence[NodeDemand], queued: int,
         util = busy / slots
     else:
         util = math.inf if queued else 0.0
+    kv_w = [d.kv_capacity_tokens or 1 for d in nodes]
+    kv = sum(d.kv_usage * w for d, w in zip(nodes, kv_w)) / sum(kv_w) if nodes else 0.0
     cap = sum(d.prefill_tokens_per_s for d in nodes)
     backlog = sum(d.pending_prefill_tokens for d in nodes) / cap if cap > 0 else 0.0
     pressure = backlog / policy.slo_ttft_s
-    sat = max(util, pressure)
+    sat = max(util, kv, pressure)
     at_limit = (1.0 if queued else
                 sum(d.busy >= d.slots or d.waiting > 0 for d in nodes) / n if n else 0.0)
     if n == 0:
@@ -117,7 +126,7 @@ def model_saturation(model: str, nodes: Sequence[NodeDemand], queued: int,
         wanted = max(1, math.ceil(n * sat / policy.target - 1e-9))
         if at_limit_fraction > 0.5:
             wanted = max(wanted, n + 1)
-    return ModelSaturation(model, n, queued, util, backlog, pressure, sat, at_limit,
+    return ModelSaturation(model, n, queued, util, kv, backlog, pressure, sat, at_limit,
                            at_limit_fraction, wanted)
 
 

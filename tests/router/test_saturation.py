@@ -39,6 +39,9 @@ def nd(busy=0, slots=100, waiting=0, pending=0, cap=10_000.0) -> NodeDemand:
     ([nd(busy=10)] * 4, 0, 0.1, 0.0, 0.1, 1),
     # declared limits count: 8 of 10 slots -> 0.8 -> exactly the target, no extra node
     ([nd(busy=8, slots=10)], 0, 0.8, 0.0, 0.8, 1),
+    # KV-bound: few slots used but the KV cache 90 % full (weighted by capacity) -> 2 nodes
+    ([NodeDemand(10, 100, 0, 0, 1e4, 0.95, 3000), NodeDemand(10, 100, 0, 0, 1e4, 0.8, 1000)],
+     0, 0.1, 0.0, 0.9125, 3),
 ])
 def test_model_saturation_table(nodes, queued, util, backlog, sat, wanted):
     s = model_saturation("m", nodes, queued, P)
@@ -131,6 +134,7 @@ async def test_router_serves_the_signal_to_prometheus_and_getfleet():
         for name in ("gpumesh_router_model_saturation", "gpumesh_router_model_nodes_wanted",
                      "gpumesh_router_model_slot_utilization",
                      "gpumesh_router_model_at_limit_fraction",
+                     "gpumesh_router_model_kv_utilization",
                      "gpumesh_router_model_prefill_backlog_seconds",
                      "gpumesh_router_model_nodes"):
             help_line = next((ln for ln in text.splitlines()
