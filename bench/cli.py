@@ -12,6 +12,8 @@
   gpumesh bench scaling [--sizes 1,2,4,8,16,64] [--vllm]
   gpumesh bench vs-smg [--concurrency 8,32] [--repeats R]
   gpumesh bench prefix [--loads 0.5,0.8,...] [--setups least_request,wll,...] [--unique]
+  gpumesh bench prefix-restart [--nodes 8] [--repeats 3]
+  gpumesh bench prefix-sim [--loads 0.5,0.8,...] [--seeds 3] [--unique]
   gpumesh bench engine-loop --config NODE.toml --concurrency C [--warmup S] [--seconds S]
                             [--prompt DIST] [--output DIST] [--json OUT]
 
@@ -148,6 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
     pb = sub.add_parser("prefix", help="cache-aware routing on a live simulated fleet: a "
                                        "multi-tenant shared-prefix workload, per setup")
     prefix_bench.add_arguments(pb)
+    from gpumesh_bench import prefix_restart
+
+    pr = sub.add_parser("prefix-restart", help="how fast a restarted router's prefix index is "
+                                               "whole again (in process, simulated nodes)")
+    prefix_restart.add_arguments(pr)
+    from gpumesh_bench import prefix_sim
+
+    ps = sub.add_parser("prefix-sim", help="cache-aware routing in the virtual-time simulator "
+                                           "(multi-tenant shared-prefix workload, per setup)")
+    prefix_sim.add_arguments(ps)
+    from gpumesh_bench import soak
+
+    so = sub.add_parser("soak", help="N minutes at 80 %% of the fleet's slots with node churn "
+                                     "and a router restart: lost requests, RSS over time")
+    soak.add_arguments(so)
     return p
 
 
@@ -309,6 +326,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpumesh_bench import prefix_bench
 
         return prefix_bench.main(a)
+    if a.cmd == "prefix-restart":
+        from gpumesh_bench import prefix_restart
+
+        return prefix_restart.main(a)
+    if a.cmd == "prefix-sim":
+        from gpumesh_bench import prefix_sim
+
+        return prefix_sim.main(a)
+    if a.cmd == "soak":
+        from gpumesh_bench import soak
+
+        return soak.main(a)
     if a.cmd == "engine-loop":
         from gpumesh_bench import engine_loop
 

@@ -37,6 +37,8 @@ from gpumesh.node.report import build_load_report
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch.admission import AdmissionQueue
 from gpumesh.router.fleet import Credit, Registry
+from gpumesh.router.fleet.locality import PrefixLocality, prefill_tokens
+from gpumesh.router.fleet.prefix_index import PrefixIndexes
 from gpumesh.router.scheduling import (
     NoCandidate,
     RequestInfo,
@@ -53,7 +55,7 @@ SWEEP_S = 0.5
 
 # event kinds
 _ARRIVE, _NODE_RECV, _STEP_END, _HB_SEND, _HB_RECV, _FIRST_RECV, _END_RECV, _FLEET, \
-    _REG_RECV, _DEREG_RECV, _SWEEP = range(11)
+    _REG_RECV, _DEREG_RECV, _SWEEP, _KV_RECV = range(12)
 
 
 def wait_model(c: RouterConfig) -> WaitModel:
@@ -93,13 +95,36 @@ class RequestRecord:
         return (self.end_s - self.first_s) / (self.output_tokens - 1)
 
 
+class _KvEvents:
+    """A node's prefix-cache block events, collected over a step and sent to the routers
+    at its end (vLLM publishes its KV events per step too)."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, tuple[int, ...]]] = []
+
+    def stored(self, hashes: Any) -> None:
+        self.ops.append(("stored", tuple(hashes)))
+
+    def removed(self, hashes: Any) -> None:
+        self.ops.append(("removed", tuple(hashes)))
+
+    def cleared(self) -> None:
+        self.ops.append(("cleared", ()))
+
+
 class _Node:
-    __slots__ = ("admissions", "busy", "hb_seq", "incarnation", "ledger", "present", "sched",
-                 "spec", "step")
+    __slots__ = ("admissions", "busy", "hb_seq", "incarnation", "kv", "ledger", "present",
+                 "sched", "spec", "step")
 
     def __init__(self, spec: NodeSpec) -> None:
         self.spec = spec
         self.sched = SimScheduler(spec.engine)
+        # prefix-cache block events for the routers' prefix indexes (precise locality)
+        self.kv = _KvEvents()
+        if self.sched.prefix is not None:
+            self.sched.prefix.sink = self.kv
         self.ledger = AdmissionLedger()
         self.admissions: dict[str, Admission] = {}
         self.step: SimStep | None = None
@@ -110,7 +135,7 @@ class _Node:
 
 
 class _Router:
-    __slots__ = ("admission", "credits", "registry", "router_id")
+    __slots__ = ("admission", "credits", "locality", "registry", "router_id")
 
     def __init__(self, router_id: str, config: RouterConfig, clock: Callable[[], float],
                  rng: random.Random) -> None:
@@ -127,6 +152,10 @@ class _Router:
                                         queue_bound=config.queue_bound,
                                         decision_sample_size=config.decision_sample_size)
         self.credits: dict[int, Credit] = {}
+        # prefix locality (router.fleet.locality): prompts' block ids are their hashes
+        self.locality = (PrefixLocality(config.prefix_locality, PrefixIndexes(
+            config.prefix_index_max_entries, config.prefix_approx_ttl_s), clock)
+            if config.prefix_locality != "off" else None)
 
 
 @dataclass(frozen=True)
@@ -152,6 +181,8 @@ class Simulation:
         self._seq = 0
         self._rng = random.Random(seed)
         overrides = {**fleet.router, **(router_overrides or {})}
+        overrides.pop("policy", None)   # the run's policy argument decides
+        overrides.pop("router_id", None)
         self.config = RouterConfig(router_id="r0", policy=policy, **overrides)
         clock = self._clock
         self.routers = [_Router(f"r{i}", replace(self.config, router_id=f"r{i}"), clock,
@@ -217,6 +248,9 @@ class Simulation:
         rec.router = ri
         router = self.routers[ri]
         info = RequestInfo(MODEL, a.prompt_tokens, output_tokens=a.output_tokens)
+        loc = router.locality
+        if loc is not None and a.blocks:
+            info = loc.annotate(replace(info, prefix_hashes=a.blocks))
         try:
             d = router.admission.decide(info)
         except NoCandidate:
@@ -224,14 +258,22 @@ class Simulation:
             rec.first_s = rec.end_s = self.now
             self._closed_next()
             return
-        router.credits[a.index] = router.registry.charge(d.node_id, a.prompt_tokens)
+        router.credits[a.index] = router.registry.charge(d.node_id,
+                                                         prefill_tokens(info, d.node_id))
+        if loc is not None and a.blocks:
+            loc.routed(info, d.node_id)
         rec.node_id = d.node_id
         self._push(self.now + self.delay, _NODE_RECV, (a, ri, d.node_id))
 
     def _node_recv(self, a: Arrival, ri: int, node_id: str) -> None:
         n = self.nodes[node_id]
         rid = str(a.index)
-        n.admissions[rid] = n.ledger.admit(self.routers[ri].router_id, a.prompt_tokens)
+        # the node counts as pending prefill what its engine has not cached (node.cache)
+        prefix, prefill = n.sched.prefix, a.prompt_tokens
+        if prefix is not None and a.blocks:
+            prefill -= min(prefix.match(a.blocks), (a.prompt_tokens - 1) // prefix.block_size
+                           ) * prefix.block_size
+        n.admissions[rid] = n.ledger.admit(self.routers[ri].router_id, prefill)
         e = n.spec.engine
         out = min(a.output_tokens, max(e.max_context_length - a.prompt_tokens, 1))
         req = SimRequest(rid, a.prompt_tokens, out, self._tok_rng, 0.0, (),
@@ -258,7 +300,27 @@ class Simulation:
         for req in done:
             n.admissions.pop(req.id).finish()
             self._push(t, _END_RECV, int(req.id))
+        if n.kv.ops:
+            for r in range(len(self.routers)):
+                self._push(t, _KV_RECV, (r, n.spec.node_id, n.kv.ops))
+            n.kv.ops = []
         self._start_step(n)
+
+    @staticmethod
+    def _kv_recv(router: _Router, node_id: str, ops: list[tuple[str, tuple[int, ...]]]) -> None:
+        """A node's block events into the router's index (precise locality; the same as
+        ``PrefixLocality.apply`` does with the control plane's updates, without the seq)."""
+        loc = router.locality
+        if loc is None or loc.mode == "approximate":
+            return
+        ix = loc.indexes.model(MODEL)
+        for op, hashes in ops:
+            if op == "stored":
+                ix.add(node_id, hashes)
+            elif op == "removed":
+                ix.remove(node_id, hashes)
+            else:
+                ix.clear_node(node_id)
 
     def _first_recv(self, index: int) -> None:
         rec = self.records[index]
@@ -363,6 +425,9 @@ class Simulation:
             elif kind == _DEREG_RECV:
                 ri, node_id = p
                 routers[ri].registry.deregister(node_id, 1)
+            elif kind == _KV_RECV:
+                ri, node_id, ops = p
+                self._kv_recv(routers[ri], node_id, ops)
         self._events = events
         # times relative to the first arrival
         t0 = warm
