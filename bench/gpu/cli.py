@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import gpumesh_bench.gpu as package
+from gpumesh_bench.gpu.doors import DOORS, doors_need, phase_doors, phase_uneq
+from gpumesh_bench.gpu.doorsreport import doors_markdown
 from gpumesh_bench.gpu.env import POLICIES, Env
 from gpumesh_bench.gpu.group import nvidia_smi, wait_gpus_free
 from gpumesh_bench.gpu.phases import (
@@ -115,9 +117,13 @@ def cmd_run(a: argparse.Namespace) -> int:
             "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120,
             "dp7": 330, "eng05": 160, "eng7": 200, "msg05": 300, "msg7": 400,
             "fe05": 300, "fe7": 420,
+            **{ph: doors_need(ph) for ph in ("doors05", "doors7", "uneq05")},
             # the node's start and one round (the phase stops before a round that won't fit)
             **{ph: vsraw_need(ph, env) for ph in VSRAW_START_S}}
     failed = []
+    doors = tuple(d for d in a.doors.split(",") if d)
+    if set(doors) - set(DOORS):
+        raise SystemExit(f"--doors: unknown {sorted(set(doors) - set(DOORS))}; doors: {DOORS}")
     for ph in [p for p in a.phases.split(",") if p]:
         left = budget_end - time.monotonic()
         if left < need.get(ph, 60):
@@ -152,6 +158,11 @@ def cmd_run(a: argparse.Namespace) -> int:
                                       counts=(1, a.frontends)),
              "fe7": lambda: phase_fe(env, "7b", gpus, "fe7", rounds=a.fe_rounds,
                                      counts=(1, a.frontends)),
+             "doors05": lambda: phase_doors(env, "0.5b", "doors05", rounds=a.rounds,
+                                            doors=doors, concurrency=a.door_concurrency),
+             "doors7": lambda: phase_doors(env, "7b", "doors7", rounds=a.rounds,
+                                           doors=doors, concurrency=a.door_concurrency),
+             "uneq05": lambda: phase_uneq(env, rounds=a.rounds),
              "vsraw05": lambda: phase_vsraw(env, "0.5b", "vsraw05", rounds=a.rounds),
              "vsraw7": lambda: phase_vsraw(env, "7b", "vsraw7", rounds=a.rounds),
              "vsrawdp05": lambda: phase_vsraw(env, "0.5b", "vsrawdp05", rounds=a.rounds,
@@ -166,7 +177,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                 wait_gpus_free()
         env.meta.setdefault("phase_s", {})[ph] = round(time.monotonic() - t, 1)
         env.save()
-    md = report_markdown(env.records, env.meta)
+    rest = [r for r in env.records if "door" not in r]
+    md = (report_markdown(rest, env.meta) if rest else "") + doors_markdown(env.records, env.meta)
     (out / "summary.md").write_text(md)
     with contextlib.suppress(Exception):
         plot(env.records, out / "plots.png")
@@ -244,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--output", default=str(REFERENCE_OUTPUT),
                    help="output tokens of the main benches; the reference's fixed:256 makes a "
                         "closed loop's streams finish in lock-step waves, uniform:128:384 does not")
+    r.add_argument("--doors", default=",".join(DOORS),
+                   help=f"doors05/doors7: the front doors, comma-separated (of {', '.join(DOORS)})")
+    r.add_argument("--door-concurrency", type=int, default=0,
+                   help="doors05/doors7: concurrency of every door (0: the phase's default)")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
     r.set_defaults(func=cmd_run)

@@ -8,7 +8,9 @@
 # limit). With the kit as built (59.4 MiB), the extras (5.0 MiB) and the tree (1.3 MB in
 # ~150 files) the tar came to 67,112,960 bytes, 4 KB over. This drops mistral_common's two Tekken tokenizer
 # tables (34 MB unpacked, ~2.9 MB packed), read only by MistralTokenizer.v3(is_tekken=True),
-# i.e. never for the Qwen-shaped models the GPU bench serves; nothing else in the kit changes.
+# i.e. never for the Qwen-shaped models the GPU bench serves, and pycountry's translations
+# (pycountry/locales, 22 MB unpacked: gettext catalogues, read only when a country name is
+# translated); nothing else in the kit changes.
 #   bash ../shared/gpu/prepare_kit.sh && bash bench/gpu/kit/slim_kit.sh && bash bench/gpu/kit/pack_extra.sh
 # Idempotent (a slimmed kit is stamped in .gpukit/one/SLIM); ~7 min on 2 cores (xz -9e).
 set -euo pipefail
@@ -18,7 +20,7 @@ K=.gpukit/one
 LIMIT=$((64 * 1024 * 1024))
 call_size() {  # the tree and the carried kit as one tar, the way a call's files travel
   { git ls-files; git ls-files -o --exclude-standard
-    find .gpukit/one .gpukit/tools .gpukit/extra -type f 2>/dev/null || true; } \
+    find .gpukit/one .gpukit/tools .gpukit/extra .gpukit/doors -type f 2>/dev/null || true; } \
     | tar -T - -cf - 2>/dev/null | wc -c
 }
 [ -f $K/site.tar.xz ] || { echo "no $K/site.tar.xz: run ../shared/gpu/prepare_kit.sh first"; exit 1; }
@@ -28,12 +30,13 @@ if [ -f $K/SLIM ] && [ "$(cat $K/SLIM)" = "$sum" ]; then
 else
   echo "slimming $K/site.tar.xz ($(stat -c %s $K/site.tar.xz) bytes)..."
   xz -dc -T0 $K/site.tar.xz \
-    | tar --delete -f - ./mistral_common/data/tekken_240718.json ./mistral_common/data/tekken_240911.json \
+    | tar --delete --wildcards -f - ./mistral_common/data/tekken_240718.json \
+      ./mistral_common/data/tekken_240911.json './pycountry/locales/*' \
     | xz -9e -T0 > $K/site.tar.xz.new
   # the slimmed archive must still hold vLLM and the tokenizer package, and not the tables
   listing=$(xz -dc -T0 $K/site.tar.xz.new | tar -tf -)
   grep -qx './vllm/__init__.py' <<<"$listing" && grep -qx './mistral_common/__init__.py' <<<"$listing" \
-    && ! grep -q 'tekken_2407\|tekken_2409' <<<"$listing" \
+    && ! grep -q 'tekken_2407\|tekken_2409\|pycountry/locales/.' <<<"$listing" \
     || { echo "ERROR: slimmed archive is not as expected; kit left as it was"; rm -f $K/site.tar.xz.new; exit 1; }
   mv $K/site.tar.xz.new $K/site.tar.xz
   (cd $K && sha256sum site.tar.xz C_sm90.so.xz > SHA256SUMS)

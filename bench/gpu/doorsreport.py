@@ -1,0 +1,154 @@
+"""Markdown of the front-door phases' records (``doors``): per shape and engine count, each door's
+median over rounds with its spread, and gpumesh's ratio to it paired round by round; the unequal
+pair (``uneq05``) per balancer, with each node's share of the completed requests.
+
+  python -m gpumesh_bench.gpu.doorsreport results.json[.gz]... [--md OUT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+GPUMESH = "gpumesh"
+
+
+def _med(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+def _spread(xs: Sequence[float], nd: int = 1) -> str:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return "–"
+    m = statistics.median(xs)
+    if len(xs) == 1:
+        return f"{m:.{nd}f}"
+    return f"{m:.{nd}f} ({min(xs):.{nd}f}–{max(xs):.{nd}f})"
+
+
+def _ms(x: float) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x * 1000:.0f}"
+
+
+def door_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per door of one (phase, engines): medians over rounds and gpumesh's paired
+    ratios (gpumesh QPS / door QPS and gpumesh p50 / door p50 of the same round)."""
+    by_door: dict[str, list[dict[str, Any]]] = {}
+    for r in recs:
+        by_door.setdefault(r["door_key"], []).append(r)
+    ours = {r["round"]: r for r in by_door.get(GPUMESH, [])}
+    rows = []
+    for d, rs in by_door.items():
+        qps_ratio = [ours[r["round"]]["done_qps"] / r["done_qps"] for r in rs
+                     if r["round"] in ours and r["done_qps"]]
+        p50_ratio = [ours[r["round"]]["lat_p50"] / r["lat_p50"] for r in rs
+                     if r["round"] in ours and r["lat_p50"]]
+        rows.append({
+            "door": d, "label": rs[0]["door"], "rounds": len(rs),
+            "qps": [r["done_qps"] for r in rs], "qps_med": _med([r["done_qps"] for r in rs]),
+            "ttft50": _med([r["ttft_p50"] for r in rs]), "ttft99": _med([r["ttft_p99"] for r in rs]),
+            "lat50": _med([r["lat_p50"] for r in rs]), "lat99": _med([r["lat_p99"] for r in rs]),
+            "cpu_tok": [r.get("front_cpu_us_per_token", math.nan) for r in rs],
+            "cores": _med([r.get("cpu", {}).get("door front", math.nan) for r in rs]),
+            "qps_ratio": qps_ratio, "p50_ratio": p50_ratio})
+    order = ["bare", GPUMESH, "nginx", "smg"]
+    return sorted(rows, key=lambda x: order.index(x["door"]) if x["door"] in order else 9)
+
+
+def doors_table(recs: list[dict[str, Any]]) -> str:
+    out = ["| front door | QPS, median (min–max) | TTFT p50 / p99 ms | latency p50 / p99 ms | "
+           "front-door CPU µs per output token | front-door cores | gpumesh QPS ÷ this | "
+           "gpumesh p50 ÷ this | rounds |", "|---|---|---|---|---|---|---|---|---|"]
+    for x in door_rows(recs):
+        mine = x["door"] == GPUMESH
+        out.append(
+            f"| {x['label']} | {_spread(x['qps'])} | {_ms(x['ttft50'])} / {_ms(x['ttft99'])} | "
+            f"{_ms(x['lat50'])} / {_ms(x['lat99'])} | {_spread(x['cpu_tok'], 0)} | "
+            f"{x['cores']:.2f} | {'—' if mine else _spread(x['qps_ratio'], 2)} | "
+            f"{'—' if mine else _spread(x['p50_ratio'], 2)} | {x['rounds']} |")
+    return "\n".join(out)
+
+
+def uneq_table(recs: list[dict[str, Any]]) -> str:
+    out = ["| balancer | QPS, median (min–max) | TTFT p50 / p99 ms | latency p50 / p99 ms | "
+           "share of requests on big / small | rounds |", "|---|---|---|---|---|---|"]
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in recs:
+        by.setdefault(r["policy"], []).append(r)
+    for p, rs in by.items():
+        shares = []
+        for r in rs:
+            s = r.get("node_share", {})
+            tot = sum(s.values()) or 1
+            shares.append((s.get("big", 0) / tot, s.get("small", 0) / tot))
+        big = _med([a for a, _ in shares])
+        small = _med([b for _, b in shares])
+        out.append(f"| {p} | {_spread([r['done_qps'] for r in rs])} | "
+                   f"{_ms(_med([r['ttft_p50'] for r in rs]))} / {_ms(_med([r['ttft_p99'] for r in rs]))} | "
+                   f"{_ms(_med([r['lat_p50'] for r in rs]))} / {_ms(_med([r['lat_p99'] for r in rs]))} | "
+                   f"{big:.0%} / {small:.0%} | {len(rs)} |")
+    return "\n".join(out)
+
+
+def doors_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The front-door sections of a results document ("" when it has none)."""
+    recs = [r for r in records if "door" in r]
+    if not recs:
+        return ""
+    parts = ["\n## Front doors\n"]
+    for phase in sorted({r["phase"] for r in recs if r["phase"].startswith("doors")}):
+        for n in (1, 2):
+            rs = [r for r in recs if r["phase"] == phase and r.get("engines") == n]
+            if rs:
+                parts.append(f"### {phase}: {rs[0]['shape']}, {n} engine{'s' if n > 1 else ''} "
+                             f"on one GPU, concurrency {rs[0]['concurrency']}\n")
+                parts.append(doors_table(rs) + "\n")
+    un = [r for r in recs if r["phase"].startswith("uneq")]
+    if un:
+        parts.append(f"### {un[0]['phase']}: two engines on one GPU, KV blocks "
+                     f"{un[0].get('kv_blocks')}, concurrency {un[0]['concurrency']}\n")
+        parts.append(uneq_table(un) + "\n")
+    if meta.get("doors_failed"):
+        parts.append("Not run or failed:\n" + "\n".join(
+            f"- {k}: {v[:300]}" for k, v in meta["doors_failed"].items()) + "\n")
+    return "\n".join(parts)
+
+
+def load(path: str) -> dict[str, Any]:
+    p = Path(path)
+    raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    return json.loads(raw)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gpumesh_bench.gpu.doorsreport",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--md", default="")
+    a = ap.parse_args(argv)
+    records: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    for f in a.files:
+        doc = load(f)
+        records += doc.get("records", [])
+        for k, v in doc.get("meta", {}).get("doors_failed", {}).items():
+            meta.setdefault("doors_failed", {})[k] = v
+    md = doors_markdown(records, meta)
+    if a.md:
+        Path(a.md).write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
