@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("prefix-sim", help="cache-aware routing in the virtual-time simulator "
                                            "(multi-tenant shared-prefix workload, per setup)")
     prefix_sim.add_arguments(ps)
+    from gpumesh_bench import soak
+
+    so = sub.add_parser("soak", help="N minutes at 80 %% of the fleet's slots with node churn "
+                                     "and a router restart: lost requests, RSS over time")
+    soak.add_arguments(so)
     return p
 
 
@@ -329,6 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpumesh_bench import prefix_sim
 
         return prefix_sim.main(a)
+    if a.cmd == "soak":
+        from gpumesh_bench import soak
+
+        return soak.main(a)
     if a.cmd == "engine-loop":
         from gpumesh_bench import engine_loop
 

@@ -38,6 +38,7 @@ from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 
 MODEL = "sim"
+LOG_LEVEL = os.environ.get("GPUMESH_CHAOS_LOG_LEVEL", "warning")  # of the children
 REFUSED = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
@@ -93,7 +94,7 @@ class FaultMesh:
                 *self.spec.router_flags]
         p = ChildProcess.gpumesh(f"router{i}", args,
                                  self.spec.log_dir / f"chaos-r{i}-{self._tag}.log", append=True,
-                                 env={"GPUMESH_LOG_LEVEL": "warning"}, die_with_parent=True)
+                                 env={"GPUMESH_LOG_LEVEL": LOG_LEVEL}, die_with_parent=True)
         self.routers[i] = p
         return p
 
@@ -116,7 +117,7 @@ class FaultMesh:
             args += ["--router", r]
         p = ChildProcess.gpumesh(f"node{i}", args,
                                  self.spec.log_dir / f"chaos-n{i}-{self._tag}.log", append=True,
-                                 env={"GPUMESH_LOG_LEVEL": "warning"}, die_with_parent=True)
+                                 env={"GPUMESH_LOG_LEVEL": LOG_LEVEL}, die_with_parent=True)
         self.nodes[i] = p
         return p
 
@@ -242,6 +243,7 @@ class Tally:
     retried: int = 0
     incomplete: int = 0         # ended OK but with missing/duplicate tokens or wrong usage
     failed: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)  # a few details per code
     stalls_s: list[float] = field(default_factory=list)   # per request: longest chunk gap
     ttfts_s: list[float] = field(default_factory=list)
     first_success_at: float | None = None
@@ -295,7 +297,8 @@ class InFlight:
 
 async def one_request(stub: pb_grpc.InferenceStub, tally: Tally, max_tokens: int,
                       timeout_s: float, prompt: str, inflight: InFlight, key: int) -> None:
-    req = pb.GenerateRequest(model=MODEL, text=prompt)
+    # the request's own number first: no two prompts share a cached prefix
+    req = pb.GenerateRequest(model=MODEL, text=f"{key} {prompt}")
     req.sampling.max_tokens = max_tokens
     req.sampling.ignore_eos = True
     tally.sent += 1
@@ -322,6 +325,9 @@ async def one_request(stub: pb_grpc.InferenceStub, tally: Tally, max_tokens: int
         trailing = dict(await call.trailing_metadata() or ())
     except grpc.aio.AioRpcError as e:
         tally.failed[e.code().name] += 1
+        seen = tally.examples.setdefault(e.code().name, [])
+        if len(seen) < 5:
+            seen.append(f"{time.monotonic() - t0:.2f}s: {e.details()}")
         return
     finally:
         inflight.started.pop(key, None)

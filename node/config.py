@@ -66,7 +66,7 @@ class NodeConfig:
     max_concurrency: int = 0              # advertised to routers; 0 = unlimited
     heartbeat_busy_interval_s: float = 0.25
     heartbeat_idle_interval_s: float = 0.25   # = busy: a hung idle node is STALE in 0.5 s
-    reconnect_max_backoff_s: float = 5.0
+    reconnect_max_backoff_s: float = 1.0   # a restarted router has its fleet back within ~1 s
     flush_interval_ms: int = 20           # coalescing default (0 = per token)
     # The node's budget of stream messages per second over all its streams: with more streams
     # sending (past their first token) than budget x interval, the default interval widens to

@@ -71,6 +71,7 @@ class Registry:
         # retry hint.
         self.started_at = clock()
         self.fleet_rebuild_s = lease_ttl_s if fleet_rebuild_s < 0 else fleet_rebuild_s
+        self.fleet_rebuild_s = lease_ttl_s if fleet_rebuild_s < 0 else fleet_rebuild_s
         # This router's share of all routers' dispatches (0 = off: peers ignored).
         self.peers = PeerShare(router_id, peer_share_half_life_s, clock)
         self.speeds = ModelSpeeds()
@@ -247,6 +248,8 @@ class Registry:
         name = index.by_name.get(model)
         if name is not None:
             return name
+        if not index.snapshots:   # no node at all: transient, whatever the name
+            raise errors.no_models()
         if model in self._gone_models:
             raise errors.no_healthy_node(model, {"*": "every node serving it has left"})
         age = self.clock() - self.started_at
