@@ -71,7 +71,6 @@ class Registry:
         # retry hint.
         self.started_at = clock()
         self.fleet_rebuild_s = lease_ttl_s if fleet_rebuild_s < 0 else fleet_rebuild_s
-        self.fleet_rebuild_s = lease_ttl_s if fleet_rebuild_s < 0 else fleet_rebuild_s
         # This router's share of all routers' dispatches (0 = off: peers ignored).
         self.peers = PeerShare(router_id, peer_share_half_life_s, clock)
         self.speeds = ModelSpeeds()
