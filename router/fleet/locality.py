@@ -114,24 +114,31 @@ class PrefixLocality:
 
     # --- requests ----------------------------------------------------------------------
 
-    def _tokenizer(self, model: str) -> PromptTokenizer | None:
+    async def _tokenizer(self, model: str) -> PromptTokenizer | None:
+        """The model's tokenizer, loaded once on the worker thread (an HF tokenizer takes
+        a while); None without one (no node of the model known yet: decided again later)."""
         if model in self._tokenizers:
             return self._tokenizers[model]
         spec = self._specs.get(model, "")
         if not spec and self._engine_of is not None:
             engine = self._engine_of(model)
             if not engine:
-                return None   # no node known yet: decide at the next request
+                return None
             spec = "sim" if engine == "sim" else ""
         tok: PromptTokenizer | None = None
         if spec:
             try:
-                tok = load_tokenizer(spec)
+                tok = await self._thread().run(load_tokenizer, spec)
             except Exception:  # noqa: BLE001 - a missing tokenizer disables locality only
                 log.warning("no prefix tokenizer for %s (%s): no prefix locality", model, spec,
                             exc_info=True)
         self._tokenizers[model] = tok
         return tok
+
+    def _thread(self) -> SerialWorker:
+        if self._worker is None:
+            self._worker = SerialWorker("gpumesh-prefix-tokenize")
+        return self._worker
 
     async def hashes(self, req: inference_pb2.GenerateRequest, model: str
                      ) -> tuple[int, tuple[int, ...]]:
@@ -144,19 +151,19 @@ class PrefixLocality:
         if kind == "token_ids":
             ids = req.token_ids.ids
             return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, limit=limit))
-        tok = self._tokenizer(model)
-        if tok is None or kind not in ("text", "chat"):
+        if kind not in ("text", "chat"):
             return 0, ()
-        if self._worker is None:
-            self._worker = SerialWorker("gpumesh-prefix-tokenize")
+        tok = await self._tokenizer(model)
+        if tok is None:
+            return 0, ()
         if kind == "text":
             text = req.text
-            return await self._worker.run(_hash_text, tok, text, limit,
-                                          inline=len(text) < INLINE_PROMPT_CHARS)
+            return await self._thread().run(_hash_text, tok, text, limit,
+                                            inline=len(text) < INLINE_PROMPT_CHARS)
         messages = [(m.role, m.content) for m in req.chat.messages]
         chars = sum(len(r) + len(c) for r, c in messages)
-        return await self._worker.run(_hash_chat, tok, messages, limit,
-                                      inline=chars < INLINE_PROMPT_CHARS)
+        return await self._thread().run(_hash_chat, tok, messages, limit,
+                                        inline=chars < INLINE_PROMPT_CHARS)
 
     def annotate(self, info: RequestInfo) -> RequestInfo:
         """``info`` with ``cached_tokens`` filled from the model's index (unchanged when it
