@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from gpumesh import metadata as md
-from gpumesh.client import CHANNEL_OPTIONS, SPREAD_OPTIONS
+from gpumesh.client import CHANNEL_OPTIONS, SPREAD_OPTIONS, MeshClient, StreamResult
 from gpumesh.launcher import ChildProcess, free_port, wait_until_async
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
@@ -64,6 +64,7 @@ class MeshSpec:
     router_flags: Sequence[str] = ()
     log_dir: Path = Path(os.environ.get("GPUMESH_TEST_LOGS", "/tmp/gpumesh-test-logs"))
     proxied_control: bool = False   # node control streams through a stallable ControlProxy
+    ticket_secret: str = ""         # set: lookaside clients can Pick (router and nodes share it)
 
 
 class FaultMesh:
@@ -89,12 +90,18 @@ class FaultMesh:
     def node_id(self, i: int) -> str:
         return f"n{i}"
 
+    def _env(self) -> dict[str, str]:
+        env = {"GPUMESH_LOG_LEVEL": LOG_LEVEL}
+        if self.spec.ticket_secret:
+            env["GPUMESH_TICKET_SECRET"] = self.spec.ticket_secret
+        return env
+
     def start_router(self, i: int) -> ChildProcess:
         args = ["router", "--port", str(self.router_ports[i]), "--router-id", f"r{i}",
                 *self.spec.router_flags]
         p = ChildProcess.gpumesh(f"router{i}", args,
                                  self.spec.log_dir / f"chaos-r{i}-{self._tag}.log", append=True,
-                                 env={"GPUMESH_LOG_LEVEL": LOG_LEVEL}, die_with_parent=True)
+                                 env=self._env(), die_with_parent=True)
         self.routers[i] = p
         return p
 
@@ -117,7 +124,7 @@ class FaultMesh:
             args += ["--router", r]
         p = ChildProcess.gpumesh(f"node{i}", args,
                                  self.spec.log_dir / f"chaos-n{i}-{self._tag}.log", append=True,
-                                 env={"GPUMESH_LOG_LEVEL": LOG_LEVEL}, die_with_parent=True)
+                                 env=self._env(), die_with_parent=True)
         self.nodes[i] = p
         return p
 
@@ -348,6 +355,51 @@ async def one_request(stub: pb_grpc.InferenceStub, tally: Tally, max_tokens: int
     tally.stalls_s.append(gap)
     if ttft is not None:
         tally.ttfts_s.append(ttft)
+
+
+async def one_lookaside_request(client: MeshClient, tally: Tally, max_tokens: int,
+                                timeout_s: float, prompt: str, inflight: InFlight,
+                                key: int) -> None:
+    """``one_request`` through ``MeshClient`` in lookaside mode (Pick, then the node)."""
+    req = pb.GenerateRequest(model=MODEL, text=f"{key} {prompt}")
+    req.sampling.max_tokens = max_tokens
+    req.sampling.ignore_eos = True
+    tally.sent += 1
+    result = StreamResult()
+    ids: list[int] = []
+    usage = None
+    try:
+        async for chunk in client.stream(req, timeout=timeout_s, result=result):
+            ids.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                usage = chunk.usage
+    except grpc.aio.AioRpcError as e:
+        tally.failed[e.code().name] += 1
+        tally.examples.setdefault(e.code().name, []).append(e.details() or "")
+        return
+    if len(ids) != max_tokens or usage is None or usage.completion_tokens != max_tokens:
+        tally.incomplete += 1
+        return
+    tally.succeeded += 1
+    tally.migrated += result.migrations > 0
+    tally.retried += result.attempts - 1 - result.migrations > 0
+
+
+async def lookaside_loop(address: str, tally: Tally, stop: asyncio.Event, *, concurrency: int,
+                         max_tokens: int = 40, timeout_s: float = 30.0,
+                         prompt: str = "tell me a story about a mesh",
+                         stagger_s: float = 1.5) -> None:
+    """``closed_loop`` with lookaside clients (``MeshClient(lookaside=True)``)."""
+    counter = iter(range(1 << 62))
+    inflight = InFlight()
+    async with MeshClient(address, lookaside=True) as client:
+        async def one(k: int) -> None:
+            await asyncio.sleep(stagger_s * k / concurrency)
+            while not stop.is_set():
+                await one_lookaside_request(client, tally, max_tokens, timeout_s, prompt,
+                                            inflight, next(counter))
+
+        await asyncio.gather(*(one(k) for k in range(concurrency)))
 
 
 async def closed_loop(addresses: Sequence[str], tally: Tally, stop: asyncio.Event, *,

@@ -3,7 +3,9 @@
 Proxy mode (default): calls go to ``target`` (a router or a node), tokens come back through it.
 Lookaside mode (``lookaside=True``, target must be a router): the client asks the router's
 ``Router.Pick`` for a node and a signed ticket, then streams from the node directly. A node
-failing before the first token is retried once with a fresh pick; cancellation (closing the
+failing before the first token is retried once with a fresh pick; one failing after it is
+replaced mid-stream (the stream continues on another node from the tokens delivered, as the
+router does in proxy mode; ``GenerateRequest.no_migration`` opts out); cancellation (closing the
 iterator, or the caller's task being cancelled) cancels the node call, which aborts in the
 engine.
 """
@@ -43,6 +45,11 @@ _SERVICE_CONFIG = json.dumps({
     }]})
 CHANNEL_OPTIONS = [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1),
                    ("grpc.keepalive_time_ms", 30_000)]
+# Lookaside mode: node statuses that fail a stream over to another node, and how often.
+_NODE_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
+                          grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+                          grpc.StatusCode.CANCELLED})
+MAX_MIGRATIONS = 2
 # With a spread target (below): one connection per router worker, calls round-robin over them.
 SPREAD_OPTIONS = [("grpc.lb_policy_name", "round_robin")]
 
@@ -124,6 +131,7 @@ class StreamResult:
     node_id: str = ""
     trace_id: str = ""
     attempts: int = 1
+    migrations: int = 0      # continuations on another node after output (lookaside mode)
     trailing: dict[str, str] = field(default_factory=dict)
 
 
@@ -205,30 +213,60 @@ class MeshClient:
                 else:
                     call.cancel()  # the caller stopped early: cancel, which aborts in the engine
             return
-        attempt = 0
+        async for chunk in self._lookaside(request, timeout, metadata, result):
+            yield chunk
+
+    async def _lookaside(self, request: pb.GenerateRequest, timeout: float | None,
+                         metadata: Sequence[tuple[str, str]], result: StreamResult
+                         ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """Pick a node, stream from it; a node failing before the first token is retried
+        once with a fresh pick; after it the stream continues on another node from the
+        tokens delivered (``GenerateRequest.resume``, as the router does in proxy mode), at
+        most ``MAX_MIGRATIONS`` times, unless ``request.no_migration``."""
+        attempt = migrations = 0
         failed: list[str] = []
+        delivered: list[int] = []
+        current = request
         while True:
             attempt += 1
-            pick = await self.router.Pick(cpb.PickRequest(request=request,
+            pick = await self.router.Pick(cpb.PickRequest(request=current,
                                                           exclude_node_ids=failed),
                                           timeout=10.0, metadata=metadata)
             req = pb.GenerateRequest()
-            req.CopyFrom(request)
+            req.CopyFrom(current)
             req.ticket = pick.ticket
             call = self._node_stub(pick.address).GenerateStream(req, timeout=timeout,
                                                                 metadata=metadata)
-            got_token = False
+            finished = False
             try:
                 async for chunk in call:
-                    got_token = True
+                    delivered.extend(chunk.token_ids)
+                    finished = finished or chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                     yield chunk
                 _fill(result, await _trailing(call))
-                result.attempts = attempt
+                result.attempts, result.migrations = attempt, migrations
                 return
             except grpc.aio.AioRpcError as exc:
-                # Retry-before-first-token, once, as the router does in proxy mode.
-                if got_token or attempt >= 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if finished:
+                    return   # the whole stream arrived; only its trailers were lost
+                if exc.code() not in _NODE_FAULTS:
                     raise
+                if not delivered:
+                    if attempt >= 2:   # retry-before-first-token, once
+                        raise
+                elif request.no_migration or migrations >= MAX_MIGRATIONS:
+                    raise
+                else:
+                    migrations += 1
+                    current = pb.GenerateRequest()
+                    current.CopyFrom(request)
+                    current.resume.ids.extend(list(request.resume.ids) + delivered)
+                    s = request.sampling
+                    if s.HasField("max_tokens") and len(current.resume.ids) >= s.max_tokens:
+                        yield pb.GenerateStreamResponse(   # every token came: end the stream
+                            finish_reason=pb.FINISH_REASON_LENGTH,
+                            usage=pb.Usage(completion_tokens=len(current.resume.ids)))
+                        return
                 failed.append(pick.node_id)
             finally:
                 call.cancel()

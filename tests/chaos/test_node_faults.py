@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpumesh_bench.faultmesh import InFlight, Tally, closed_loop
+from gpumesh_bench.faultmesh import InFlight, Tally, closed_loop, lookaside_loop
 from tests.chaos.orphans import descendants, wait_gone
 
 pytestmark = [pytest.mark.chaos]
@@ -102,3 +102,20 @@ async def test_node_slowed_10x_loses_nothing(make_mesh):
     tally, _, _ = await _run_with_fault(mesh, nothing, before_s=1.0, after_s=5.0)
     print(f"\n{tally.line('one node 10x slower')}")
     assert tally.lost == 0 and tally.incomplete == 0
+
+
+async def test_node_sigkill_lookaside_loses_nothing(make_mesh):
+    """Lookaside clients (Pick, then the node directly) continue a stream whose node died on
+    another node themselves."""
+    mesh = await make_mesh(nodes=3, ticket_secret="chaos-secret")
+    tally, stop = Tally(), asyncio.Event()
+    load = asyncio.create_task(lookaside_loop(mesh.router_addresses[0], tally, stop,
+                                              concurrency=12))
+    await asyncio.sleep(1.5)
+    mesh.signal_node(0, signal.SIGKILL)
+    await asyncio.sleep(3.0)
+    stop.set()
+    await asyncio.wait_for(load, 60)
+    print(f"\n{tally.line('node SIGKILL, lookaside clients')}")
+    assert tally.lost == 0 and tally.incomplete == 0
+    assert tally.migrated + tally.retried > 0
