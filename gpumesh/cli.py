@@ -31,7 +31,13 @@ def _cmd_node(args: argparse.Namespace) -> int:
     if cfg.engine == "vllm" and not cfg.model:
         print("gpumesh node: --model PATH is required for the vllm engine", file=sys.stderr)
         return 2
-    return asyncio.run(serve(cfg))
+    from gpumesh.security.tls import PlaintextRefused
+
+    try:
+        return asyncio.run(serve(cfg))
+    except PlaintextRefused as exc:   # a non-loopback bind without TLS or --insecure
+        print(f"gpumesh node: {exc}", file=sys.stderr)
+        return 2
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -46,7 +52,13 @@ def _cmd_router(args: argparse.Namespace) -> int:
         return 2
     if args.workers > 1:
         return serve_workers(cfg, args.workers)
-    asyncio.run(serve(cfg))
+    from gpumesh.security.tls import PlaintextRefused
+
+    try:
+        asyncio.run(serve(cfg))
+    except PlaintextRefused as exc:   # a non-loopback bind without TLS or --insecure
+        print(f"gpumesh router: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -66,7 +78,9 @@ async def _generate(args: argparse.Namespace) -> int:
     metadata, trace_id = client_trace_metadata(args.trace)
     if args.trace:
         print(f"trace id: {trace_id}", file=sys.stderr)
-    async with MeshClient(args.target, lookaside=args.lookaside) as client:
+    tls, api_key = _client_security(args)
+    async with MeshClient(args.target, lookaside=args.lookaside, tls=tls,
+                          api_key=api_key) as client:
         try:
             if args.stream or args.lookaside:
                 result = StreamResult()
@@ -104,8 +118,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from gpumesh.status import run_status
 
+    tls, api_key = _client_security(args)
     return asyncio.run(run_status(args.router, as_json=args.json, watch_s=args.watch,
-                                  count=args.count, check=args.check, timeout_s=args.timeout))
+                                  count=args.count, check=args.check, timeout_s=args.timeout,
+                                  tls=tls, api_key=api_key))
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:
@@ -114,13 +130,54 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return asyncio.run(run_drain(args.router, args.node, undrain=args.cmd == "undrain",
                                  reason=getattr(args, "reason", ""),
                                  wait_s=getattr(args, "wait", 0.0), as_json=args.json,
-                                 timeout_s=args.timeout))
+                                 timeout_s=args.timeout, tls=_client_security(args)[0],
+                                 api_key=_client_security(args)[1]))
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from gpumesh.demo import run_demo
 
     return asyncio.run(run_demo(args))
+
+
+def _client_security(args: argparse.Namespace):
+    """(ClientTls or None, API key) from --tls-* and --api-key / GPUMESH_API_KEY."""
+    from gpumesh.security.client import ClientTls
+
+    tls = None
+    if args.tls_ca or args.tls_cert:
+        tls = ClientTls(args.tls_ca or "", args.tls_cert or "", args.tls_key or "",
+                        args.tls_server_name or "")
+    return tls, args.api_key or os.environ.get("GPUMESH_API_KEY", "")
+
+
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", help="CA (PEM) that verifies the server; turns TLS on")
+    parser.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
+    parser.add_argument("--tls-key", help="its private key (PEM)")
+    parser.add_argument("--tls-server-name", help="name to verify instead of the target's host")
+    parser.add_argument("--api-key", help="API key (better: the GPUMESH_API_KEY environment)")
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from gpumesh.security.certs import make_mesh_certs
+
+    made = make_mesh_certs(args.dir, router_id=args.router_id, node_ids=args.node or ["node"],
+                           hosts=args.host or (), days=args.days)
+    for stem in made:
+        print(f"{args.dir}/{stem}.pem")
+    return 0
+
+
+def _cmd_apikey(args: argparse.Namespace) -> int:
+    from gpumesh.router.auth.keys import entry_toml, new_key
+
+    key = new_key()
+    print(f"# API key for {args.name} (shown once; give it to the client, keep only the hash):",
+          file=sys.stderr)
+    print(f"# {key}", file=sys.stderr)
+    print(entry_toml(args.name, key, args.role, tuple(args.model or ())))
+    return 0
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -140,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     from gpumesh.node.config import NodeConfig
 
     n.add_argument("--config", help="node TOML config file")
-    add_flags(n, NodeConfig, skip=("engine_args", "sim", "ticket_secret"), what="node",
+    add_flags(n, NodeConfig, skip=("engine_args", "sim", "ticket_secret", "join_token"),
+              what="node",
               aliases={"routers": ("--router",), "aliases": ("--alias",),
                        "advertise_address": ("--advertise",)})
     n.set_defaults(func=_cmd_node)
@@ -165,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lookaside", action="store_true", help="pick via the router, stream from the node")
     g.add_argument("--trace", action="store_true", help="start a trace and print its id")
     g.add_argument("--timeout", type=float, default=120.0)
+    _add_client_security(g)
     g.add_argument("prompt")
     g.set_defaults(func=_cmd_generate)
 
@@ -179,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true",
                    help="exit 4 unless every node is healthy and there is at least one")
     s.add_argument("--timeout", type=float, default=10.0, help="per-call deadline, seconds")
+    _add_client_security(s)
     s.set_defaults(func=_cmd_status)
 
     for name, text in (("drain", "stop routing to a node and order it to drain"),
@@ -190,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         dr.add_argument("--router", default="127.0.0.1:50050")
         dr.add_argument("--json", action="store_true", help="print the node as JSON")
         dr.add_argument("--timeout", type=float, default=10.0, help="per-call deadline, s")
+        _add_client_security(dr)
         if name == "drain":
             dr.add_argument("--reason", default="", help="shown in the node's state reason")
             dr.add_argument("--wait", type=float, nargs="?", const=600.0, default=0.0,
@@ -203,6 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default="Tell me about the mesh.")
     d.add_argument("--port", type=int, default=50050)
     d.set_defaults(func=_cmd_demo)
+
+    c = sub.add_parser("certs", help="make a private CA and router/node/client/operator "
+                                     "certificates (docs/security.md)")
+    c.add_argument("dir")
+    c.add_argument("--node", action="append", help="node id (repeat; default: node)")
+    c.add_argument("--router-id", default="router")
+    c.add_argument("--host", action="append", help="extra DNS name or IP in every certificate")
+    c.add_argument("--days", type=int, default=365)
+    c.set_defaults(func=_cmd_certs)
+
+    k = sub.add_parser("apikey", help="make an API key: prints its api_keys_file entry "
+                                      "(the key itself goes to stderr, once)")
+    k.add_argument("name")
+    k.add_argument("--role", choices=["client", "operator"], default="client")
+    k.add_argument("--model", action="append", help="allowed model (repeat; default: all)")
+    k.set_defaults(func=_cmd_apikey)
 
     t = sub.add_parser("make-tiny-model", help="build a random-weight Qwen2-shaped model")
     t.add_argument("dir")

@@ -148,6 +148,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
                                   "help": f"{what} {f.name} (default {default!r})".strip()}
         if get_origin(tp) is tuple:
             kwargs["action"] = "append"
+        elif tp is bool:   # "--insecure" alone means true; "--insecure false" still works
+            kwargs.update(nargs="?", const="true")
         parser.add_argument(*opts, **kwargs)
 
 

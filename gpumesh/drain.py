@@ -19,6 +19,7 @@ from typing import TextIO
 
 import grpc
 
+from gpumesh.security.client import ClientTls, bearer_interceptors, open_channel
 from gpumesh.status import Exit, get_fleet, node_json, reason_of, rpc_error, state_name
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
@@ -48,10 +49,12 @@ def _say(node: cpb.NodeStatus, ordered: bool, verb: str, as_json: bool, out: Tex
 
 async def run_drain(router: str, node_id: str, *, undrain: bool = False, reason: str = "",
                     wait_s: float = 0.0, as_json: bool = False, timeout_s: float = 10.0,
-                    poll_s: float = 0.5, out: TextIO | None = None) -> int:
+                    poll_s: float = 0.5, out: TextIO | None = None,
+                    tls: ClientTls | None = None, api_key: str = "") -> int:
     """Drains (or undrains) ``node_id`` through ``router``; returns an ``Exit`` code."""
     out = out or sys.stdout
-    async with grpc.aio.insecure_channel(router) as channel:
+    # tls / api_key: an operator certificate or key (gpumesh.security.client)
+    async with open_channel(router, (), tls, bearer_interceptors(api_key)) as channel:
         stub = cpb_grpc.RouterStub(channel)
         try:
             if undrain:

@@ -11,4 +11,5 @@ CHARGED_TOKENS = "x-gpumesh-charged-tokens"
 NODE_ID = "x-gpumesh-node-id"          # the node that served the request
 ATTEMPTS = "x-gpumesh-attempts"        # dispatch attempts the router made (1 = no retry)
 MIGRATIONS = "x-gpumesh-migrations"    # of those, continuations of a stream after output
+RETRY_AFTER_MS = "x-gpumesh-retry-after-ms"  # RESOURCE_EXHAUSTED by a key's quota: retry after
 TRACE_ID = "x-gpumesh-trace-id"        # the OpenTelemetry trace id (hex), when tracing

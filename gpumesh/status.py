@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import grpc
 
+from gpumesh.security.client import ClientTls, bearer_interceptors, open_channel
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 
@@ -147,14 +148,16 @@ async def get_fleet(stub: cpb_grpc.RouterStub, timeout_s: float) -> cpb.GetFleet
 
 async def run_status(router: str, *, as_json: bool = False, watch_s: float = 0.0,
                      count: int = 0, check: bool = False, timeout_s: float = 10.0,
-                     out: TextIO | None = None) -> int:
+                     out: TextIO | None = None, tls: ClientTls | None = None,
+                     api_key: str = "") -> int:
     """Prints the fleet once, or every ``watch_s`` seconds (``count`` times; 0 = until
     interrupted). Returns an ``Exit`` code: the last print's. While watching, a failed call
     prints the error and the watch goes on."""
     out = out or sys.stdout
     code = Exit.OK
     shown = 0
-    async with grpc.aio.insecure_channel(router) as channel:
+    # tls / api_key: an operator certificate or key (gpumesh.security.client)
+    async with open_channel(router, (), tls, bearer_interceptors(api_key)) as channel:
         stub = cpb_grpc.RouterStub(channel)
         while True:
             try:

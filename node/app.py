@@ -34,7 +34,15 @@ from gpumesh.node.report import build_load_report, merge_reports
 from gpumesh.node.state import ServingState
 from gpumesh.node.streaming.budget import CoalescePolicy
 from gpumesh.node.telemetry import NodeTelemetry
+from gpumesh.node.access import RouterOnly
 from gpumesh.security.guard import GuardedServer
+from gpumesh.security.tls import (
+    JOIN_TOKEN_HEADER,
+    TlsFiles,
+    channel_credentials,
+    check_bind,
+    server_credentials,
+)
 from gpumesh.types import LoadReport, Registration
 from gpumesh.v1 import inference_pb2, inference_pb2_grpc
 from gpumesh.wire import load_report_to_proto, registration_to_proto
@@ -144,7 +152,11 @@ class NodeServer:
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        self.server = grpc.aio.server(options=[
+        self.tls = TlsFiles(self.cfg.tls_cert_file, self.cfg.tls_key_file, self.cfg.tls_ca_file)
+        self.tls.check("node")
+        check_bind("node", self.cfg.host, self.tls.enabled, self.cfg.insecure)
+        self.access = RouterOnly() if self.cfg.router_only else None
+        self.server = grpc.aio.server(interceptors=[self.access] if self.access else [], options=[
             # several front-end processes share the port (gpumesh.node.frontends)
             ("grpc.so_reuseport", 1 if self.cfg.frontends > 1 else 0),
             ("grpc.max_concurrent_streams", 4096),
@@ -152,13 +164,13 @@ class NodeServer:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ])
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self.port = self._bind(f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:
             raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
         if self.cfg.frontends > 1:
             # a port of this process's own too, so callers can spread calls over the front
             # ends deterministically (the shared port spreads connections by hash)
-            own = self.server.add_insecure_port(f"{self.cfg.host}:0")
+            own = self._bind(f"{self.cfg.host}:0")
             host = self.address.rpartition(":")[0]
             if host.strip("[]") in ("", "0.0.0.0", "::"):
                 host = socket.gethostname()
@@ -204,6 +216,11 @@ class NodeServer:
             self.cfg.reconnect_max_backoff_s, on_drain=self._drain_ordered,
             on_undrain=self._undrain_ordered, on_stream_lost=self.discovery.poke,
             kv_publishers=self._kv_publishers())
+        if self.tls.ca:   # mutual TLS to routers: the router binds our id to the certificate
+            self.heartbeats.credentials = lambda: channel_credentials(
+                self.tls.ca, self.tls.cert, self.tls.key)
+        if self.cfg.join_token:
+            self.heartbeats.metadata = ((JOIN_TOKEN_HEADER, self.cfg.join_token),)
         self.heartbeats.start()
         await self.discovery.start()   # dns: router targets (gpumesh.node.discovery)
 
@@ -218,6 +235,14 @@ class NodeServer:
         if self.state is not None:
             self.state.cached_prefix_tokens = pub.cached_prefix_tokens
         return (pub,)
+
+    def _bind(self, address: str) -> int:
+        """Adds a listening port: TLS (files re-read on change) when configured."""
+        assert self.server is not None
+        if not self.tls.enabled:
+            return self.server.add_insecure_port(address)
+        return self.server.add_secure_port(
+            address, server_credentials(self.tls, self.cfg.tls_require_client_cert))
 
     def _init_telemetry(self) -> NodeTelemetry:
         """OpenTelemetry from the OTEL_* environment (off, at no cost, when unset)."""

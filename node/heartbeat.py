@@ -55,6 +55,10 @@ class HeartbeatClient:
         self.connected: dict[str, str] = {}  # address -> router_id of live streams
         self.reconnects = 0
         self._stops: dict[str, asyncio.Event] = {}
+        # Set by node.app: TLS to routers (called per stream, so rotated files are read) and
+        # the Connect metadata (the join token); None / () = plaintext, no metadata.
+        self.credentials: Callable[[], grpc.ChannelCredentials] | None = None
+        self.metadata: tuple[tuple[str, str], ...] = ()
         self._on_undrain = on_undrain
         self._on_stream_lost = on_stream_lost
         self._discovered: set[str] = set()   # addresses from discovery (set_discovered)
@@ -149,9 +153,12 @@ class HeartbeatClient:
             self._stops[addr] = stop
             subs = {p.model: p.subscribe() for p in self._kv}
             try:
-                async with grpc.aio.insecure_channel(addr) as channel:
+                async with (grpc.aio.secure_channel(addr, self.credentials())
+                            if self.credentials is not None
+                            else grpc.aio.insecure_channel(addr)) as channel:
                     stub = cpb_grpc.ControlPlaneStub(channel)
-                    call = stub.Connect(self._messages(stop, tuple(subs.values())))
+                    call = stub.Connect(self._messages(stop, tuple(subs.values())),
+                                        metadata=self.metadata)
                     async for msg in call:
                         kind = msg.WhichOneof("kind")
                         if kind == "hello":

@@ -45,7 +45,11 @@ from gpumesh.router.fleet.locality import PrefixLocality
 from gpumesh.router.fleet.prefix_index import PrefixIndexes
 from gpumesh.router.fleet.sessions import SessionTable
 from gpumesh.router.scheduling.steering import SteeringModel, steer
+from gpumesh.router.auth import AuthCounters, KeyStore, RouterAuth
+from gpumesh.router.auth.metrics import register_auth_metrics
+from gpumesh.router.api.intake import estimate_prompt_tokens
 from gpumesh.router.telemetry import RouterTelemetry
+from gpumesh.security.tls import TlsFiles, channel_credentials, check_bind, server_credentials
 from gpumesh.security.guard import GuardedServer
 
 log = logging.getLogger(__name__)
@@ -69,8 +73,14 @@ class RouterServer:
                                  peer_share_half_life_s=config.peer_share_half_life_s,
                                  step_from_report=config.step_from_report,
                                  clock=clock, fleet_rebuild_s=config.fleet_rebuild_s)
-        self.channels = NodeChannels(config.keepalive_time_ms,
-                                     close_grace_s=config.request_timeout_s)
+        # TLS (gpumesh.security.tls): the public port's files; nodes are dialled over mutual
+        # TLS with the same certificate when it is set
+        self.tls = TlsFiles(config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
+        self.tls.check("router")
+        self.channels = NodeChannels(
+            config.keepalive_time_ms, close_grace_s=config.request_timeout_s,
+            credentials=(lambda: channel_credentials(self.tls.ca, self.tls.cert, self.tls.key))
+            if self.tls.enabled else None)
         self.registry.add_removal_listener(lambda e: self.channels.forget(e.node_id))
         wait_model = WaitModel(config.reference_prompt_tokens_per_s, config.kv_penalty_s,
                                config.kv_usage_cap, config.decode_s_per_request,
@@ -100,6 +110,15 @@ class RouterServer:
         self.telemetry = telemetry or RouterTelemetry(
             otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)
         self.telemetry.register_gauges()
+        # Who may call what (router.auth): API keys and quotas, operator credentials.
+        self.auth_counters = AuthCounters()
+        self.auth = RouterAuth(
+            KeyStore(config.api_keys_file) if config.api_keys_file else None,
+            operator_open=not (config.api_keys_file or config.tls_require_client_cert),
+            resolve=self.registry.resolve,
+            prompt_tokens=lambda r: estimate_prompt_tokens(r, config.chars_per_token),
+            counters=self.auth_counters)
+        register_auth_metrics(self.telemetry.metrics, self.auth_counters)
         # The scaling signal (router.fleet.saturation): sampled by the sweeper, read by
         # gauges and GetFleet.
         self.saturation = SaturationTracker(SaturationPolicy(
@@ -117,6 +136,7 @@ class RouterServer:
                                                wall_clock, self.telemetry, self.quarantine,
                                                self.control.orders,
                                                lambda: self.saturation.latest)
+        self.control.auth_counters = self.auth_counters   # membership rejections
         self.health = health.aio.HealthServicer()
         # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
         self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,
@@ -138,7 +158,7 @@ class RouterServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> int:
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[self.auth], options=[
             ("grpc.so_reuseport", 1),
             # Nodes and clients may keep long-lived channels with keepalive pings.
             ("grpc.keepalive_permit_without_calls", 1),
@@ -151,11 +171,13 @@ class RouterServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         names = (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        check_bind("router", self.config.host, self.tls.enabled, self.config.insecure)
+        self.port = self._bind(server, self.config.port, self.config.tls_require_client_cert)
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
-        if self.config.control_port and not server.add_insecure_port(
-                f"{self.config.host}:{self.config.control_port}"):
+        # the control port (nodes): mutual TLS whenever TLS is on and a CA is configured
+        if self.config.control_port and not self._bind(server, self.config.control_port,
+                                                       bool(self.tls.ca)):
             raise RuntimeError(f"could not bind control port {self.config.control_port}")
         await server.start()
         self._server = server
@@ -166,6 +188,12 @@ class RouterServer:
         log.info("router %s listening on %s (policy %s)", self.config.router_id, self.address,
                  self.config.policy)
         return self.port
+
+    def _bind(self, server: grpc.aio.Server, port: int, require_client_cert: bool) -> int:
+        address = f"{self.config.host}:{port}"
+        if not self.tls.enabled:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, server_credentials(self.tls, require_client_cert))
 
     async def _sweep(self) -> None:
         period = min(self.config.lease_ttl_s / 4, 0.5)

@@ -41,7 +41,8 @@ def _new_router_id() -> str:
 @dataclass(frozen=True)
 class RouterConfig:
     # --- serving
-    host: str = "0.0.0.0"
+    # Loopback by default: a non-loopback host needs TLS (tls_cert_file) or insecure.
+    host: str = "127.0.0.1"
     port: int = 50050  # 0 = any free port (tests)
     router_id: str = field(default_factory=_new_router_id)  # no '.' (ticket format)
     # Control-plane addresses of this router's sibling processes (multi-worker), sent in hello.
@@ -167,6 +168,21 @@ class RouterConfig:
     # --- node channels
     keepalive_time_ms: int = 30_000
 
+    # --- security (docs/security.md). TLS on the public port when tls_cert_file is set (the
+    # files are re-read when they change); the router then dials nodes over mutual TLS with
+    # the same certificate. Plaintext on a non-loopback host refuses to start unless insecure.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""             # verifies client and node certificates
+    tls_require_client_cert: bool = False  # public port: every client presents a certificate
+    insecure: bool = False            # allow plaintext on a non-loopback host
+    # Shared secret nodes without a certificate present to register (x-gpumesh-join-token);
+    # empty: membership needs a node certificate when TLS is on, and is open otherwise.
+    join_token: str = field(default="", repr=False)
+    # API keys (router.auth.keys): with a file, Inference calls need "authorization: Bearer
+    # KEY" and the operator API (GetFleet, Pick) an operator key or certificate. "" = open.
+    api_keys_file: str = ""
+
     # --- foreign nodes: stock vLLM gRPC workers (gpumesh.router.backends.vllm_grpc), each
     # "host:port[?weight=W&node_id=ID&tokenizer=PATH&max_concurrency=N]"
     foreign_nodes: tuple[str, ...] = ()
@@ -252,7 +268,8 @@ class RouterConfig:
         < ``overrides`` (see :mod:`gpumesh.config`)."""
         return load_config(cls, file=path, env_prefix=ENV_PREFIX, environ=env,
                            overrides=overrides, table="router",
-                           env_aliases={"ticket_secret": "GPUMESH_TICKET_SECRET"})
+                           env_aliases={"ticket_secret": "GPUMESH_TICKET_SECRET",
+                                        "join_token": "GPUMESH_JOIN_TOKEN"})
 
     def with_(self, **changes: Any) -> RouterConfig:
         return replace(self, **changes)
@@ -272,7 +289,8 @@ def _parse_weights(items: list[str]) -> dict[str, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--config`` and one flag per field (all default to None = not given)."""
     parser.add_argument("--config", help="router TOML config file")
-    add_flags(parser, RouterConfig, skip=("scorer_weights", "ticket_secret", "router_id"),
+    add_flags(parser, RouterConfig, skip=("scorer_weights", "ticket_secret", "router_id",
+                                          "join_token"),
               what="router")
     # secrets do not belong on a command line; weights have their own flag
     parser.add_argument("--router-id", dest="router_id", default=None,

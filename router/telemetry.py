@@ -59,6 +59,7 @@ from opentelemetry import trace
 
 from gpumesh import metadata as md
 from gpumesh import telemetry as gt
+from gpumesh.router.auth.interceptor import current_key_name
 
 if TYPE_CHECKING:
     from gpumesh.router.fleet.saturation import ModelSaturation
@@ -303,6 +304,8 @@ class RouterTelemetry:
                                             else "gpumesh.v1.Inference"),
                             "rpc.method": method, "gpumesh.router.id": self.router_id,
                             "gpumesh.streaming": method == "GenerateStream"})
+            if key := current_key_name.get():   # the API key's name (router.auth), never the key
+                span.set_attribute("gpumesh.api_key", key)
         return RouterRequestTrace(self, span, method, record)
 
     # --- fleet metrics -------------------------------------------------------------------

@@ -28,7 +28,10 @@ from gpumesh.router.fleet.validation import (
     valid_heartbeat,
     valid_registration,
 )
+from gpumesh.router.auth.interceptor import AuthCounters
+from gpumesh.router.auth.membership import MembershipError, check_node
 from gpumesh.security.guard import is_unparseable
+from gpumesh.security.tls import peer_identity
 from gpumesh.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
             max_name_length=config.node_max_name_length,
             max_capacity_weight=config.node_max_capacity_weight)
         self.heartbeats_dropped = 0
+        self.auth_counters = AuthCounters()   # app.py shares the router's
         self.orders = NodeOrders()   # the operator API's drain/undrain orders, per stream
         self._ids = itertools.count(1)
         self.closing = asyncio.Event()
@@ -90,6 +94,7 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                             grpc.StatusCode.FAILED_PRECONDITION,
                             f"node {reg.node_id} is quarantined for "
                             f"{held.until - self.quarantine.clock():.0f}s more: {held.reason}")
+                    await self._admit(reg.node_id, stream_id, context)
                     rate = HeartbeatRate(self.config.node_max_heartbeats_per_s)
                     if node_id and node_id != reg.node_id:
                         self.registry.stream_closed(node_id, stream_id)
@@ -148,6 +153,24 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
         if gap is not None:
             await context.write(control_pb2.RouterMessage(
                 kv_snapshot=control_pb2.KvSnapshotRequest(model=gap)))
+
+    async def _admit(self, node_id: str, stream_id: int,
+                     context: grpc.aio.ServicerContext) -> None:
+        """Membership (router.auth.membership): the caller proves it may hold ``node_id``,
+        and no other live stream holds it (ALREADY_EXISTS). Rejections are counted, logged
+        and end the stream."""
+        try:
+            check_node(node_id, peer_identity(context), context.invocation_metadata() or (),
+                       join_token=self.config.join_token, tls=bool(self.config.tls_cert_file))
+            holder = self.registry.entry(node_id)
+            if (holder is not None and holder.stream_id != stream_id
+                    and self.registry.clock() - holder.last_seen <= self.registry.lease_ttl_s):
+                raise MembershipError(grpc.StatusCode.ALREADY_EXISTS,
+                                      f"node id {node_id!r} is held by a live stream")
+        except MembershipError as exc:
+            self.auth_counters.reject("node", exc.code, f"{node_id[:64]!r}: {exc.message}",
+                                      context.peer())
+            await context.abort(exc.code, exc.message)
 
     async def _reject(self, context: grpc.aio.ServicerContext, claimed_id: str, address: str,
                       registered_id: str, stream_id: int, exc: InvalidNodeInput) -> None:

@@ -11,8 +11,10 @@ the node. gpumesh nodes are served by ``gpumesh_node.NodeClient``; stock vLLM gR
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import grpc
 
 from gpumesh.router.backends.gpumesh_node import NodeClient
 
@@ -34,7 +36,11 @@ class NodeChannels:
     """One transport per node id: a NodeClient per (node id, address), created on first use,
     unless a backend adopted the node id."""
 
-    def __init__(self, keepalive_time_ms: int = 30_000, close_grace_s: float = 30.0) -> None:
+    def __init__(self, keepalive_time_ms: int = 30_000, close_grace_s: float = 30.0,
+                 credentials: Callable[[], grpc.ChannelCredentials] | None = None) -> None:
+        """``credentials``: called for each new node channel (TLS files re-read then); None =
+        plaintext."""
+        self._credentials = credentials
         self._clients: dict[str, NodeTransport] = {}
         self._keepalive_time_ms = keepalive_time_ms
         self._close_grace_s = close_grace_s
@@ -45,7 +51,8 @@ class NodeChannels:
         if c is None or c.address != address or getattr(c, "frontends", ()) != tuple(frontends):
             if c is not None:
                 self._close_later(c)
-            c = NodeClient(node_id, address, self._keepalive_time_ms, frontends)
+            c = NodeClient(node_id, address, self._keepalive_time_ms, frontends,
+                           self._credentials() if self._credentials is not None else None)
             self._clients[node_id] = c
         return c
 

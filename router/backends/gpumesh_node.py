@@ -51,7 +51,8 @@ class NodeClient:
     connection, and so all of them, on one process)."""
 
     def __init__(self, node_id: str, address: str, keepalive_time_ms: int,
-                 frontends: Sequence[str] = ()) -> None:
+                 frontends: Sequence[str] = (),
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.node_id = node_id
         self.address = address
         self.frontends = tuple(frontends)
@@ -63,7 +64,9 @@ class NodeClient:
             ("grpc.keepalive_permit_without_calls", 0),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
-        self.channels = [grpc.aio.insecure_channel(a, options=options)
+        # credentials: mutual TLS to the node (RouterConfig.tls_*); None = plaintext
+        self.channels = [grpc.aio.secure_channel(a, credentials, options=options)
+                         if credentials is not None else grpc.aio.insecure_channel(a, options=options)
                          for a in (self.frontends or (address,))]
         self._streams = [c.unary_stream(_GENERATE_STREAM, request_serializer=_identity,
                                         response_deserializer=_identity) for c in self.channels]

@@ -16,7 +16,7 @@ import grpc
 from gpumesh.client import MeshClient, build_request
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
-from tests.integration.procs import Proc, free_port, node_proc, wait_serving
+from tests.integration.procs import Proc, free_port, node_proc
 
 NODE_TOML = ('heartbeat_busy_interval_s = 0.1\nheartbeat_idle_interval_s = 0.3\n'
              'reconnect_max_backoff_s = 0.5\n[sim]\ntime_scale = 1.0\n')
@@ -59,22 +59,26 @@ async def healthy(client: MeshClient) -> set[str]:
 async def mesh(tmp: Path, node_names: Sequence[str] = ("good",), router_args: Sequence[str] = (),
                node_args: Sequence[str] = (), router_env: dict[str, str] | None = None,
                client_kwargs: dict | None = None, node_toml: str = "",
-               wait_nodes: bool = True) -> AsyncIterator[Mesh]:
+               wait_nodes: bool = True,
+               node_args_for: Callable[[str], Sequence[str]] | None = None,
+               router_host: str = "127.0.0.1") -> AsyncIterator[Mesh]:
     """A router process and sim node processes registered with it (healthy in its fleet)."""
     port = free_port()
     r = router_proc(port, router_args, router_env)
-    m = Mesh(r, f"127.0.0.1:{port}")
+    m = Mesh(r, f"{router_host}:{port}")
     cfg = tmp / "node.toml"
-    cfg.write_text(NODE_TOML + node_toml)
+    cfg.write_text(node_toml + NODE_TOML)   # top-level keys before the [sim] table
     try:
         for name in node_names:
             nport = free_port()
             m.nodes[name] = (node_proc(name, nport, [m.router_address], engine="sim",
-                                       model="sim", config=cfg, extra=list(node_args)),
+                                       model="sim", config=cfg,
+                                       extra=[*node_args, *(node_args_for(name)
+                                                            if node_args_for else ())]),
                              f"127.0.0.1:{nport}")
         if wait_nodes:
             for proc, addr in m.nodes.values():
-                await wait_serving(addr, proc, timeout_s=90)
+                await wait_running(proc, m.router)
             async with MeshClient(m.router_address, **(client_kwargs or {})) as c:
                 await wait_for(lambda: _has(c, set(node_names)),
                                what=f"nodes {node_names} healthy")
@@ -85,8 +89,23 @@ async def mesh(tmp: Path, node_names: Sequence[str] = ("good",), router_args: Se
         r.close()
 
 
+async def wait_running(proc: Proc, router: Proc, timeout_s: float = 90.0) -> None:
+    """Until the node's log says it listens (works whatever the node's TLS settings)."""
+    await wait_for(lambda: _logged(proc, router, "listening on"), timeout_s, f"{proc.name} up")
+
+
+async def _logged(proc: Proc, router: Proc, text: str) -> bool:
+    for p in (proc, router):
+        if not p.alive():
+            raise AssertionError(f"{p.name} exited:\n{p.log()}")
+    return text in proc.tail(20000)
+
+
 async def _has(c: MeshClient, ids: set[str]) -> bool:
-    return ids <= await healthy(c)
+    try:
+        return ids <= await healthy(c)
+    except grpc.aio.AioRpcError:
+        return False   # the router not up yet
 
 
 def registration(node_id: str, address: str, models: Sequence[cpb.ServedModel] | None = None,
