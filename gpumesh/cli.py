@@ -124,6 +124,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
                                   tls=tls, api_key=api_key))
 
 
+def _cmd_health(args: argparse.Namespace) -> int:
+    from gpumesh.health import check
+
+    return asyncio.run(check(args.target, args.service, timeout_s=args.timeout,
+                             ca=args.tls_ca or "", cert=args.tls_cert or "",
+                             key=args.tls_key or "", server_name=args.tls_server_name or ""))
+
+
 def _cmd_drain(args: argparse.Namespace) -> int:
     from gpumesh.drain import run_drain
 
@@ -240,6 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=10.0, help="per-call deadline, seconds")
     _add_client_security(s)
     s.set_defaults(func=_cmd_status)
+
+    h = sub.add_parser("health", help="one grpc.health.v1 check (exit 0 if SERVING)",
+                       description="Exit codes: 0 SERVING, 1 anything else.")
+    h.add_argument("target", help="host:port of a router or node")
+    h.add_argument("--service", default="", help='"" (ready), "liveness" or a service name')
+    h.add_argument("--timeout", type=float, default=5.0)
+    h.add_argument("--tls-ca", help="CA (PEM) that verifies the server; turns TLS on")
+    h.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
+    h.add_argument("--tls-key", help="its private key (PEM)")
+    h.add_argument("--tls-server-name", help="name to verify instead of the target's host")
+    h.set_defaults(func=_cmd_health)
 
     for name, text in (("drain", "stop routing to a node and order it to drain"),
                        ("undrain", "undo a drain: the node serves again")):

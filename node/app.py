@@ -207,7 +207,9 @@ class NodeServer:
             await self.peers.start(self)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.discovery = RouterDiscovery(
-            self.cfg.routers, lambda addrs: self.heartbeats and self.heartbeats.set_discovered(addrs),
+            self.cfg.routers,
+            lambda addrs: self.heartbeats and self.heartbeats.set_discovered(
+                addrs, self.discovery.hosts if self.discovery else None),
             self.cfg.router_resolve_interval_s)
         self.heartbeats = HeartbeatClient(
             self.discovery.static, lambda: registration_to_proto(self.registration()),

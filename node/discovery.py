@@ -130,6 +130,9 @@ class RouterDiscovery:
         self._min_gap = min_gap_s            # stream losses re-resolve at most this often
         self._last: dict[DnsTarget, list[str]] = {}
         self.addresses: list[str] = []       # what on_change last got
+        # address -> the DNS name it came from: the name a router's TLS certificate carries
+        # (a pod IP is in no certificate)
+        self.hosts: dict[str, str] = {}
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.resolutions = 0
@@ -155,6 +158,7 @@ class RouterDiscovery:
                             exc, self._last.get(target, []))
         self.resolutions += 1
         found = sorted({a for addrs in self._last.values() for a in addrs})
+        self.hosts = {a: t.host for t, addrs in self._last.items() for a in addrs}
         if found != self.addresses:
             log.info("router discovery: %s -> %s", ", ".join(map(str, self.names)), found)
             self.addresses = found

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 
 import grpc
 
@@ -63,6 +63,7 @@ class HeartbeatClient:
         self._on_stream_lost = on_stream_lost
         self._discovered: set[str] = set()   # addresses from discovery (set_discovered)
         self._retired: set[str] = set()      # discovered before, no longer: streams end
+        self._server_names: dict[str, str] = {}   # discovered address -> its DNS name
         # prefix-cache block events, one subscription per stream (gpumesh.node.cache)
         self._kv = tuple(kv_publishers)
 
@@ -74,9 +75,12 @@ class HeartbeatClient:
         if (addr not in self._tasks or self._tasks[addr].done()) and not self._closing:
             self._tasks[addr] = asyncio.create_task(self._keep(addr), name=f"heartbeat:{addr}")
 
-    def set_discovered(self, addresses: Iterable[str]) -> None:
+    def set_discovered(self, addresses: Iterable[str],
+                       hosts: Mapping[str, str] | None = None) -> None:
         """The router addresses discovery resolved now: streams start to new ones; streams to
-        discovered addresses no longer listed deregister and end."""
+        discovered addresses no longer listed deregister and end. ``hosts``: the DNS name
+        each address came from (TLS verifies the router's certificate against it)."""
+        self._server_names = dict(hosts or {})
         new = set(addresses)
         for addr in self._discovered - new:
             self._retired.add(addr)
@@ -86,6 +90,12 @@ class HeartbeatClient:
             self._retired.discard(addr)
             self._ensure(addr)
         self._discovered = new
+
+    def channel_options(self, addr: str) -> list[tuple[str, str]]:
+        """Channel options for a stream to ``addr``: a discovered address (an IP) verifies
+        the router's TLS certificate against the DNS name it came from."""
+        name = self._server_names.get(addr)
+        return [("grpc.ssl_target_name_override", name)] if name else []
 
     def router_ids(self) -> list[str]:
         """The router ids of the node's live streams (what heartbeats report)."""

@@ -55,6 +55,9 @@ from gpumesh.security.guard import GuardedServer
 log = logging.getLogger(__name__)
 
 SERVICES = ("gpumesh.v1.Inference", "gpumesh.v1.ControlPlane", "gpumesh.v1.Router")
+# grpc.health.v1 name that answers SERVING until the process exits, also while it finishes
+# its streams on shutdown (liveness probes); "" and SERVICES turn NOT_SERVING then (readiness).
+LIVENESS_SERVICE = "liveness"
 
 
 class RouterServer:
@@ -181,7 +184,7 @@ class RouterServer:
             raise RuntimeError(f"could not bind control port {self.config.control_port}")
         await server.start()
         self._server = server
-        for name in ("", *SERVICES):
+        for name in ("", *SERVICES, LIVENESS_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self.foreign.start()
@@ -208,7 +211,8 @@ class RouterServer:
         if self._server is None:
             return
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        await self.health.enter_graceful_shutdown()
+        for name in ("", *SERVICES):   # not ready; "liveness" stays SERVING while it drains
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.inference.closing = True
         try:
             await asyncio.wait_for(self.inference.idle.wait(), grace)

@@ -145,6 +145,10 @@ async def test_drain_and_undrain_through_either_router(capsys):
         assert await health(m.nodes["na"]) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await health(m.nodes["na"], LIVENESS_SERVICE) == \
             health_pb2.HealthCheckResponse.SERVING
+        na_addr = f"127.0.0.1:{m.nodes['na'].port}"   # what the probes run
+        assert (await cli(capsys, "health", na_addr))[0] == 1
+        assert (await cli(capsys, "health", na_addr, "--service", "liveness"))[0] == 0
+        assert (await cli(capsys, "health", ra, "--service", "liveness"))[0] == 0
         await wait_for(lambda: m.view(1, "na").entry.draining, what="rb sees na draining")
         code, out = await cli(capsys, "status", "--router", rb, "--json", "--check")
         assert code == Exit.NOT_HEALTHY
@@ -162,6 +166,7 @@ async def test_drain_and_undrain_through_either_router(capsys):
         await wait_for(lambda: not m.view(0, "na").entry.draining
                        and not m.view(1, "na").entry.draining, what="na healthy everywhere")
         assert await health(m.nodes["na"]) == health_pb2.HealthCheckResponse.SERVING
+        assert (await cli(capsys, "health", na_addr))[0] == 0
         code, _ = await cli(capsys, "status", "--router", ra, "--check")
         assert code == Exit.OK
         assert "na" in await served_by(m.routers[0], 12)

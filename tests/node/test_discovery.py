@@ -98,3 +98,22 @@ async def test_system_resolver_gives_every_address_with_the_port():
     assert await resolve("127.0.0.1", 7, None) == ["127.0.0.1:7"]
     with pytest.raises(OSError):
         await resolve("no-such-name.invalid", 7, None)
+
+
+async def test_discovered_addresses_keep_their_name_for_tls():
+    from gpumesh.node.heartbeat import HeartbeatClient
+    from gpumesh.v1 import control_pb2 as cpb
+
+    table = Table({"routers.example": ["127.0.0.1"]})
+    hb = HeartbeatClient((), cpb.Registration, cpb.LoadReport, max_backoff_s=0.1)
+    d = RouterDiscovery(["dns:///routers.example:1"],
+                        lambda addrs: hb.set_discovered(addrs, d.hosts), resolver=table)
+    await d.start()
+    try:
+        assert d.hosts == {"127.0.0.1:1": "routers.example"}
+        assert hb.channel_options("127.0.0.1:1") == [
+            ("grpc.ssl_target_name_override", "routers.example")]
+        assert hb.channel_options("10.0.0.1:1") == []   # a configured address: as given
+    finally:
+        await d.close()
+        await hb.close(timeout_s=1)
