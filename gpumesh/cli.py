@@ -254,10 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("target", help="host:port of a router or node")
     h.add_argument("--service", default="", help='"" (ready), "liveness" or a service name')
     h.add_argument("--timeout", type=float, default=5.0)
-    h.add_argument("--tls-ca", help="CA (PEM) that verifies the server; turns TLS on")
-    h.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
-    h.add_argument("--tls-key", help="its private key (PEM)")
-    h.add_argument("--tls-server-name", help="name to verify instead of the target's host")
+    _add_client_security(h)
     h.set_defaults(func=_cmd_health)
 
     for name, text in (("drain", "stop routing to a node and order it to drain"),

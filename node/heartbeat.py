@@ -163,7 +163,8 @@ class HeartbeatClient:
             self._stops[addr] = stop
             subs = {p.model: p.subscribe() for p in self._kv}
             try:
-                async with (grpc.aio.secure_channel(addr, self.credentials())
+                async with (grpc.aio.secure_channel(addr, self.credentials(),
+                                                    options=self.channel_options(addr))
                             if self.credentials is not None
                             else grpc.aio.insecure_channel(addr)) as channel:
                     stub = cpb_grpc.ControlPlaneStub(channel)
