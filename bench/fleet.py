@@ -92,7 +92,7 @@ def scaled_router_flags(time_scale: float) -> list[str]:
 
 def hetero_nodes(speeds: Sequence[float], kv_tokens: int, kv_grows: bool,
                  sim: dict[str, Any] | None = None, prefix: str = "n") -> list[SimNodeSpec]:
-    return [SimNodeSpec(f"{prefix}{i:02d}-x{s:g}", s,
+    return [SimNodeSpec(f"{prefix}{i:02d}-x{s:g}".replace(".", "p"), s,
                         int(kv_tokens * s) // 16 * 16 if kv_grows else kv_tokens,
                         sim=dict(sim or {})) for i, s in enumerate(speeds)]
 

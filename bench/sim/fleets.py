@@ -110,7 +110,7 @@ def from_dict(d: dict[str, Any], name: str = "fleet") -> FleetSpec:
         eng = _engine(shape, base, g)
         w = float(weight) if weight is not None else eng.speed
         for i in range(count):
-            nodes.append(NodeSpec(f"{prefix}-{i:04d}-x{eng.speed:g}", eng, w))
+            nodes.append(NodeSpec(f"{prefix}-{i:04d}-x{eng.speed:g}".replace(".", "p"), eng, w))
     router = dict(d.get("router", {}))
     return FleetSpec(str(d.get("name", name)), tuple(nodes), int(d.get("routers", 1)),
                      float(d.get("heartbeat_interval_s", 0.25)),
