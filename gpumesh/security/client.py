@@ -32,16 +32,26 @@ def _with_bearer(details: grpc.aio.ClientCallDetails, header: tuple[str, str]) -
     return details._replace(metadata=metadata)   # a namedtuple
 
 
-class _Bearer(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-              grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, key: str) -> None:
-        self.header = ("authorization", f"Bearer {key}")
+# One class per call type: grpc.aio files each interceptor under the first type it is.
+class _BearerUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self.header = header
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(_with_bearer(details, self.header), request)
 
+
+class _BearerUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self.header = header
+
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(_with_bearer(details, self.header), request)
+
+
+class _BearerStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self.header = header
 
     async def intercept_stream_stream(self, continuation: Any, details: Any,
                                       request_iterator: Any) -> Any:
@@ -49,7 +59,10 @@ class _Bearer(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientIn
 
 
 def bearer_interceptors(api_key: str) -> list[Any]:
-    return [_Bearer(api_key)] if api_key else []
+    if not api_key:
+        return []
+    header = ("authorization", f"Bearer {api_key}")
+    return [_BearerUnary(header), _BearerUnaryStream(header), _BearerStreamStream(header)]
 
 
 def open_channel(target: str, options: Sequence[tuple[str, Any]], tls: ClientTls | None,
