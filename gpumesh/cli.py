@@ -279,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
     d.add_argument("--prompt", default="Tell me about the mesh.")
     d.add_argument("--port", type=int, default=50050)
+    d.add_argument("--plaintext", action="store_true",
+                   help="no TLS (default: mutual TLS on every hop with gpumesh certs)")
     d.set_defaults(func=_cmd_demo)
 
     c = sub.add_parser("certs", help="make a private CA and router/node/client/operator "

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from gpumesh.launcher import ChildProcess, stop_all, wait_until_async
+from gpumesh.security.client import ClientTls
 
 LOG_DIR = Path(os.environ.get("GPUMESH_DEMO_LOGS", "demo-logs"))
 
@@ -25,11 +26,30 @@ def _spawn(name: str, *args: str, env: dict[str, str] | None = None) -> ChildPro
     return ChildProcess.gpumesh(name, args, LOG_DIR / f"{name}.log", env=env)
 
 
-async def wait_for_fleet(router: str, nodes: int, timeout_s: float) -> None:
+def make_certs(directory: Path) -> tuple[list[str], dict[str, list[str]], ClientTls]:
+    """Certificates for the demo's mesh (``gpumesh certs``): the router's TLS flags, each
+    node's, and the operator's client TLS (the demo reads the fleet)."""
+    from gpumesh.security.certs import make_mesh_certs
+
+    make_mesh_certs(directory, node_ids=["node-0", "node-1"])
+    ca = str(directory / "ca.pem")
+
+    def flags(stem: str) -> list[str]:
+        return ["--tls-cert-file", str(directory / f"{stem}.pem"),
+                "--tls-key-file", str(directory / f"{stem}.key"), "--tls-ca-file", ca]
+
+    return ([*flags("router"), "--tls-require-client-cert"],
+            {n: [*flags(f"node-{n}"), "--tls-require-client-cert", "--router-only"]
+             for n in ("node-0", "node-1")},
+            ClientTls(ca, str(directory / "operator.pem"), str(directory / "operator.key")))
+
+
+async def wait_for_fleet(router: str, nodes: int, timeout_s: float,
+                         tls: ClientTls | None = None) -> None:
     from gpumesh.client import MeshClient
     from gpumesh.v1 import control_pb2 as cpb
 
-    async with MeshClient(router) as client:
+    async with MeshClient(router, tls=tls) as client:
 
         async def healthy() -> bool:
             fleet = await client.fleet(timeout=2.0)
@@ -55,18 +75,27 @@ async def run_demo(args: argparse.Namespace) -> int:
     else:
         model_args = ["--engine", "sim", "--model", "tiny"]
     procs: list[ChildProcess] = []
+    # mutual TLS on every hop with certificates gpumesh certs made (docs/security.md)
+    tls: ClientTls | None = None
+    router_tls: list[str] = []
+    node_tls: dict[str, list[str]] = {}
+    if not getattr(args, "plaintext", False):
+        router_tls, node_tls, tls = make_certs(LOG_DIR / "certs")
+        print(f"[demo] mutual TLS on every hop, certificates in {LOG_DIR / 'certs'}/",
+              file=sys.stderr)
     try:
         procs.append(_spawn("router", "router", "--host", "127.0.0.1",
-                                  "--port", str(args.port)))
+                                  "--port", str(args.port), *router_tls))
         for i in range(2):
             procs.append(_spawn(
                 f"node-{i}", "node", *model_args, "--port", "0", "--node-id", f"node-{i}", "--router", router,
+                *node_tls.get(f"node-{i}", ()),
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
                      "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}))
         print(f"[demo] router on {router}, two vLLM CPU nodes starting (~20-60 s; logs in "
               f"{LOG_DIR}/)...", file=sys.stderr)
-        await wait_for_fleet(router, 2, timeout_s=300)
-        async with MeshClient(router) as client:
+        await wait_for_fleet(router, 2, timeout_s=300, tls=tls)
+        async with MeshClient(router, tls=tls) as client:
             result = StreamResult()
             req = build_request([("user", args.prompt)], model="tiny", max_tokens=48,
                                 temperature=0.8, seed=7)
