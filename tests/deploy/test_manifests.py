@@ -77,14 +77,14 @@ def port_of(c: dict[str, Any], name: str) -> int:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_object_validates(overlay: str, version: str) -> None:
     objs = render(overlay)
-    assert {o["kind"] for o in objs} >= {"Deployment", "Service", "ConfigMap",
+    assert {o["kind"] for o in objs} >= {"Deployment", "StatefulSet", "Service", "ConfigMap",
                                          "PodDisruptionBudget", "HorizontalPodAutoscaler"}
     for obj in objs:
         kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_the_validator_rejects_a_broken_object() -> None:
-    deploy = yaml.safe_load(yaml.safe_dump(one(render("gpu"), "Deployment", "gpumesh-node")))
+    deploy = yaml.safe_load(yaml.safe_dump(one(render("gpu"), "StatefulSet", "gpumesh-node")))
     container(deploy, "node")["readinessProbe"]["grpc"]["prot"] = 50051   # a typo'd field
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deploy, K8S_VERSIONS[-1], strict=True)
@@ -107,7 +107,7 @@ def test_ports_probes_and_discovery_agree_with_the_configs(overlay: str, tmp_pat
     objs = render(overlay)
     tls = overlay.endswith("tls")
     router = one(objs, "Deployment", "gpumesh-router")
-    node = one(objs, "Deployment", "gpumesh-node")
+    node = one(objs, "StatefulSet", "gpumesh-node")
     rcfg = _load_router(mounted_config(objs, router, "router.toml"), tmp_path)
     ncfg = _load_node(mounted_config(objs, node, "node.toml"), tmp_path)
     rc, nc = container(router, "router"), container(node, "node")
@@ -152,6 +152,8 @@ def test_ports_probes_and_discovery_agree_with_the_configs(overlay: str, tmp_pat
             env(c)["GPUMESH_PROMETHEUS_PORT"])
         assert env(c)["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://gpumesh-jaeger:4317"
     one(objs, "Service", "gpumesh-jaeger")
+    # the StatefulSet's governing Service is headless
+    assert one(objs, "Service", node["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
 
 
 @pytest.mark.parametrize("overlay, gpus", [("cpu-sim", 0), ("gpu", 1), ("gpu-tp2", 2),
@@ -159,7 +161,7 @@ def test_ports_probes_and_discovery_agree_with_the_configs(overlay: str, tmp_pat
 def test_each_node_asks_for_the_gpus_its_engine_uses(overlay: str, gpus: int,
                                                      tmp_path: Path) -> None:
     objs = render(overlay)
-    node = one(objs, "Deployment", "gpumesh-node")
+    node = one(objs, "StatefulSet", "gpumesh-node")
     ncfg = _load_node(mounted_config(objs, node, "node.toml"), tmp_path)
     res = container(node, "node")["resources"]
     asked = int(res.get("limits", {}).get("nvidia.com/gpu", 0))
@@ -177,7 +179,7 @@ def test_each_node_asks_for_the_gpus_its_engine_uses(overlay: str, gpus: int,
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pods_are_non_root_and_drains_fit_the_grace_period(overlay: str, tmp_path: Path):
     objs = render(overlay)
-    for d in (o for o in objs if o["kind"] == "Deployment"):
+    for d in (o for o in objs if o["kind"] in ("Deployment", "StatefulSet")):
         spec = d["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         for c in spec["containers"]:
@@ -185,7 +187,7 @@ def test_pods_are_non_root_and_drains_fit_the_grace_period(overlay: str, tmp_pat
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == [
                 "ALL"]
     router = one(objs, "Deployment", "gpumesh-router")
-    node = one(objs, "Deployment", "gpumesh-node")
+    node = one(objs, "StatefulSet", "gpumesh-node")
     rcfg = _load_router(mounted_config(objs, router, "router.toml"), tmp_path)
     ncfg = _load_node(mounted_config(objs, node, "node.toml"), tmp_path)
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > (
@@ -209,8 +211,8 @@ def test_pods_are_non_root_and_drains_fit_the_grace_period(overlay: str, tmp_pat
 def test_the_hpa_scales_the_nodes_on_the_exported_signal(overlay: str, tmp_path: Path):
     objs = render(overlay)
     hpa = one(objs, "HorizontalPodAutoscaler", "gpumesh-node")
-    node = one(objs, "Deployment", "gpumesh-node")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+    node = one(objs, "StatefulSet", "gpumesh-node")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
                                              "name": node["metadata"]["name"]}
     (metric,) = hpa["spec"]["metrics"]
     exported = {name.replace(".", "_") for name, *_ in SATURATION_GAUGES}
@@ -224,9 +226,10 @@ def test_the_hpa_scales_the_nodes_on_the_exported_signal(overlay: str, tmp_path:
 
 def test_tls_mounts_the_secret_where_tls_is_on():
     objs = render("gpu-tls")
-    for name, cname, prefix in (("gpumesh-router", "router", "GPUMESH_ROUTER_"),
-                                ("gpumesh-node", "node", "GPUMESH_NODE_")):
-        d = one(objs, "Deployment", name)
+    for kind, name, cname, prefix in (
+            ("Deployment", "gpumesh-router", "router", "GPUMESH_ROUTER_"),
+            ("StatefulSet", "gpumesh-node", "node", "GPUMESH_NODE_")):
+        d = one(objs, kind, name)
         c = container(d, cname)
         vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
         assert vols["tls"]["secret"]["secretName"] == "gpumesh-tls"
@@ -235,8 +238,15 @@ def test_tls_mounts_the_secret_where_tls_is_on():
         for key in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE"):
             assert e[prefix + key].startswith(mount["mountPath"] + "/")
         assert e[prefix + "INSECURE"] == "false"
+    # each node presents its own certificate (CN = node id = pod name); $(POD_NAME) only
+    # expands when POD_NAME is defined earlier in the list
+    node_env = [e["name"] for e in container(one(objs, "StatefulSet", "gpumesh-node"),
+                                             "node")["env"]]
+    assert node_env.index("POD_NAME") < node_env.index("GPUMESH_NODE_TLS_CERT_FILE")
+    assert env(container(one(objs, "StatefulSet", "gpumesh-node"), "node"))[
+        "GPUMESH_NODE_TLS_CERT_FILE"] == "/etc/gpumesh/tls/node-$(POD_NAME).pem"
     plain = render("gpu")
-    assert not any(v["name"] == "tls" for v in one(plain, "Deployment", "gpumesh-node")[
+    assert not any(v["name"] == "tls" for v in one(plain, "StatefulSet", "gpumesh-node")[
         "spec"]["template"]["spec"]["volumes"])
 
 
