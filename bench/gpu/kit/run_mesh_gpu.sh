@@ -35,7 +35,9 @@ W=${RESULTS_DIR:-/tmp/gpumesh-gpu}    # survives between calls while the machine
 mkdir -p "$OUT" "$W/logs"
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# PYTHONSAFEPATH: `python -m` would put the checkout first on sys.path, where gpumesh/ has no
+# router/ or node/ (they live beside it); the link tree below must win.
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONSAFEPATH=1
 # The packages as an install maps them (setup.py, bench/pyproject.toml), without pip: gpumesh
 # with router/ and node/ as gpumesh.router and gpumesh.node, bench/ as gpumesh_bench. Links
 # only, so module files still resolve into this checkout.
