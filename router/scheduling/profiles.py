@@ -24,7 +24,8 @@ falls back to filtering every node, then samples d of the eligible ones. The pri
 is balance: the pick is the best of d random nodes, not the best of all, i.e. a node in the
 best ~1/(d+1) of the fleet on average (tested in tests/router/test_sampling.py). A request
 whose prompt prefix some nodes hold in their KV cache (``RequestInfo.cached_tokens``) has up
-to d of those nodes, longest prefix first, added to the sample.
+to d of those nodes, longest prefix first, added to the sample; a request whose routing key
+last went to a node (``RequestInfo.session_node``) has that node added.
 
 ``Decision.considered`` keeps full per-scorer scores for the best ``KEEP_SCORES`` candidates
 (the chosen one included), for the trace span; totals of the others are not kept.
@@ -282,6 +283,11 @@ def select_from(profile: Profile, source: CandidateSource | Sequence[Candidate],
     picked = rng.sample(range(n), sample_size)
     if request.cached_tokens and hasattr(source, "index_of"):
         picked = _with_holders(picked, source, request, sample_size)
+    if request.session_node and hasattr(source, "index_of"):
+        # routing-key affinity (scorers.affinity): the key's last node joins the sample too
+        i = source.index_of(request.session_node)  # type: ignore[attr-defined]
+        if i is not None and i not in picked:
+            picked = [*picked, i]
     sample = [c for i in sorted(picked) if (c := at(i)) is not None]
     kept, dropped = sample, {}
     conclusive = True

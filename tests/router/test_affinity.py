@@ -209,3 +209,25 @@ def test_many_sessions_stick_while_the_fleet_is_balanced() -> None:
                 moved += 1
     assert moved == 0
     assert sorted(c.router_in_flight for c in cs.values()) == [4, 4, 4, 4]
+
+
+def test_sampled_decision_includes_the_session_node() -> None:
+    """On a fleet larger than the decision sample, the key's last node joins the random
+    sample, so affinity holds whatever the sample draws."""
+    from gpumesh.router.fleet import Registry
+    from gpumesh.router.scheduling import select_from
+    from gpumesh.types import ModelSpec, Registration
+
+    reg = Registry("r", lease_ttl_s=10.0, freshness_s=5.0, clock=lambda: 0.0)
+    for i in range(200):
+        reg.register(Registration(f"n{i:03d}", f"n{i}:1", (ModelSpec("m"),), "inc"),
+                     stream_id=i)
+    p = profile()
+    rng = random.Random(11)
+    info = RequestInfo("m", 100, "k", session_node="n150")
+    picks = {select_from(p, reg.candidate_source("m"), info, rng, FILTERS, 8).node_id
+             for _ in range(50)}
+    assert picks == {"n150"}
+    free = {select_from(p, reg.candidate_source("m"), RequestInfo("m", 100), rng, FILTERS,
+                        8).node_id for _ in range(50)}
+    assert len(free) > 10   # without a key: wherever the sample falls
