@@ -19,6 +19,8 @@ Parts (``--parts``, default all):
 - ``tracing``: router req/s and CPU per request with tracing off, 100 % and 1 % sampling
   (OTLP to a local receiver).
 - ``decision``: the routing decision alone per policy and fleet size (``microbench``).
+- ``tls``: router CPU per 32-token stream with TLS on every hop vs plaintext, side by side
+  (``tls_overhead``).
 - ``prefix`` (not in the default): the decision with prefix locality, the index holding
   ``--prefix-blocks`` entries, and the index's memory (``prefix_decision``).
 """
@@ -54,12 +56,14 @@ class Sample:
 
 async def drive(target: str, *, concurrency: int, duration_s: float, max_tokens: int,
                 prompt_tokens: int = 128, per_token: bool = False, lookaside: bool = False,
-                connections: int = 1, seed: int = 0) -> tuple[list[Sample], int, float]:
-    """Closed loop through ``gpumesh.client.MeshClient``; returns (samples, errors, wall s)."""
+                connections: int = 1, seed: int = 0, tls: Any = None
+                ) -> tuple[list[Sample], int, float]:
+    """Closed loop through ``gpumesh.client.MeshClient``; returns (samples, errors, wall s).
+    ``tls``: a ``gpumesh.security.client.ClientTls`` (None = plaintext)."""
     from gpumesh.client import MeshClient, build_request
 
     opts = [("grpc.use_local_subchannel_pool", 1)] if connections > 1 else []
-    clients = [MeshClient(target, lookaside=lookaside, channel_options=opts)
+    clients = [MeshClient(target, lookaside=lookaside, channel_options=opts, tls=tls)
                for _ in range(connections)]
     prompts = [synth_prompt(prompt_tokens, seed, i) for i in range(64)]
     samples: list[Sample] = []
@@ -216,7 +220,7 @@ async def part_tracing(fleet: Fleet, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parts", default="direct,modes,workers,tracing,decision")
+    p.add_argument("--parts", default="direct,modes,workers,tracing,decision,tls")
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-pin", action="store_true", help="do not taskset router / node")
@@ -257,6 +261,14 @@ def main(a: argparse.Namespace) -> int:
             write_json(out / "overhead.json", result)
         if "tracing" in parts:
             result["tracing"] = _tracing(node, a, out, pin)
+            write_json(out / "overhead.json", result)
+        if "tls" in parts:
+            from gpumesh_bench import tls_overhead
+
+            if pin:
+                _pin_self({1})
+            result["tls"] = tls_overhead.run(a, out, pin)
+            _pin_self(set(range(os.cpu_count() or 1)))
             write_json(out / "overhead.json", result)
         if "decision" in parts:
             from gpumesh_bench import microbench
@@ -344,6 +356,10 @@ def markdown(r: dict[str, Any]) -> str:
                              f"{_f(v['router_cpu_pct'], 0)} | {_f(v['ttft_p50_ms'], 2)} | "
                              f"{_f(v['ttft_p99_ms'], 2)} |")
             lines.append("")
+    if "tls" in r:
+        from gpumesh_bench import tls_overhead
+
+        lines.append(tls_overhead.markdown(r["tls"]))
     if "decision" in r:
         from gpumesh_bench import microbench
 

@@ -101,7 +101,7 @@ class RouterConfig:
     # Bounded load: affinity never puts a node above ceil((1 + epsilon) x its fair share of
     # this router's in-flight requests (by capacity weight).
     affinity_epsilon: float = 0.25
-    affinity_max_keys: int = 100_000  # routing keys remembered (LRU); ~200 bytes each; 0 = off
+    affinity_max_keys: int = 100_000  # routing keys remembered (LRU, fixed-size entries); 0 = off
     affinity_ttl_s: float = 600.0     # a key unused this long is forgotten
     # --- LoRA adapters (GenerateRequest.adapter; scheduling.scorers.adapter)
     # Weight of the adapter score (1 where the adapter is loaded, less where it must be

@@ -11,9 +11,9 @@ Bounded, least recently used first out:
 - At most ``max_keys`` entries; inserting beyond evicts the least recently used key.
 - An entry unused for ``ttl_s`` seconds is gone (read as absent, and dropped when met).
 - Keys are stored as a 64-bit BLAKE2b digest of model and key, not the key itself, so an entry
-  costs the same whatever the client sends (about 200 bytes with the dict and the LRU links:
-  ``max_keys`` 100,000 is about 20 MB). Two keys colliding (chance ~ n^2 / 2^65) only share a
-  preference.
+  costs the same whatever the client sends (the digest, the node id shared with the fleet,
+  a timestamp, and the dict's and LRU's links). Two keys colliding (chance ~ n^2 / 2^65) only
+  share a preference.
 
 Who calls it: the dispatcher, once per routing decision (``lookup`` before, ``remember`` after
 the node is chosen, so a retry elsewhere moves the session too). A key whose node left the
