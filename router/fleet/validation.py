@@ -42,6 +42,8 @@ MAX_BYTES = 2**60
 MAX_TP = 4096
 MAX_CONCURRENCY = 10_000_000
 MAX_TEXT = 256                  # incarnation, engine, gpu model, router ids, reasons
+MAX_ADAPTERS = 1024             # LoRA adapters per model (registration) or loaded (report)
+MAX_ADAPTER_NAME = 128
 
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_:@/+=-]*")   # no '.': ticket format
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
@@ -134,6 +136,11 @@ def valid_registration(msg: cpb.Registration, limits: NodeLimits) -> Registratio
                         f"{limits.max_aliases}")
         for a in m.aliases:
             _name(a, "alias", limits)
+        if len(m.adapters) > MAX_ADAPTERS:   # LoRA adapters (node.adapters' own bound)
+            raise _fail(f"model {m.name[:64]!r} lists {len(m.adapters)} adapters; at most "
+                        f"{MAX_ADAPTERS}")
+        for a in m.adapters:
+            _text(a, "adapter", MAX_ADAPTER_NAME, required=True)
         _count([("tensor_parallel_size", m.tensor_parallel_size)], MAX_TP)
         w = m.capacity_weight
         if not math.isfinite(w) or w < 0 or w > limits.max_capacity_weight:
@@ -159,6 +166,11 @@ def valid_load(msg: cpb.LoadReport, limits: NodeLimits) -> LoadReport:
                   "prefill_capacity_tokens_per_s"):
         _real(field, getattr(msg, field), 0.0, MAX_TOKENS_PER_S)
     _real("decode_step_s", msg.decode_step_s, 0.0, MAX_STEP_S)
+    _real("adapter_load_s", msg.adapter_load_s, 0.0, MAX_STEP_S)
+    if len(msg.loaded_adapters) > MAX_ADAPTERS:
+        raise _fail(f"{len(msg.loaded_adapters)} loaded adapters; at most {MAX_ADAPTERS}")
+    for a in msg.loaded_adapters:
+        _text(a, "loaded adapter", MAX_ADAPTER_NAME, required=True)
     for g in msg.gpus:
         _real("gpu utilization", g.utilization, 0.0, 1.0)
         _count([("gpu index", g.index)], limits.max_gpus * 64)

@@ -117,3 +117,33 @@ def test_router_answers_not_found_for_an_adapter_no_node_serves() -> None:
             check_routing_fields(bad, reg, "m")
         assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
     assert [m.adapters for m in reg.models()] == [("a", "b")]
+
+
+@pytest.mark.parametrize("adapters, loaded, load_s, ok", [
+    (("a", "b"), ("a",), 0.2, True),
+    (tuple(f"a{i}" for i in range(1025)), (), 0.0, False),   # too many adapters listed
+    (("x" * 129,), (), 0.0, False),                          # name too long
+    (("a",), ("",), 0.0, False),                             # empty loaded name
+    (("a",), (), float("nan"), False),                       # load time not finite
+    (("a",), (), -1.0, False),
+])
+def test_node_adapter_fields_are_validated_where_they_enter(adapters, loaded, load_s,
+                                                             ok) -> None:
+    from gpumesh.router.fleet.validation import (
+        InvalidNodeInput,
+        NodeLimits,
+        valid_load,
+        valid_registration,
+    )
+    from gpumesh.v1 import control_pb2 as cpb
+
+    reg = cpb.Registration(node_id="n1", address="h:1", incarnation="i", models=[
+        cpb.ServedModel(name="m", adapters=adapters)])
+    load = cpb.LoadReport(loaded_adapters=loaded, adapter_load_s=load_s)
+    try:
+        r = valid_registration(reg, NodeLimits())
+        l = valid_load(load, NodeLimits())
+    except InvalidNodeInput:
+        assert not ok
+    else:
+        assert ok and r.models[0].adapters == adapters and l.loaded_adapters == loaded
