@@ -14,9 +14,12 @@ quarter of all tenants' system prompts), one router. Setups: ``least_request``,
 
 Load is relative to the capacity of ``least_request`` on this workload: a closed-loop
 saturation run (``gpumesh_bench.sim.grid.capacity``'s method: completions per second between
-the 20th and 80th percentile of completions). For each load and seed one trace is replayed
-under every setup (paired). Throughput at SLO: the highest load whose p90 TTFT stays within
-``--slo-ttft-ms`` (mean over seeds), as completed requests per second.
+the 20th and 80th percentile of completions). A run starts as a service that has been serving
+its tenants: the first ``--warm-fraction`` of its requests arrive at ``--warm-load`` (the
+caches fill), the rest at the load measured; metrics are over the requests after the warm
+phase. ``--warm-fraction 0`` starts cold at the full rate. For each load and seed one trace
+is replayed under every setup (paired). Throughput at SLO: the highest load whose p90 TTFT
+stays within ``--slo-ttft-ms`` (mean over seeds), as completed requests per second.
 
 Results: OUT/prefix-sim.json and OUT/prefix-sim.md.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from dataclasses import replace
@@ -57,16 +61,24 @@ def fleet(nodes: int, kv_tokens: int, locality: str) -> FleetSpec:
                      router={"prefix_locality": locality})
 
 
-def arrivals(spec: TenantSpec, n: int) -> list[Arrival]:
-    """``n`` requests of the tenant workload, tokenized and hashed as the engine does."""
+def arrivals(spec: TenantSpec, n: int, warm: int = 0, warm_rate: float = 0.0
+             ) -> list[Arrival]:
+    """``n`` requests of the tenant workload, tokenized and hashed as the engine does; the
+    first ``warm`` of them at ``warm_rate`` (Poisson), the others at ``spec.rate``."""
     tok = SimTokenizer()
-    out = []
+    gaps = random.Random(spec.seed ^ 0xA11)
+    out: list[Arrival] = []
+    t = 0.0
     for r in iter_tenant_requests(spec):
         if len(out) >= n:
             break
         ids = tok.encode(r.prompt)
-        out.append(Arrival(r.index, r.arrival_s, len(ids), r.max_tokens,
-                           tuple(block_hashes(ids))))
+        if warm:
+            if out:
+                t += gaps.expovariate(warm_rate if len(out) < warm else spec.rate)
+        else:
+            t = r.arrival_s
+        out.append(Arrival(r.index, t, len(ids), r.max_tokens, tuple(block_hashes(ids))))
     return out
 
 
@@ -93,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--unique", action="store_true", help="the control: no shared prefixes")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--warm-fraction", type=float, default=0.25,
+                   help="of each run's requests, arriving first at --warm-load")
+    p.add_argument("--warm-load", type=float, default=0.5)
 
 
 def main(a: argparse.Namespace) -> int:
@@ -109,13 +124,14 @@ def main(a: argparse.Namespace) -> int:
     doc: dict[str, Any] = {"args": vars(a), "capacity_req_per_s": cap, "runs": []}
     for load in loads:
         for seed in range(1, a.seeds + 1):
+            warm = int(a.warm_fraction * a.requests)
             w = Workload("tenants", arrivals(replace(base, rate=load * cap, seed=seed),
-                                             a.requests), [])
+                                             a.requests, warm, a.warm_load * cap), [])
             for s in setups:
                 policy, locality = SETUPS[s]
                 t = time.process_time()
                 res = simulate(fleet(a.nodes, a.kv_tokens, locality), w, policy, seed)
-                m = run_metrics(res, slo, warmup=0.2)   # caches warm first
+                m = run_metrics(res, slo, warmup=max(0.2, a.warm_fraction + 0.05))
                 m.update({"setup": s, "load": load, "seed": seed,
                           "cpu_s": time.process_time() - t})
                 doc["runs"].append(m)

@@ -101,7 +101,8 @@ class RouterServer:
         # (control plane) or the router's own record of what it sent where.
         self.locality = PrefixLocality(
             config.prefix_locality,
-            PrefixIndexes(config.prefix_index_max_entries, config.prefix_approx_ttl_s), clock,
+            PrefixIndexes(config.prefix_index_max_entries, config.prefix_approx_ttl_s,
+                          config.prefix_pending_ttl_s), clock,
             dict(t.split("=", 1) for t in config.prefix_tokenizers),
             engine_of=self._engine_of)
         self.registry.add_removal_listener(lambda e: self.locality.node_left(e.node_id))

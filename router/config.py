@@ -161,6 +161,10 @@ class RouterConfig:
     prefix_index_max_entries: int = 4_000_000
     # Approximate mode: a prefix the router sent to a node counts as cached there this long.
     prefix_approx_ttl_s: float = 120.0
+    # A prefix the router just sent to a node that streams KV events counts as held there
+    # until the events confirm it, at most this long (a burst of one prefix then stays on the
+    # node that is prefilling it instead of scattering before any event arrives).
+    prefix_pending_ttl_s: float = 5.0
     # Tokenizer per model for hashing text / chat prompts, "MODEL=SPEC" (SPEC: "sim", or an
     # HF tokenizer path or name). Simulated nodes' models need none; token-id prompts none.
     prefix_tokenizers: tuple[str, ...] = ()
@@ -216,8 +220,10 @@ class RouterConfig:
         object.__setattr__(self, "prefix_tokenizers", tuple(self.prefix_tokenizers))
         if self.prefix_locality not in ("auto", "precise", "approximate", "off"):
             raise ValueError("prefix_locality must be auto, precise, approximate or off")
-        if self.prefix_index_max_entries < 0 or self.prefix_approx_ttl_s < 0:
-            raise ValueError("prefix_index_max_entries and prefix_approx_ttl_s must be >= 0")
+        if (self.prefix_index_max_entries < 0 or self.prefix_approx_ttl_s < 0
+                or self.prefix_pending_ttl_s < 0):
+            raise ValueError("prefix_index_max_entries, prefix_approx_ttl_s and "
+                             "prefix_pending_ttl_s must be >= 0")
         if any("=" not in t for t in self.prefix_tokenizers):
             raise ValueError("prefix_tokenizers entries are MODEL=SPEC")
         for name in ("lease_ttl_s", "freshness_s", "reference_prompt_tokens_per_s",

@@ -154,7 +154,8 @@ class _Router:
         self.credits: dict[int, Credit] = {}
         # prefix locality (router.fleet.locality): prompts' block ids are their hashes
         self.locality = (PrefixLocality(config.prefix_locality, PrefixIndexes(
-            config.prefix_index_max_entries, config.prefix_approx_ttl_s), clock)
+            config.prefix_index_max_entries, config.prefix_approx_ttl_s,
+            config.prefix_pending_ttl_s), clock)
             if config.prefix_locality != "off" else None)
 
 
@@ -416,6 +417,8 @@ class Simulation:
             elif kind == _SWEEP:
                 for r in routers:
                     r.registry.expire()
+                    if r.locality is not None:
+                        r.locality.indexes.expire(t)
                 self._push(t + SWEEP_S, _SWEEP, None)
             elif kind == _FLEET:
                 self._fleet_event(p)

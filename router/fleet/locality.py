@@ -13,8 +13,9 @@
   still do.
 - ``prefill_tokens(info, node_id)``: the prompt less what the node holds: what the router
   charges that node for the request (its credit, and the CHARGED_TOKENS it tells the node).
-- ``routed(info, node_id)``: approximate mode, the router's record of where it sent which
-  prefix (for nodes that stream no KV events, or every node in ``approximate`` mode).
+- ``routed(info, node_id)``: the router's record of where it sent which prefix: approximate
+  entries for nodes that stream no KV events (every node in ``approximate`` mode), pending
+  ones on nodes that do, until their events confirm them (``PrefixIndex``).
 - ``apply(node_id, update)``: a node's ``KvCacheUpdate`` (precise mode). Returns the model
   whose updates have a gap (the caller asks that node for a snapshot), else None.
 
@@ -181,12 +182,13 @@ class PrefixLocality:
         return replace(info, cached_tokens=cached)
 
     def routed(self, info: RequestInfo, node_id: str) -> None:
-        """Approximate mode: the node will hold this prompt's blocks (unless it streams
-        events and the mode is not ``approximate``)."""
-        if not info.prefix_hashes or self.mode in ("off", "precise"):
+        """The router sent this prompt to ``node_id``: an approximate record for a node
+        without events, a pending one (until its events confirm it) for a node with them;
+        ``precise`` mode records nothing for a node without events."""
+        if not info.prefix_hashes or self.mode == "off":
             return
         ix = self.indexes.model(info.model)
-        if self.mode == "auto" and ix.is_precise(node_id):
+        if self.mode == "precise" and not ix.is_precise(node_id):
             return
         ix.add(node_id, info.prefix_hashes, self.clock(), precise=False)
 

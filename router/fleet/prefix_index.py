@@ -13,6 +13,10 @@ Two sources fill it, per node:
 - **approximate**: a node without events (a stock vLLM gRPC worker, events switched off): the
   router records the blocks of each request it sent there (``routed``); they age out after
   ``ttl_s`` (and are re-dated by the next request with the same prefix).
+- **pending**, on a precise node: the blocks of a request the router just sent there, held
+  until the node's events confirm them (they then become precise entries) for at most
+  ``pending_ttl_s``. Without them a burst of one prefix would scatter over the fleet while
+  its first request still queues for prefill, before any event can say where it lives.
 
 Memory is bounded: at most ``max_entries`` (node, block) pairs per model; past it, the node
 that is adding loses its oldest blocks first. Each pair costs about 150 bytes (a Python dict
@@ -30,7 +34,10 @@ from dataclasses import dataclass, field
 class _Node:
     slot: int
     precise: bool
-    blocks: dict[int, float] = field(default_factory=dict)   # hash -> time added (in order)
+    # hash -> time added (in order); 0.0 = confirmed by the node's events (precise nodes)
+    blocks: dict[int, float] = field(default_factory=dict)
+    # precise nodes: hashes the router sent but the events have not confirmed yet, by time
+    pending: dict[int, float] = field(default_factory=dict)
     seq: int = 0            # last event batch applied (precise)
     awaiting: bool = False  # a gap was seen: updates are ignored until the next snapshot
 
@@ -38,9 +45,11 @@ class _Node:
 class PrefixIndex:
     """Block hash -> nodes for one model (module docstring)."""
 
-    def __init__(self, max_entries: int = 4_000_000, ttl_s: float = 120.0) -> None:
+    def __init__(self, max_entries: int = 4_000_000, ttl_s: float = 120.0,
+                 pending_ttl_s: float = 5.0) -> None:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        self.pending_ttl_s = pending_ttl_s
         self._blocks: dict[int, int] = {}        # hash -> bitmask of node slots
         self._nodes: dict[str, _Node] = {}
         self._by_slot: dict[int, str] = {}
@@ -52,7 +61,8 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[int], now: float = 0.0) -> dict[str, int]:
         """Node id -> how many of ``hashes``' leading blocks it holds (nodes holding none are
-        absent). Approximate entries older than ``ttl_s`` at ``now`` do not count."""
+        absent). Approximate entries older than ``ttl_s`` and pending ones older than
+        ``pending_ttl_s`` at ``now`` do not count."""
         blocks = self._blocks
         if not hashes or not blocks:
             return {}
@@ -69,7 +79,7 @@ class PrefixIndex:
             depth += 1
         if alive:
             self._settle(alive, depth, out)
-        if self.ttl_s > 0 and out:
+        if out:
             self._age(out, hashes, now)
         return out
 
@@ -83,15 +93,22 @@ class PrefixIndex:
             mask ^= low
 
     def _age(self, out: dict[str, int], hashes: Sequence[int], now: float) -> None:
-        """Approximate nodes' matches stop at their first expired block."""
-        horizon = now - self.ttl_s
+        """A match stops at the node's first expired block (approximate or pending)."""
         for node_id, depth in list(out.items()):
             n = self._nodes[node_id]
             if n.precise:
+                if not n.pending:
+                    continue
+                ttl = self.pending_ttl_s
+            elif self.ttl_s > 0:
+                ttl = self.ttl_s
+            else:
                 continue
-            blocks = n.blocks
+            horizon = now - ttl
+            blocks, confirmed = n.blocks, n.precise   # time 0.0: confirmed by events
             for i in range(depth):
-                if blocks[hashes[i]] < horizon:
+                t = blocks[hashes[i]]
+                if t < horizon and not (confirmed and t == 0.0):
                     if i:
                         out[node_id] = i
                     else:
@@ -135,21 +152,37 @@ class PrefixIndex:
 
     def add(self, node_id: str, hashes: Iterable[int], now: float = 0.0,
             precise: bool = True) -> None:
-        """The node holds these blocks (an event, or an approximate record at ``now``)."""
+        """The node holds these blocks: ``precise`` (its events; they confirm pending ones),
+        or the router's record at ``now`` > 0 (approximate; pending on a precise node)."""
         n = self._node(node_id, precise)
-        if not precise and n.precise:
-            return   # events are the truth for this node
         bit = 1 << n.slot
-        blocks, own = self._blocks, n.blocks
-        for h in hashes:
-            if h in own:
-                if not precise:
+        blocks, own, pending = self._blocks, n.blocks, n.pending
+        if precise:
+            for h in hashes:
+                t = own.get(h)
+                if t is None:
+                    own[h] = 0.0
+                    blocks[h] = blocks.get(h, 0) | bit
+                    self.entries += 1
+                elif t:
+                    own[h] = 0.0
+                    pending.pop(h, None)
+        else:
+            for h in hashes:
+                t = own.get(h)
+                if t is None:
+                    own[h] = now
+                    blocks[h] = blocks.get(h, 0) | bit
+                    self.entries += 1
+                    if n.precise:
+                        pending[h] = now
+                elif not n.precise:
                     del own[h]   # re-dated: moves to the newest end
                     own[h] = now
-                continue
-            own[h] = now
-            blocks[h] = blocks.get(h, 0) | bit
-            self.entries += 1
+                elif t:
+                    own[h] = now
+                    del pending[h]
+                    pending[h] = now
         if self.entries > self.max_entries:
             self._shed(n, self.entries - self.max_entries)
 
@@ -161,9 +194,10 @@ class PrefixIndex:
 
     def _drop(self, n: _Node, hashes: Iterable[int]) -> None:
         keep = ~(1 << n.slot)
-        blocks, own = self._blocks, n.blocks
+        blocks, own, pending = self._blocks, n.blocks, n.pending
         for h in hashes:
-            del own[h]
+            if own.pop(h):
+                pending.pop(h, None)
             rest = blocks[h] & keep
             if rest:
                 blocks[h] = rest
@@ -176,16 +210,18 @@ class PrefixIndex:
         self._drop(n, [next(it) for _ in range(min(count, len(n.blocks)))])
 
     def expire(self, now: float) -> int:
-        """Drops approximate entries older than ``ttl_s``; returns how many (housekeeping;
-        ``match`` already ignores them)."""
-        if self.ttl_s <= 0:
-            return 0
-        horizon, dropped = now - self.ttl_s, 0
+        """Drops approximate entries older than ``ttl_s`` and pending ones older than
+        ``pending_ttl_s``; returns how many (housekeeping: ``match`` already ignores them)."""
+        dropped = 0
         for n in self._nodes.values():
             if n.precise:
+                record, horizon = n.pending, now - self.pending_ttl_s
+            elif self.ttl_s > 0:
+                record, horizon = n.blocks, now - self.ttl_s
+            else:
                 continue
             old = []
-            for h, t in n.blocks.items():
+            for h, t in record.items():
                 if t >= horizon:
                     break
                 old.append(h)
@@ -233,15 +269,18 @@ class PrefixIndex:
 class PrefixIndexes:
     """The per-model indexes of one router (``PrefixIndex`` each), created on first use."""
 
-    def __init__(self, max_entries: int = 4_000_000, ttl_s: float = 120.0) -> None:
+    def __init__(self, max_entries: int = 4_000_000, ttl_s: float = 120.0,
+                 pending_ttl_s: float = 5.0) -> None:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        self.pending_ttl_s = pending_ttl_s
         self._models: dict[str, PrefixIndex] = {}
 
     def model(self, name: str) -> PrefixIndex:
         ix = self._models.get(name)
         if ix is None:
-            ix = self._models[name] = PrefixIndex(self.max_entries, self.ttl_s)
+            ix = self._models[name] = PrefixIndex(self.max_entries, self.ttl_s,
+                                                  self.pending_ttl_s)
         return ix
 
     def get(self, name: str) -> PrefixIndex | None:

@@ -78,17 +78,23 @@ def test_precise_updates_gap_and_snapshot() -> None:
 
 
 def test_annotate_and_approximate_routing() -> None:
-    now = [0.0]
-    loc = PrefixLocality("auto", PrefixIndexes(ttl_s=60.0), clock=lambda: now[0])
+    now = [1.0]
+    loc = PrefixLocality("auto", PrefixIndexes(ttl_s=60.0, pending_ttl_s=5.0),
+                         clock=lambda: now[0])
     info = RequestInfo("m", 170, prefix_hashes=tuple(A))
     assert loc.annotate(info).cached_tokens == {}
     loc.routed(info, "n1")                      # no events from n1: the router's record
     loc.apply("n2", update(1, snapshot=True, stored=A[:5]))
-    loc.routed(info, "n2")                      # n2 streams events: no record
+    loc.routed(info, "n2")                      # n2 streams events: pending until confirmed
     got = loc.annotate(info).cached_tokens
-    assert dict(got) == {"n1": 160, "n2": 80}
-    now[0] = 61.0
+    assert dict(got) == {"n1": 160, "n2": 160}
+    now[0] = 7.0
+    assert dict(loc.annotate(info).cached_tokens) == {"n1": 160, "n2": 80}
+    now[0] = 62.0
     assert dict(loc.annotate(info).cached_tokens) == {"n2": 80}
+    precise = PrefixLocality("precise", PrefixIndexes(), clock=lambda: 1.0)
+    precise.routed(info, "n1")                  # precise: no record for a node without events
+    assert precise.annotate(info).cached_tokens == {}
     off = PrefixLocality("off", PrefixIndexes(), clock=lambda: 0.0)
     assert off.annotate(info) is info
 
@@ -131,3 +137,17 @@ def test_sampled_decisions_include_the_holders() -> None:
     assert len({select_from(profile, reg.candidate_source("m"), plain, rng,
                             default_filters(0.99), sample_size=4).node_id
                 for _ in range(20)}) > 1
+
+
+def test_pending_entries_until_events_confirm_them() -> None:
+    ix = PrefixIndex(pending_ttl_s=5.0)
+    ix.add("n", A[:2])                                  # events: n is precise
+    ix.add("n", A, now=10.0, precise=False)             # the router sent A there
+    assert ix.match(A, now=12.0) == {"n": 10}
+    assert ix.match(A, now=16.0) == {"n": 2}            # unconfirmed blocks lapse
+    ix.add("n", A[2:6])                                 # events confirm four of them
+    assert ix.match(A, now=16.0) == {"n": 6}
+    assert ix.expire(16.0) == 4 and ix.entries == 6
+    ix.add("n", A, now=20.0, precise=False)
+    ix.remove("n", A[6:])                               # evicted before confirmation
+    assert ix.match(A, now=21.0) == {"n": 6} and ix.entries == 6
