@@ -143,3 +143,46 @@ async def test_keys_file_is_reloaded_without_a_restart(keyed):
         keys_file(path, "\n" + _entry("late"))
         await wait_for(lambda: _ok(client), 30, "the new key accepted")
     assert m.alive()
+
+
+@pytest.fixture(scope="module")
+async def traced(tmp_path_factory):
+    from tests.tracing.otlp_receiver import Receiver
+
+    rx = Receiver().start()
+    tmp = tmp_path_factory.mktemp("traced-keys")
+    path = tmp / "keys.toml"
+    keys_file(path)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "OTEL_METRIC_EXPORT_INTERVAL": "500"}
+    try:
+        async with mesh(tmp, ("good",), router_args=["--api-keys-file", str(path)],
+                        router_env=env, client_kwargs={"api_key": KEYS["ops"]}) as m:
+            yield m, rx
+    finally:
+        rx.stop()
+
+
+async def test_the_key_name_is_on_the_span_and_in_metrics_never_the_key(traced):
+    m, rx = traced
+    async with MeshClient(m.router_address, api_key=KEYS["alpha"]) as client:
+        assert (await _code(client, stream=True))[0] == grpc.StatusCode.OK
+    async with MeshClient(m.router_address, api_key="not-a-key") as bad:
+        assert (await _code(bad))[0] == grpc.StatusCode.UNAUTHENTICATED
+
+    async def span() -> object:
+        with rx._lock:
+            spans = list(rx.spans)
+        return next((s for s in spans if s.attributes.get("gpumesh.api_key") == "alpha"), None)
+
+    s = await wait_for(span, 60, "a router span with the key name")
+    assert KEYS["alpha"] not in repr(s.attributes)
+
+    async def metric() -> str:
+        with rx._lock:
+            text = "".join(str(r) for r in rx.metric_requests)
+        return text if "gpumesh.router.key_requests" in text and "auth_rejections" in text \
+            else ""
+
+    text = await wait_for(metric, 60, "key and rejection metrics")
+    assert '"alpha"' in text and KEYS["alpha"] not in text
