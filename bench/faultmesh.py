@@ -2,7 +2,9 @@
 faults a site sees (SIGKILL, SIGSTOP, slow nodes, a stalled control stream, router restarts),
 and a closed-loop load that counts what became of every request.
 
-Used by ``tests/chaos`` and ``gpumesh bench soak``. Each node is its own ``gpumesh node
+Used by ``tests/chaos`` and ``gpumesh bench soak``. Children are started without a
+pre-exec hook (no parent-death signal): forking a process that runs gRPC threads and then
+running Python in the child before exec can crash the child; ``stop()`` ends them. Each node is its own ``gpumesh node
 --engine sim`` process (killing one kills one node, by its own pid); each router a ``gpumesh
 router`` process. ``ControlProxy`` is a TCP proxy a node's control stream can be routed
 through and stalled (bytes held, connection kept open: a partition, not a close).
@@ -101,7 +103,7 @@ class FaultMesh:
                 *self.spec.router_flags]
         p = ChildProcess.gpumesh(f"router{i}", args,
                                  self.spec.log_dir / f"chaos-r{i}-{self._tag}.log", append=True,
-                                 env=self._env(), die_with_parent=True)
+                                 env=self._env())
         self.routers[i] = p
         return p
 
@@ -124,7 +126,7 @@ class FaultMesh:
             args += ["--router", r]
         p = ChildProcess.gpumesh(f"node{i}", args,
                                  self.spec.log_dir / f"chaos-n{i}-{self._tag}.log", append=True,
-                                 env=self._env(), die_with_parent=True)
+                                 env=self._env())
         self.nodes[i] = p
         return p
 
@@ -145,9 +147,11 @@ class FaultMesh:
             resp = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
             return list(resp.nodes)
 
-    async def wait_fleet(self, n: int, timeout_s: float = 60.0, router: int | None = None
-                         ) -> None:
-        """Until every router (or ``router``) lists ``n`` nodes with a fresh report."""
+    async def wait_fleet(self, n: int, timeout_s: float = 60.0, router: int | None = None,
+                         watch: bool = True) -> None:
+        """Until every router (or ``router``) lists ``n`` nodes with a fresh report.
+        ``watch``: fail at once when one of the mesh's processes exits meanwhile (off while
+        other faults run concurrently)."""
         which = range(self.spec.routers) if router is None else [router]
 
         async def ready() -> bool:
@@ -160,7 +164,8 @@ class FaultMesh:
                     return False
             return True
 
-        procs = [p for p in (*self.routers, *self.nodes) if p is not None]
+        procs = [p for p in (*self.routers, *self.nodes)
+                 if watch and p is not None and p.alive()]
         await wait_until_async(ready, timeout_s, watch=procs,
                                what=f"{n} healthy nodes in every router")
 

@@ -26,6 +26,7 @@ import json
 import logging
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -88,33 +89,57 @@ async def soak(a: argparse.Namespace) -> dict[str, Any]:
                 rss.setdefault(name, []).append((round(now, 1), round(rss_mb(pid), 1)))
             await asyncio.sleep(a.sample_every_s)
 
+    async def stop_node(i: int, sig: signal.Signals) -> None:
+        node = mesh.nodes[i]
+        assert node is not None
+        mesh.signal_node(i, sig)
+        try:
+            await asyncio.to_thread(node.popen.wait, 60)
+        except subprocess.TimeoutExpired:   # a drain that does not end: kill it
+            event(f"node n{i} still draining after 60 s: SIGKILL")
+            mesh.signal_node(i, signal.SIGKILL)
+        event(f"node n{i} {sig.name} (exit {node.popen.returncode})")
+
+    async def start_node(i: int) -> None:
+        for _ in range(3):
+            proc = mesh.start_node(i)
+            try:
+                await mesh.wait_fleet(a.nodes, 60, watch=False)
+                event(f"node n{i} restarted")
+                return
+            except Exception as e:  # noqa: BLE001 - recorded, then tried again
+                event(f"node n{i} restart failed ({type(e).__name__}: {e}; exit "
+                      f"{proc.popen.poll()}): trying again")
+                proc.kill()
+
     async def churn() -> None:
         k = 0
         while True:
             await asyncio.sleep(a.churn_every_s)
             i = k % a.nodes
-            sig = signal.SIGKILL if k % 2 == 0 else signal.SIGTERM
-            mesh.signal_node(i, sig)
-            node = mesh.nodes[i]
-            assert node is not None
-            await asyncio.to_thread(node.popen.wait, 30)
-            event(f"node n{i} {sig.name}")
-            await asyncio.sleep(a.down_s)
-            mesh.start_node(i)
-            event(f"node n{i} restarted")
+            try:
+                await stop_node(i, signal.SIGKILL if k % 2 == 0 else signal.SIGTERM)
+                await asyncio.sleep(a.down_s)
+                await start_node(i)
+            except Exception as e:  # noqa: BLE001 - the soak goes on; the event says why
+                event(f"churn of n{i} failed: {type(e).__name__}: {e}")
             k += 1
 
     async def router_restart() -> None:
         await asyncio.sleep(duration / 2)
         r = 1 if a.routers > 1 else 0
         sig = signal.SIGTERM if a.routers > 1 else signal.SIGKILL
-        mesh.signal_router(r, sig)
-        proc = mesh.routers[r]
-        assert proc is not None
-        await asyncio.to_thread(proc.popen.wait, 60)
-        event(f"router r{r} {sig.name}")
-        mesh.start_router(r)
-        event(f"router r{r} restarted")
+        try:
+            mesh.signal_router(r, sig)
+            proc = mesh.routers[r]
+            assert proc is not None
+            await asyncio.to_thread(proc.popen.wait, 120)
+            event(f"router r{r} {sig.name} (exit {proc.popen.returncode})")
+            mesh.start_router(r)
+            await mesh.wait_fleet(a.nodes, 60, router=r, watch=False)
+            event(f"router r{r} restarted, its fleet rebuilt")
+        except Exception as e:  # noqa: BLE001 - the soak goes on; the event says why
+            event(f"router restart failed: {type(e).__name__}: {e}")
 
     tasks = [asyncio.create_task(c()) for c in (sampler, churn, router_restart)]
     try:
