@@ -162,7 +162,7 @@ class RouterServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> int:
-        server = grpc.aio.server(interceptors=[self.auth], options=[
+        server = grpc.aio.server(interceptors=[self.auth] if self.auth.active else [], options=[
             ("grpc.so_reuseport", 1),
             # Nodes and clients may keep long-lived channels with keepalive pings.
             ("grpc.keepalive_permit_without_calls", 1),

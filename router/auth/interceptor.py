@@ -91,6 +91,12 @@ class RouterAuth(grpc.aio.ServerInterceptor):
         self.limits = limits or KeyLimits()
         self.counters = counters or AuthCounters()
 
+    @property
+    def active(self) -> bool:
+        """False when there is nothing to enforce (no keys, operator API open): app.py then
+        installs no interceptor, so the open dev loop pays nothing per call."""
+        return self.keys is not None or not self.operator_open
+
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails],
                                          Awaitable[grpc.RpcMethodHandler]],
