@@ -81,7 +81,7 @@ def run(a: argparse.Namespace, out: Path, pin: bool) -> dict[str, Any]:
             router("router-tls", [*_tls_flags(certs, "router"), "--tls-require-client-cert"]),
             node("node-plain", "sim-plain", ports["router-plain"], []),
             node("node-tls", "sim-tls", ports["router-tls"],
-                 [*_tls_flags(certs, "node-sim-tls"), "--tls-require-client-cert"])]
+                 [*_tls_flags(certs, "sim-tls"), "--tls-require-client-cert"])]
     op = ClientTls(str(certs / "ca.pem"), str(certs / "operator.pem"), str(certs / "operator.key"))
     client = ClientTls(str(certs / "ca.pem"), str(certs / "client.pem"), str(certs / "client.key"))
     variants = {"plaintext": (f"127.0.0.1:{ports['router-plain']}", kids[0].pid, None),

@@ -39,7 +39,7 @@ def make_certs(directory: Path) -> tuple[list[str], dict[str, list[str]], Client
                 "--tls-key-file", str(directory / f"{stem}.key"), "--tls-ca-file", ca]
 
     return ([*flags("router"), "--tls-require-client-cert"],
-            {n: [*flags(f"node-{n}"), "--tls-require-client-cert", "--router-only"]
+            {n: [*flags(n), "--tls-require-client-cert", "--router-only"]
              for n in ("node-0", "node-1")},
             ClientTls(ca, str(directory / "operator.pem"), str(directory / "operator.key")))
 

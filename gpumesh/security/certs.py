@@ -5,7 +5,7 @@ Layout written into DIR (keys mode 0600)::
 
     ca.pem ca.key                      the CA (keep ca.key offline in production)
     router.pem router.key              CN = router id, OU = router
-    node-<ID>.pem node-<ID>.key        CN = node id,   OU = node     (one per --node)
+    <ID>.pem <ID>.key                  CN = node id,   OU = node     (one per --node)
     client.pem client.key              CN = client,    OU = client
     operator.pem operator.key          CN = operator,  OU = operator
 
@@ -129,9 +129,12 @@ def make_mesh_certs(directory: str | Path, *, router_id: str = "router",
     layout). Returns them by stem."""
     d = Path(directory)
     ensure_ca(d)
+    clash = set(node_ids) & {"ca", *ROLES}
+    if clash:
+        raise ValueError(f"node ids {sorted(clash)} would overwrite the CA's or a role's files")
     out = {"router": issue(d, "router", router_id, "router", hosts, days)}
     for n in node_ids:
-        out[f"node-{n}"] = issue(d, f"node-{n}", n, "node", hosts, days)
+        out[n] = issue(d, n, n, "node", hosts, days)
     out["client"] = issue(d, "client", "client", "client", hosts, days)
     out["operator"] = issue(d, "operator", "operator", "operator", hosts, days)
     return out

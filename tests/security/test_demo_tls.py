@@ -19,7 +19,7 @@ def test_demo_runs_with_tls(tmp_path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert "mutual TLS on every hop" in r.stderr
     assert "48 completion tokens" in r.stderr
-    assert {"ca.pem", "router.pem", "node-node-0.pem", "operator.pem"} <= {
+    assert {"ca.pem", "router.pem", "node-0.pem", "operator.pem"} <= {
         p.name for p in (logs / "certs").iterdir()}
     router_log = (logs / "router.log").read_text()
     assert "node node-0 registered" in router_log and "node node-1 registered" in router_log

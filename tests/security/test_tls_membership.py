@@ -47,7 +47,7 @@ async def tls_mesh(certs, tmp_path_factory):
     async with mesh(tmp_path_factory.mktemp("tls"), ("good",),
                     router_args=[*_tls_args(d, "router"), "--tls-require-client-cert"],
                     router_env={"GPUMESH_PROMETHEUS_PORT": str(prom)},
-                    node_args_for=lambda n: _tls_args(d, f"node-{n}"),
+                    node_args_for=lambda n: _tls_args(d, n),
                     client_kwargs={"tls": ClientTls(str(d / "ca.pem"), str(d / "operator.pem"),
                                                     str(d / "operator.key"))}) as m:
         m.prom = prom
@@ -80,9 +80,9 @@ async def test_requests_route_over_tls_end_to_end(tls_mesh):
 
 
 @pytest.mark.parametrize("stem,claimed,code", [
-    ("node-other", "good", grpc.StatusCode.PERMISSION_DENIED),     # impostor: another's id
+    ("other", "good", grpc.StatusCode.PERMISSION_DENIED),     # impostor: another's id
     ("client", "client", grpc.StatusCode.PERMISSION_DENIED),       # not a node certificate
-    ("node-good", "good", grpc.StatusCode.ALREADY_EXISTS),         # id held by a live stream
+    ("good", "good", grpc.StatusCode.ALREADY_EXISTS),         # id held by a live stream
 ])
 async def test_hostile_registrations_are_refused(tls_mesh, stem, claimed, code):
     m, d = tls_mesh
@@ -104,8 +104,8 @@ async def test_hostile_registrations_are_refused(tls_mesh, stem, claimed, code):
 async def test_foreign_or_expired_certificates_fail_the_handshake(tls_mesh, certs, which):
     m, d = tls_mesh
     _, foreign = certs
-    creds = (channel_credentials(str(d / "ca.pem"), str(foreign / "node-good.pem"),
-                                 str(foreign / "node-good.key")) if which == "foreign-ca"
+    creds = (channel_credentials(str(d / "ca.pem"), str(foreign / "good.pem"),
+                                 str(foreign / "good.key")) if which == "foreign-ca"
              else channel_credentials(str(d / "ca.pem"), str(d / "node-expired.pem"),
                                       str(d / "node-expired.key")))
     async with grpc.aio.secure_channel(m.router_address, creds) as ch, \
@@ -131,7 +131,7 @@ async def test_operator_api_needs_an_operator_certificate(tls_mesh):
 
 async def test_rejections_are_counted_in_a_metric(tls_mesh):
     m, d = tls_mesh
-    async with _node_channel(m.router_address, d, "node-other") as ch:
+    async with _node_channel(m.router_address, d, "other") as ch:
         evil = HostileNode(ch)
         await evil.send(registration("good", f"127.0.0.1:{free_port()}"))
         await evil.code()
@@ -177,7 +177,7 @@ async def router_only_mesh(certs, tmp_path_factory):
                     router_env={"GPUMESH_TICKET_SECRET": secret},
                     node_toml=f'ticket_secret = "{secret}"\nrouter_only = true\n'
                               'tls_require_client_cert = true\n',
-                    node_args_for=lambda n: _tls_args(d, f"node-{n}"),
+                    node_args_for=lambda n: _tls_args(d, n),
                     client_kwargs={"tls": _client_tls(d, "operator")}) as m:
         yield m, d
 
