@@ -18,9 +18,8 @@ an adapter request on nodes that can serve it; see ``request_filters``).
 
 from __future__ import annotations
 
-import inspect
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -48,27 +47,15 @@ def request_filters(request: RequestInfo) -> tuple[Filter, ...]:
     return (serves_adapter(request.adapter),) if request.adapter else ()
 
 
-def _per_candidate(method: Callable[..., Any]) -> Callable[[Candidate, RequestInfo], Any]:
-    """``method(c)`` or ``method(c, request)``, whichever the profile defines."""
-    params = [p for p in inspect.signature(method).parameters.values()
-              if p.default is inspect.Parameter.empty
-              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) >= 2:
-        return method
-    return lambda c, request: method(c)
-
-
 class Steered:
     """A profile with the request terms added (module doc). ``inner`` must have per-candidate
-    ``total`` and ``score`` (``WeightedLeastLoad``)."""
+    ``total(c, request)`` and ``score(c, request)`` (``WeightedLeastLoad``)."""
 
     def __init__(self, inner: Any, model: SteeringModel) -> None:
         self.inner = inner
         self.model = model
         self.name: str = inner.name
         self.samplable: bool = inner.samplable
-        self._total = _per_candidate(inner.total)
-        self._score = _per_candidate(inner.score)
 
     def _active(self, request: RequestInfo) -> bool:
         m = self.model
@@ -82,7 +69,7 @@ class Steered:
         m = self.model
         bound = affinity_bound(candidates, request, m.epsilon)
         adapter = request.adapter
-        total, score = self._total, self._score
+        total, score = self.inner.total, self.inner.score
 
         def extra(c: Candidate) -> tuple[float, float]:
             return (bound.score(c),

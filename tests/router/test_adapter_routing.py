@@ -147,3 +147,19 @@ def test_node_adapter_fields_are_validated_where_they_enter(adapters, loaded, lo
         assert not ok
     else:
         assert ok and r.models[0].adapters == adapters and l.loaded_adapters == loaded
+
+
+def test_steered_totals_keep_the_profiles_request_terms() -> None:
+    """With the adapter loaded on both nodes the adapter term is equal, so the pick is the
+    load profile's own, including its request-dependent service time (a long prompt goes to
+    the node with ten times the prefill capacity)."""
+    from dataclasses import replace
+
+    slow, fast = cand(0, loaded=("a",)), cand(1, loaded=("a",))
+    slow = replace(slow, report=replace(slow.report, prefill_capacity_tokens_per_s=1000.0))
+    fast = replace(fast, report=replace(fast.report, prefill_capacity_tokens_per_s=10_000.0))
+    p = steer(build_profile("weighted_least_load", WEIGHTS, WM), SteeringModel())
+    info = RequestInfo("m", 5000, adapter="a")
+    picks = {select(p, [slow, fast], info, random.Random(s), default_filters(0.92)).node_id
+             for s in range(20)}
+    assert picks == {"n1"}
