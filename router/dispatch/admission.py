@@ -2,8 +2,10 @@
 
 ``AdmissionQueue.acquire`` runs the routing pipeline and charges the chosen node at once (the
 router's own counts move before any heartbeat can). When every eligible node is at its max
-concurrency the request waits in a FIFO queue per model, up to its deadline; a full queue
-answers RESOURCE_EXHAUSTED at once; no eligible node at all -> UNAVAILABLE. Queues are pumped
+concurrency the request waits in a bounded queue per model, up to its deadline: FIFO per
+client key and round robin between keys (``fairqueue``: one key's burst cannot starve
+another's); a full queue answers RESOURCE_EXHAUSTED at once (to the request, or to the newest
+waiter of a key over its fair share); no eligible node at all -> UNAVAILABLE. Queues are pumped
 whenever the registry reports a change (a slot freed, a heartbeat, a join).
 """
 
@@ -11,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpumesh.router import errors
+from gpumesh.router.auth.interceptor import current_key_name
+from gpumesh.router.dispatch.fairqueue import FairQueue
 from gpumesh.router.dispatch.records import ChargeFn
 from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.scheduling import Decision, NoCandidate, Profile, RequestInfo, select_from
@@ -23,12 +26,13 @@ from gpumesh.router.scheduling.filters import Filter
 from gpumesh.router.scheduling.steering import request_filters
 
 
-@dataclass
+@dataclass(eq=False)
 class _Waiter:
     info: RequestInfo
     exclude: frozenset[str]
     charge: ChargeFn
     future: asyncio.Future[tuple[Decision, Credit]]
+    key: str = ""   # the client's API key name (router.auth); "" without keys
 
 
 class AdmissionQueue:
@@ -45,7 +49,7 @@ class AdmissionQueue:
         self.clock = clock
         self.queue_bound = queue_bound
         self.decision_sample_size = decision_sample_size
-        self._queues: dict[str, deque[_Waiter]] = {}
+        self._queues: dict[str, FairQueue[_Waiter]] = {}
         registry.add_listener(self._on_change)
 
     def decide(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Decision:
@@ -64,7 +68,9 @@ class AdmissionQueue:
         start = self.clock()
         if deadline <= start:
             raise errors.deadline_exhausted()
-        queue = self._queues.setdefault(info.model, deque())
+        queue = self._queues.get(info.model)
+        if queue is None:
+            queue = self._queues[info.model] = FairQueue(self.queue_bound)
         if not queue:
             try:
                 d = self.decide(info, exclude)
@@ -72,11 +78,14 @@ class AdmissionQueue:
             except NoCandidate as e:
                 if not e.busy:
                     raise errors.no_healthy_node(info.model, e.filtered) from None
-        if len(queue) >= self.queue_bound:
-            raise errors.queue_full(info.model, self.queue_bound)
         fut: asyncio.Future[tuple[Decision, Credit]] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(info, exclude, charge, fut)
-        queue.append(waiter)
+        waiter = _Waiter(info, exclude, charge, fut, current_key_name.get())
+        admitted, displaced = queue.push(waiter)
+        if not admitted:
+            raise errors.queue_full(info.model, self.queue_bound)
+        if displaced is not None and not displaced.future.done():
+            # a key over its fair share of a full queue gives its newest place up
+            displaced.future.set_exception(errors.queue_full(info.model, self.queue_bound))
         try:
             done, _ = await asyncio.wait({fut}, timeout=deadline - start)
         except asyncio.CancelledError:
@@ -90,7 +99,7 @@ class AdmissionQueue:
 
     def _abandon(self, w: _Waiter) -> None:
         queue = self._queues.get(w.info.model)
-        if queue is not None and w in queue:
+        if queue is not None:
             queue.remove(w)
         if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
             _, credit = w.future.result()
@@ -105,18 +114,17 @@ class AdmissionQueue:
 
     def _pump(self, model: str) -> None:
         queue = self._queues[model]
-        while queue:
-            w = queue[0]
+        while (w := queue.peek()) is not None:
             if w.future.done():
-                queue.popleft()
+                queue.pop()
                 continue
             try:
                 d = self.decide(w.info, w.exclude)
             except NoCandidate as e:
                 if e.busy:
                     return
-                queue.popleft()
+                queue.pop()
                 w.future.set_exception(errors.no_healthy_node(model, e.filtered))
                 continue
-            queue.popleft()
+            queue.pop()
             w.future.set_result((d, w.charge(d.node_id, d)))
