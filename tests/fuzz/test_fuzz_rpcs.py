@@ -173,3 +173,27 @@ def test_good_requests_still_route_after_fuzzing(fuzz_mesh):
     """Runs last in this module (pytest keeps file order): the mesh still works."""
     assert fuzz_mesh.alive()
     fuzz_mesh.good_request_routes()
+
+
+def _vllm_methods() -> list[tuple[str, bool]]:
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+
+    svc = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
+    return [(f"/{svc.full_name}/{m.name}", m.server_streaming) for m in svc.methods
+            if not m.client_streaming]
+
+
+@FUZZ
+@given(raw=st.binary(max_size=200), method=st.sampled_from(_vllm_methods()))
+def test_raw_bytes_on_the_nodes_vllm_service(fuzz_mesh, raw, method):
+    """vLLM's native gRPC service on the node: garbage bytes get a specific status."""
+    name, streaming = method
+    ch = fuzz_mesh.node_channel
+    if streaming:
+        call = ch.unary_stream(name, request_serializer=None, response_deserializer=None)
+        code = _status(lambda: _drain_stream(call(raw, timeout=5)))
+    else:
+        call = ch.unary_unary(name, request_serializer=None, response_deserializer=None)
+        code = _status(lambda: call(raw, timeout=5))
+    assert code not in FORBIDDEN, (name, code)
+    assert fuzz_mesh.alive()
