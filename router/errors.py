@@ -56,13 +56,23 @@ def fleet_rebuilding(model: str, age_s: float, retry_after_s: float) -> RouterEr
                        retry_after_s=retry_after_s)
 
 
+def fleet_rebuilding(model: str, age_s: float, retry_after_s: float) -> RouterError:
+    """An unknown model while a restarted router's fleet may still be incomplete: transient."""
+    return RouterError(grpc.StatusCode.UNAVAILABLE,
+                       f"model {model!r} is not known yet: this router started {age_s:.1f}s ago "
+                       f"and its nodes are still registering; retry shortly",
+                       retry_after_s=retry_after_s)
+
+
 def model_required(served: Iterable[str]) -> RouterError:
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                        f"model is required: the fleet serves {', '.join(sorted(served))}")
 
 
 def no_models() -> RouterError:
-    return RouterError(grpc.StatusCode.UNAVAILABLE, "no nodes are registered with this router")
+    """No node at all (a router just started, or its fleet is gone): retry shortly."""
+    return RouterError(grpc.StatusCode.UNAVAILABLE, "no nodes are registered with this router",
+                       retry_after_s=0.5)
 
 
 def no_healthy_node(model: str, reasons: Mapping[str, str] | None = None) -> RouterError:
