@@ -78,8 +78,11 @@ def _guarded(h: grpc.RpcMethodHandler, auth: RouterOnly, ticket_ok: bool
             await auth.check(request, ctx, ticket_ok)
             result = inner_s(request, ctx)
             if inspect.isasyncgen(result):
-                async for item in result:
-                    yield item
+                try:
+                    async for item in result:
+                        yield item
+                finally:
+                    await result.aclose()   # at once: a cancelled call aborts in the engine
             else:
                 await result   # a servicer that writes through the context
         return grpc.unary_stream_rpc_method_handler(us, h.request_deserializer,
@@ -98,8 +101,11 @@ def _guarded(h: grpc.RpcMethodHandler, auth: RouterOnly, ticket_ok: bool
         await auth.check(None, ctx, False)
         result = inner_ss(it, ctx)
         if inspect.isasyncgen(result):
-            async for item in result:
-                yield item
+            try:
+                async for item in result:
+                    yield item
+            finally:
+                await result.aclose()
         else:
             await result
     return grpc.stream_stream_rpc_method_handler(ss, h.request_deserializer,

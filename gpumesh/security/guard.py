@@ -53,8 +53,13 @@ def _guard(behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if request is UNPARSEABLE:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, DETAILS)
-            async for item in behavior(request, context):
-                yield item
+            inner = behavior(request, context)
+            try:
+                async for item in inner:
+                    yield item
+            finally:
+                # closed now, not when collected: a cancelled call aborts in the engine at once
+                await inner.aclose()
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:

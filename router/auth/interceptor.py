@@ -221,11 +221,13 @@ def _wrap(handler: grpc.RpcMethodHandler, auth: RouterAuth, kind: str,
             async def us_gen(request: Any, ctx: grpc.aio.ServicerContext) -> Any:
                 grant = await admit(request, ctx)
                 ok = False
+                gen = inner_s(request, ctx)
                 try:
-                    async for item in inner_s(request, ctx):
+                    async for item in gen:
                         yield item
                     ok = True
                 finally:
+                    await gen.aclose()   # at once: a cancelled call aborts in the engine
                     count(ok)
                     if grant is not None:
                         grant.release()
@@ -254,8 +256,11 @@ def _wrap(handler: grpc.RpcMethodHandler, auth: RouterAuth, kind: str,
             try:
                 result = inner_ss(request_iter, ctx)
                 if inspect.isasyncgen(result):
-                    async for item in result:
-                        yield item
+                    try:
+                        async for item in result:
+                            yield item
+                    finally:
+                        await result.aclose()
                 else:
                     await result
             finally:
