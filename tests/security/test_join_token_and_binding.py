@@ -90,3 +90,25 @@ def test_insecure_allows_it_and_says_so():
         assert "PLAINTEXT" in p.log() and p.alive()
     finally:
         p.close()
+
+
+async def test_heartbeats_and_deregistration_only_on_the_registering_stream(token_mesh):
+    """A stream that did not register the node can neither report for it nor remove it."""
+    from tests.security.mesh import heartbeat
+
+    m = token_mesh
+    async with grpc.aio.insecure_channel(m.router_address) as ch, \
+            MeshClient(m.router_address) as client:
+        hb = HostileNode(ch, ((JOIN_TOKEN_HEADER, TOKEN),))
+        await hb.send(heartbeat(10**6, draining=True, kv_cache_usage=0.99))
+        assert await hb.read() is None
+        assert await hb.code() == grpc.StatusCode.FAILED_PRECONDITION
+        hb.close()
+        bye = HostileNode(ch, ((JOIN_TOKEN_HEADER, TOKEN),))
+        await bye.send(cpb.NodeMessage(deregistration=cpb.Deregistration(reason="hijack")))
+        assert await bye.read() is None
+        bye.close()
+        fleet = await client.fleet(timeout=30)
+        good = [n for n in fleet.nodes if n.node_id == "good"]
+        assert good and good[0].state == cpb.NODE_STATE_HEALTHY
+        assert await served_by(client, 4) == {"good": 4}
