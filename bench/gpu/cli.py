@@ -122,6 +122,9 @@ def cmd_run(a: argparse.Namespace) -> int:
             **{ph: vsraw_need(ph, env) for ph in VSRAW_START_S}}
     failed = []
     doors = tuple(d for d in a.doors.split(",") if d)
+    door_engines = tuple(sorted({int(x) for x in a.door_engines.split(",") if x}))
+    if not door_engines or set(door_engines) - {1, 2}:
+        raise SystemExit(f"--door-engines: 1, 2 or 1,2 (not {a.door_engines!r})")
     if set(doors) - set(DOORS):
         raise SystemExit(f"--doors: unknown {sorted(set(doors) - set(DOORS))}; doors: {DOORS}")
     for ph in [p for p in a.phases.split(",") if p]:
@@ -159,9 +162,11 @@ def cmd_run(a: argparse.Namespace) -> int:
              "fe7": lambda: phase_fe(env, "7b", gpus, "fe7", rounds=a.fe_rounds,
                                      counts=(1, a.frontends)),
              "doors05": lambda: phase_doors(env, "0.5b", "doors05", rounds=a.rounds,
-                                            doors=doors, concurrency=a.door_concurrency),
+                                            doors=doors, concurrency=a.door_concurrency,
+                                            engines=door_engines),
              "doors7": lambda: phase_doors(env, "7b", "doors7", rounds=a.rounds,
-                                           doors=doors, concurrency=a.door_concurrency),
+                                           doors=doors, concurrency=a.door_concurrency,
+                                           engines=door_engines),
              "uneq05": lambda: phase_uneq(env, rounds=a.rounds),
              "vsraw05": lambda: phase_vsraw(env, "0.5b", "vsraw05", rounds=a.rounds),
              "vsraw7": lambda: phase_vsraw(env, "7b", "vsraw7", rounds=a.rounds),
@@ -258,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "closed loop's streams finish in lock-step waves, uniform:128:384 does not")
     r.add_argument("--doors", default=",".join(DOORS),
                    help=f"doors05/doors7: the front doors, comma-separated (of {', '.join(DOORS)})")
+    r.add_argument("--door-engines", default="1,2",
+                   help="doors05/doors7: one engine per door (1), two sharing the GPU (2) or both")
     r.add_argument("--door-concurrency", type=int, default=0,
                    help="doors05/doors7: concurrency of every door (0: the phase's default)")
     r.add_argument("--raw-tool", default="")

@@ -93,13 +93,18 @@ def _note_fail(env: Env, what: str, e: BaseException) -> None:
 
 def phase_doors(env: Env, shape: str, phase: str, rounds: int = 3,
                 doors: tuple[str, ...] = DOORS, concurrency: int = 0,
-                mem: float = DOOR_GPU_MEM) -> None:
+                mem: float = DOOR_GPU_MEM, engines: tuple[int, ...] = (1, 2)) -> None:
+    """``engines``: (1,) starts only the first engine of each door (A, S1, E1) and benches
+    the one-engine setups; (1, 2) both."""
     c = concurrency or DOOR_CONCURRENCY[shape]
     tag = shape.replace(".", "")
     a, b = f"a{tag}", f"b{tag}"
-    nodes = [GpuNodeSpec(a, shape, "0", mem, routers=("r1", "r2")),
-             GpuNodeSpec(b, shape, "0", mem, routers=("r2",), after=a)]
-    routers = [GpuRouterSpec("r1", members=(a,)), GpuRouterSpec("r2", members=(a, b))]
+    two = 2 in engines
+    nodes = [GpuNodeSpec(a, shape, "0", mem, routers=("r1", "r2") if two else ("r1",))]
+    routers = [GpuRouterSpec("r1", members=(a,))]
+    if two:
+        nodes.append(GpuNodeSpec(b, shape, "0", mem, routers=("r2",), after=a))
+        routers.append(GpuRouterSpec("r2", members=(a, b)))
     served = SERVED[shape]
     extra: list[Any] = []
     with Group(env, nodes, routers) as g:
@@ -113,30 +118,32 @@ def phase_doors(env: Env, shape: str, phase: str, rounds: int = 3,
                   flush=True)
             avail: dict[str, dict[int, Door]] = {}
             avail["gpumesh"] = {
-                1: Door(DOOR_LABEL["gpumesh"], "grpc", g.addr["r1"], roots=[pid["r1"], pid[a]]),
-                2: Door(DOOR_LABEL["gpumesh"], "grpc", g.addr["r2"],
-                        roots=[pid["r2"], pid[a], pid[b]])}
+                1: Door(DOOR_LABEL["gpumesh"], "grpc", g.addr["r1"], roots=[pid["r1"], pid[a]])}
+            if two:
+                avail["gpumesh"][2] = Door(DOOR_LABEL["gpumesh"], "grpc", g.addr["r2"],
+                                           roots=[pid["r2"], pid[a], pid[b]])
             if "nginx" in doors:
                 try:
                     t = time.monotonic()
                     s1 = _serve(env, shape, f"s1{tag}", mem)
                     extra.append(s1)
                     s1.wait_ready(400)
-                    s2 = _serve(env, shape, f"s2{tag}", mem)
-                    extra.append(s2)
-                    s2.wait_ready(400)
                     n1 = Nginx(f"n1{tag}", [s1.address], env.logs)
-                    n2 = Nginx(f"n2{tag}", [s1.address, s2.address], env.logs)
-                    extra += [n1, n2]
+                    extra.append(n1)
                     n1.wait_ready()
-                    n2.wait_ready()
-                    cmds["nginx"] = [s1.command(), s2.command(), " ".join(n1.child.argv),
-                                     " ".join(n2.child.argv)]
-                    avail["nginx"] = {
-                        1: Door(DOOR_LABEL["nginx"], "http", n1.base, served,
-                                roots=[n1.child.pid, s1.child.pid]),
-                        2: Door(DOOR_LABEL["nginx"], "http", n2.base, served,
-                                roots=[n2.child.pid, s1.child.pid, s2.child.pid])}
+                    cmds["nginx"] = [s1.command(), " ".join(n1.child.argv)]
+                    avail["nginx"] = {1: Door(DOOR_LABEL["nginx"], "http", n1.base, served,
+                                              roots=[n1.child.pid, s1.child.pid])}
+                    if two:
+                        s2 = _serve(env, shape, f"s2{tag}", mem)
+                        extra.append(s2)
+                        s2.wait_ready(400)
+                        n2 = Nginx(f"n2{tag}", [s1.address, s2.address], env.logs)
+                        extra.append(n2)
+                        n2.wait_ready()
+                        cmds["nginx"] += [s2.command(), " ".join(n2.child.argv)]
+                        avail["nginx"][2] = Door(DOOR_LABEL["nginx"], "http", n2.base, served,
+                                                 roots=[n2.child.pid, s1.child.pid, s2.child.pid])
                     print(f"[doors] {phase}: vllm serve x2 + nginx up in "
                           f"{time.monotonic() - t:.0f}s", flush=True)
                 except Exception as e:  # noqa: BLE001 - the other doors still run
@@ -144,18 +151,21 @@ def phase_doors(env: Env, shape: str, phase: str, rounds: int = 3,
             if "smg" in doors:
                 try:
                     model = env.models[shape]
+                    wn = {f"grpc://{g.addr[n]}": n for n in ((a, b) if two else (a,))}
                     g1 = Smg(f"g1{tag}", [g.addr[a]], model, env.logs)
-                    g2 = Smg(f"g2{tag}", [g.addr[a], g.addr[b]], model, env.logs)
-                    extra += [g1, g2]
+                    extra.append(g1)
                     g1.wait_ready()
-                    g2.wait_ready()
-                    cmds["smg"] = [g1.command(), g2.command()]
-                    wn = {f"grpc://{g.addr[n]}": n for n in (a, b)}
-                    avail["smg"] = {
-                        1: Door(DOOR_LABEL["smg"], "http", g1.base, served,
-                                roots=[g1.child.pid, pid[a]], worker_nodes=wn),
-                        2: Door(DOOR_LABEL["smg"], "http", g2.base, served,
-                                roots=[g2.child.pid, pid[a], pid[b]], worker_nodes=wn)}
+                    cmds["smg"] = [g1.command()]
+                    avail["smg"] = {1: Door(DOOR_LABEL["smg"], "http", g1.base, served,
+                                            roots=[g1.child.pid, pid[a]], worker_nodes=wn)}
+                    if two:
+                        g2 = Smg(f"g2{tag}", [g.addr[a], g.addr[b]], model, env.logs)
+                        extra.append(g2)
+                        g2.wait_ready()
+                        cmds["smg"].append(g2.command())
+                        avail["smg"][2] = Door(DOOR_LABEL["smg"], "http", g2.base, served,
+                                               roots=[g2.child.pid, pid[a], pid[b]],
+                                               worker_nodes=wn)
                 except Exception as e:  # noqa: BLE001
                     _note_fail(env, f"{phase} smg", e)
             if "bare" in doors:
@@ -164,26 +174,29 @@ def phase_doors(env: Env, shape: str, phase: str, rounds: int = 3,
                     e1 = _bare(env, shape, f"e1{tag}", mem)
                     extra.append(e1)
                     e1.wait_ready(400)
-                    e2 = _bare(env, shape, f"e2{tag}", mem)
-                    extra.append(e2)
-                    e2.wait_ready(400)
-                    cmds["bare"] = [e1.command(), e2.command()]
-                    avail["bare"] = {1: Door(DOOR_LABEL["bare"], "bare", bare=[e1], roots=[e1.pid]),
-                                     2: Door(DOOR_LABEL["bare"], "bare", bare=[e1, e2],
-                                             roots=[e1.pid, e2.pid])}
+                    cmds["bare"] = [e1.command()]
+                    avail["bare"] = {1: Door(DOOR_LABEL["bare"], "bare", bare=[e1], roots=[e1.pid])}
+                    if two:
+                        e2 = _bare(env, shape, f"e2{tag}", mem)
+                        extra.append(e2)
+                        e2.wait_ready(400)
+                        cmds["bare"].append(e2.command())
+                        avail["bare"][2] = Door(DOOR_LABEL["bare"], "bare", bare=[e1, e2],
+                                                roots=[e1.pid, e2.pid])
                     print(f"[doors] {phase}: bare engines up in {time.monotonic() - t:.0f}s",
                           flush=True)
                 except Exception as e:  # noqa: BLE001
                     _note_fail(env, f"{phase} bare", e)
             env.meta.setdefault("commands", {})[phase] = cmds
             order = [d for d in doors if d in avail]
-            _rounds(env, phase, shape, c, order, avail, rounds, mem)
+            _rounds(env, phase, shape, c, order, avail, rounds, mem, engines)
         finally:
             stop_all(reversed(extra))
 
 
 def _rounds(env: Env, phase: str, shape: str, c: int, order: list[str],
-            avail: dict[str, dict[int, Door]], rounds: int, mem: float) -> None:
+            avail: dict[str, dict[int, Door]], rounds: int, mem: float,
+            engines: tuple[int, ...]) -> None:
     per_round = None
     for k in range(rounds):
         left = env.budget_end - time.monotonic()
@@ -194,7 +207,7 @@ def _rounds(env: Env, phase: str, shape: str, c: int, order: list[str],
             break
         t = time.monotonic()
         seq = order if k % 2 == 0 else list(reversed(order))
-        for n in (1, 2):
+        for n in engines:
             for d in seq:
                 door = avail[d][n]
                 try:

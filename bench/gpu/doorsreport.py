@@ -39,6 +39,22 @@ def _ms(x: float) -> str:
     return "–" if x is None or math.isnan(x) else f"{x * 1000:.0f}"
 
 
+def loop_qps(r: dict[str, Any]) -> float:
+    """A closed loop's throughput by Little's law: concurrency / median latency. With a fixed
+    output length the loop's streams finish in waves of about C requests, so completions
+    counted in a window of a few latencies move in steps of C / window (``done_qps``); C / p50
+    does not (latencies within a run spread by a few percent: p99 / p50 is in the record)."""
+    p50 = r.get("lat_p50") or math.nan
+    return r["concurrency"] / p50 if p50 and not math.isnan(p50) else math.nan
+
+
+def cpu_us_per_token(r: dict[str, Any]) -> float:
+    """The door's own cores in the window over its token rate (C x output tokens / p50)."""
+    cores = r.get("cpu", {}).get("door front", math.nan)
+    tok_s = loop_qps(r) * (r.get("out_tokens_p50") or math.nan)
+    return cores / tok_s * 1e6 if tok_s and not math.isnan(tok_s) else math.nan
+
+
 def door_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per door of one (phase, engines): medians over rounds and gpumesh's paired
     ratios (gpumesh QPS / door QPS and gpumesh p50 / door p50 of the same round)."""
@@ -48,16 +64,17 @@ def door_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ours = {r["round"]: r for r in by_door.get(GPUMESH, [])}
     rows = []
     for d, rs in by_door.items():
-        qps_ratio = [ours[r["round"]]["done_qps"] / r["done_qps"] for r in rs
-                     if r["round"] in ours and r["done_qps"]]
+        qps_ratio = [loop_qps(ours[r["round"]]) / loop_qps(r) for r in rs
+                     if r["round"] in ours and loop_qps(r) > 0]
         p50_ratio = [ours[r["round"]]["lat_p50"] / r["lat_p50"] for r in rs
                      if r["round"] in ours and r["lat_p50"]]
         rows.append({
             "door": d, "label": rs[0]["door"], "rounds": len(rs),
-            "qps": [r["done_qps"] for r in rs], "qps_med": _med([r["done_qps"] for r in rs]),
+            "qps": [loop_qps(r) for r in rs], "qps_med": _med([loop_qps(r) for r in rs]),
+            "win_qps": [r["done_qps"] for r in rs],
             "ttft50": _med([r["ttft_p50"] for r in rs]), "ttft99": _med([r["ttft_p99"] for r in rs]),
             "lat50": _med([r["lat_p50"] for r in rs]), "lat99": _med([r["lat_p99"] for r in rs]),
-            "cpu_tok": [r.get("front_cpu_us_per_token", math.nan) for r in rs],
+            "cpu_tok": [cpu_us_per_token(r) for r in rs],
             "cores": _med([r.get("cpu", {}).get("door front", math.nan) for r in rs]),
             "qps_ratio": qps_ratio, "p50_ratio": p50_ratio})
     order = ["bare", GPUMESH, "nginx", "smg"]
@@ -65,13 +82,15 @@ def door_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def doors_table(recs: list[dict[str, Any]]) -> str:
-    out = ["| front door | QPS, median (min–max) | TTFT p50 / p99 ms | latency p50 / p99 ms | "
-           "front-door CPU µs per output token | front-door cores | gpumesh QPS ÷ this | "
-           "gpumesh p50 ÷ this | rounds |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| front door | QPS = C ÷ p50 latency | completions/s in the window | TTFT p50 / p99 ms | "
+           "latency p50 / p99 ms | front-door CPU µs per output token | front-door cores | "
+           "gpumesh QPS ÷ this | gpumesh p50 ÷ this | rounds |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for x in door_rows(recs):
         mine = x["door"] == GPUMESH
         out.append(
-            f"| {x['label']} | {_spread(x['qps'])} | {_ms(x['ttft50'])} / {_ms(x['ttft99'])} | "
+            f"| {x['label']} | {_spread(x['qps'])} | {_spread(x['win_qps'])} | "
+            f"{_ms(x['ttft50'])} / {_ms(x['ttft99'])} | "
             f"{_ms(x['lat50'])} / {_ms(x['lat99'])} | {_spread(x['cpu_tok'], 0)} | "
             f"{x['cores']:.2f} | {'—' if mine else _spread(x['qps_ratio'], 2)} | "
             f"{'—' if mine else _spread(x['p50_ratio'], 2)} | {x['rounds']} |")
@@ -79,8 +98,9 @@ def doors_table(recs: list[dict[str, Any]]) -> str:
 
 
 def uneq_table(recs: list[dict[str, Any]]) -> str:
-    out = ["| balancer | QPS, median (min–max) | TTFT p50 / p99 ms | latency p50 / p99 ms | "
-           "share of requests on big / small | rounds |", "|---|---|---|---|---|---|"]
+    out = ["| balancer | completions/s in the window | TTFT p50 / p99 ms | latency p50 / p99 ms | "
+           "share of requests on big / small | failed requests | rounds |",
+           "|---|---|---|---|---|---|---|"]
     by: dict[str, list[dict[str, Any]]] = {}
     for r in recs:
         by.setdefault(r["policy"], []).append(r)
@@ -95,7 +115,8 @@ def uneq_table(recs: list[dict[str, Any]]) -> str:
         out.append(f"| {p} | {_spread([r['done_qps'] for r in rs])} | "
                    f"{_ms(_med([r['ttft_p50'] for r in rs]))} / {_ms(_med([r['ttft_p99'] for r in rs]))} | "
                    f"{_ms(_med([r['lat_p50'] for r in rs]))} / {_ms(_med([r['lat_p99'] for r in rs]))} | "
-                   f"{big:.0%} / {small:.0%} | {len(rs)} |")
+                   f"{big:.0%} / {small:.0%} | {sum(r.get('errors', 0) for r in rs)} of "
+                   f"{sum(r.get('requests', 0) for r in rs)} | {len(rs)} |")
     return "\n".join(out)
 
 

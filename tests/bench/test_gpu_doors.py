@@ -34,6 +34,7 @@ def test_serve_args_carry_the_node_engine_arguments() -> None:
 def _rec(door: str, rnd: int, qps: float, p50: float, engines: int = 1) -> dict:
     return {"phase": "doors05", "shape": "0.5b", "concurrency": 128, "engines": engines,
             "door": door, "door_key": door, "round": rnd, "done_qps": qps, "lat_p50": p50,
+            "out_tokens_p50": 256,
             "lat_p99": p50 * 2, "ttft_p50": 0.01, "ttft_p99": 0.02,
             "front_cpu_us_per_token": 10.0, "cpu": {"door front": 1.0}}
 
@@ -42,12 +43,15 @@ def test_report_pairs_gpumesh_with_each_door_round_by_round() -> None:
     recs = [_rec("gpumesh", 0, 100, 1.0), _rec("nginx", 0, 50, 2.0),
             _rec("gpumesh", 1, 60, 1.5), _rec("nginx", 1, 60, 1.0)]
     rows = {r["door"]: r for r in door_rows(recs)}
-    # round 0: 100/50 = 2.0, round 1: 60/60 = 1.0 (not the ratio of the medians, 80/55)
-    assert sorted(rows["nginx"]["qps_ratio"]) == [1.0, 2.0]
+    # QPS = C / p50 per round; round 0: 128/1 over 128/2 = 2.0, round 1: (128/1.5) / 128
+    assert [round(x, 3) for x in sorted(rows["nginx"]["qps_ratio"])] == [0.667, 2.0]
     assert sorted(rows["nginx"]["p50_ratio"]) == [0.5, 1.5]
-    assert rows["gpumesh"]["qps_med"] == 80 and math.isclose(rows["nginx"]["lat50"], 1.5)
+    assert math.isclose(rows["gpumesh"]["qps_med"], (128 + 128 / 1.5) / 2)
+    assert math.isclose(rows["nginx"]["lat50"], 1.5)
+    # the window's completion counts stay beside it
+    assert sorted(rows["nginx"]["win_qps"]) == [50, 60]
     md = doors_markdown(recs, {"doors_failed": {"doors05 smg": "RuntimeError: no SMG"}})
-    assert "1 engine on one GPU" in md and "1.50 (1.00–2.00)" in md and "no SMG" in md
+    assert "1 engine on one GPU" in md and "1.33 (0.67–2.00)" in md and "no SMG" in md
 
 
 @pytest.mark.slow
