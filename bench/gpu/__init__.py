@@ -47,6 +47,13 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
   behind their own router, up on the same GPUs through the phase and benched in the same
   rounds (legs ``router-x``, ``direct-x``); every engine then gets 0.28 of its GPU's memory.
   ``--vs-legs`` keeps only the named legs.
+- ``doors05`` / ``doors7``: the same engines behind four front doors on one GPU, interleaved
+  over ``--rounds``: the bare engine (``bare_engine``), the gpumesh router and node, ``vllm
+  serve`` behind nginx least_conn, SMG (gRPC) in front of the same nodes; one engine per door
+  and two sharing the GPU (``--door-engines``, ``--doors``, ``--door-concurrency``); see
+  ``doors``. ``uneq05``: two nodes on one GPU, one with a quarter of the other's KV, under
+  least_request, weighted least-load and nginx least_conn. Device side:
+  ``kit/run_doors.sh`` (packs: ``kit/pack_doors.sh``); tables: ``doorsreport``.
 - ``msg05`` / ``msg7``: the node's stream-message budget on and off on the same nodes,
   interleaved: requests with the node's default interval (the budget widens it under load)
   vs requests asking for the base 20 ms themselves (kept as asked: the old fixed interval);
@@ -74,6 +81,7 @@ Nodes disable prefix caching: the synthetic tokenizer maps every benchmark word 
 all prompts would share their prefix, while the reference's random-id prompts never hit.
 
 Modules: ``env`` (settings, node/router specs, node TOML), ``group`` (a phase's processes),
+``doors``, ``doorload``, ``frontdoors``, ``bare_engine`` and ``doorsreport`` (the front doors),
 ``samplers`` and ``measure`` (one bench), ``reference`` (raw vLLM, engine loop), ``phases``
 and ``vsraw`` (the phases), ``cli`` (``run``), ``records``, ``pairs``, ``report`` and ``plot``
 (the report); ``kit/`` holds the device machine's shell harness.
