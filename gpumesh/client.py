@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gpumesh import metadata as md
+from gpumesh.security.client import ClientTls, bearer_interceptors, open_channel
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 from gpumesh.v1 import inference_pb2 as pb
@@ -137,11 +138,17 @@ class StreamResult:
 
 class MeshClient:
     def __init__(self, target: str, lookaside: bool = False,
-                 channel_options: Sequence[tuple[str, object]] = ()) -> None:
+                 channel_options: Sequence[tuple[str, object]] = (),
+                 tls: ClientTls | None = None, api_key: str = "") -> None:
+        """``tls``: TLS to the router and nodes (CA, and a client certificate for mutual
+        TLS); None = plaintext. ``api_key``: sent as ``authorization: Bearer KEY`` on every
+        call (gpumesh.security.client)."""
         self.target = target
         self.lookaside = lookaside
         self._options = [*CHANNEL_OPTIONS, *channel_options]
-        self._channel = grpc.aio.insecure_channel(target, options=self._options)
+        self._tls = tls
+        self._interceptors = bearer_interceptors(api_key)
+        self._channel = self._open(target)
         self.inference = pb_grpc.InferenceStub(self._channel)
         self.router = cpb_grpc.RouterStub(self._channel)
         self._node_channels: dict[str, grpc.aio.Channel] = {}
@@ -166,11 +173,13 @@ class MeshClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _open(self, target: str) -> grpc.aio.Channel:
+        return open_channel(target, self._options, self._tls, self._interceptors)
+
     def _node_stub(self, address: str) -> pb_grpc.InferenceStub:
         ch = self._node_channels.get(address)
         if ch is None:
-            ch = self._node_channels[address] = grpc.aio.insecure_channel(address,
-                                                                          options=self._options)
+            ch = self._node_channels[address] = self._open(address)
         return pb_grpc.InferenceStub(ch)
 
     async def list_models(self, timeout: float = 10.0) -> pb.ListModelsResponse:

@@ -79,6 +79,18 @@ class NodeConfig:
     drain_timeout_s: float = 30.0
     ticket_secret: str = ""               # lookaside tickets; "" -> tickets refused
     require_ticket: bool = False          # refuse requests without a router ticket/metadata
+    # --- security (docs/security.md): TLS on the node's port when tls_cert_file is set (files
+    # re-read when they change); with tls_ca_file the node dials routers over TLS, presenting
+    # its certificate (mutual TLS: the router binds the node id to the certificate's CN).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    tls_require_client_cert: bool = False  # callers must present a certificate of the CA
+    # Inference calls only from routers: a caller certificate with OU=router, or a valid
+    # lookaside ticket; anything else PERMISSION_DENIED. Off: anyone who reaches the port.
+    router_only: bool = False
+    insecure: bool = False                # allow plaintext on a non-loopback host
+    join_token: str = field(default="", repr=False)  # sent to routers without certificates
 
     def __post_init__(self) -> None:
         if self.engine not in ("vllm", "sim"):
@@ -110,7 +122,8 @@ def load_node_config(file: str | Path | None = None,
     (and ``GPUMESH_TICKET_SECRET``) < ``overrides`` (see :mod:`gpumesh.config`)."""
     return load_config(NodeConfig, file=file, env_prefix=ENV_PREFIX, environ=environ,
                        overrides=overrides, table="node",
-                       env_aliases={"ticket_secret": "GPUMESH_TICKET_SECRET"})
+                       env_aliases={"ticket_secret": "GPUMESH_TICKET_SECRET",
+                                    "join_token": "GPUMESH_JOIN_TOKEN"})
 
 
 def new_incarnation() -> str:
