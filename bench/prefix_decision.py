@@ -6,8 +6,9 @@ the model's ``PrefixIndex`` with about ``blocks`` (node, block) entries: ``tenan
 system prompts of ``prefix_blocks`` 16-token blocks each, every node holding the prefixes of
 a few tenants in full (precise entries, as from KV events). A decision is what the
 dispatcher does per request: ``PrefixLocality.annotate`` (the index walk over the request's
-hashes) + ``registry.candidate_source`` + ``select_from`` with ``weighted_least_load``. Timed
-with ``time.perf_counter_ns``; p50 / p99 in microseconds. The request's hashing (tokenize +
+hashes) + ``registry.candidate_source`` + ``select_from`` with ``weighted_least_load``, each
+followed (untimed) by a dispatch, a finish and a heartbeat as in ``microbench``. Timed with
+``time.perf_counter_ns``; p50 / p99 in microseconds. The request's hashing (tokenize +
 hash, off the event loop in the router) is timed apart: it is per request, not per node.
 Memory: ``tracemalloc`` over building the index (the bytes it holds per entry).
 """
@@ -26,7 +27,7 @@ from gpumesh.router.fleet.locality import PrefixLocality
 from gpumesh.router.fleet.prefix_index import PrefixIndexes
 from gpumesh.router.scheduling import RequestInfo, WaitModel, build_profile, default_filters
 from gpumesh.router.scheduling import select_from
-from gpumesh_bench.microbench import build_registry
+from gpumesh_bench.microbench import _load, build_registry
 
 
 def _tenant_tokens(t: int, prefix_blocks: int) -> list[int]:
@@ -89,6 +90,9 @@ def run(sizes: list[int], iters: int, blocks: int = 1_000_000, tenants: int = 51
         it = max(200, iters)
         full = []
         held = []
+        churn = random.Random(7)
+        seqs = dict.fromkeys(nodes, 1)
+        credits: list[Any] = []
         gc.disable()
         try:
             for k in range(it):
@@ -99,11 +103,17 @@ def run(sizes: list[int], iters: int, blocks: int = 1_000_000, tenants: int = 51
                                 cfg.decision_sample_size)
                 full.append(time.perf_counter_ns() - t0)
                 held.append(len(info.cached_tokens))
-                if len(held) > 10_000:
-                    held.clear()
-                del d
+                # untimed, as in microbench: one dispatch, one finish, one heartbeat
+                credits.append(reg.charge(d.node_id, 512))
+                if len(credits) > 64:
+                    credits.pop(0).finish()
+                nid = churn.choice(nodes)
+                seqs[nid] += 1
+                reg.heartbeat(nid, int(nid[len("node-"):]) + 1, seqs[nid], 0, _load(churn))
         finally:
             gc.enable()
+        for c in credits:
+            c.finish()
         rows.append({"nodes": n, "entries": ix.entries, "index_bytes": used,
                      "bytes_per_entry": used / max(ix.entries, 1), "iters": it,
                      "holders_per_request": sum(held) / max(len(held), 1),
