@@ -125,7 +125,7 @@ def markdown(cells: Sequence[dict[str, Any]]) -> str:
     for c in cells:
         parts += [f"### {c['fleet']} / {c['workload']} at {c['load']:.0%} load "
                   f"({c['rate']:.1f} req/s, {c['requests']} requests x {len(c['seeds'])} seeds)",
-                  "", cell_table(c), ""]
+                  "", cell_table(c), "", share_table(c), ""]
     return "\n".join(parts)
 
 
