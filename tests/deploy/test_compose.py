@@ -109,6 +109,8 @@ def test_tls_profile_uses_gpumesh_certs_for_every_service() -> None:
         e = _env(svcs[name])
         assert e["GPUMESH_NODE_TLS_CERT_FILE"] == f"/certs/{name}.pem"
         assert e["GPUMESH_NODE_INSECURE"] == "false" and e["GPUMESH_NODE_TLS_CA_FILE"]
+        control = _env(svcs["router"])["GPUMESH_ROUTER_CONTROL_PORT"]
+        assert e["GPUMESH_NODE_ROUTERS"] == f"dns:///router:{control}"
         assert "--tls-ca" in svcs[name]["healthcheck"]["test"]
     assert "--host router" in certs
     e = _env(svcs["router"])

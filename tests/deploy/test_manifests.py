@@ -119,15 +119,23 @@ def test_ports_probes_and_discovery_agree_with_the_configs(overlay: str, tmp_pat
         svc = one(objs, "Service", svc_name)
         assert svc["spec"]["selector"].items() <= router["spec"]["template"]["metadata"][
             "labels"].items()
-        (p,) = svc["spec"]["ports"]
-        assert p["port"] == rcfg.port and p["targetPort"] == "grpc"
-    assert one(objs, "Service", "gpumesh-router-headless")["spec"]["clusterIP"] == "None"
+        grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
+        assert grpc_port["port"] == rcfg.port and grpc_port["targetPort"] == "grpc"
+    headless = one(objs, "Service", "gpumesh-router-headless")
+    assert headless["spec"]["clusterIP"] == "None"
 
-    # nodes: their port, the advertised address, every router through the headless name
+    # nodes: their port, the advertised address, every router through the headless name (on
+    # the routers' control port when they have one: TLS)
     assert port_of(nc, "grpc") == ncfg.port
     assert env(nc)["GPUMESH_NODE_ADVERTISE_ADDRESS"] == f"$(POD_IP):{ncfg.port}"
     assert env(nc)["GPUMESH_NODE_NODE_ID"] == "$(POD_NAME)"
-    assert ncfg.routers == (f"dns:///gpumesh-router-headless:{rcfg.port}",)
+    control = int(env(rc).get("GPUMESH_ROUTER_CONTROL_PORT", 0) or rcfg.control_port)
+    want_port = control or rcfg.port
+    routers = env(nc).get("GPUMESH_NODE_ROUTERS") or ",".join(ncfg.routers)
+    assert routers == f"dns:///gpumesh-router-headless:{want_port}"
+    svc_port = next(p for p in headless["spec"]["ports"] if p["port"] == want_port)
+    assert port_of(rc, svc_port["targetPort"]) == want_port
+    assert bool(control) == tls
 
     # probes: readiness = "" (NOT_SERVING while starting or draining), liveness = "liveness"
     for c, port, live in ((rc, rcfg.port, ROUTER_LIVENESS), (nc, ncfg.port, NODE_LIVENESS)):
@@ -244,7 +252,7 @@ def test_tls_mounts_the_secret_where_tls_is_on():
                                              "node")["env"]]
     assert node_env.index("POD_NAME") < node_env.index("GPUMESH_NODE_TLS_CERT_FILE")
     assert env(container(one(objs, "StatefulSet", "gpumesh-node"), "node"))[
-        "GPUMESH_NODE_TLS_CERT_FILE"] == "/etc/gpumesh/tls/node-$(POD_NAME).pem"
+        "GPUMESH_NODE_TLS_CERT_FILE"] == "/etc/gpumesh/tls/$(POD_NAME).pem"
     plain = render("gpu")
     assert not any(v["name"] == "tls" for v in one(plain, "StatefulSet", "gpumesh-node")[
         "spec"]["template"]["spec"]["volumes"])

@@ -157,3 +157,51 @@ async def test_node_heartbeats_to_every_replica_behind_a_name_and_follows_it():
                                    what="node back on all three")
         finally:
             stop_all(procs, 15)
+
+
+@pytest.mark.slow
+async def test_discovery_over_tls_verifies_routers_by_the_name(tmp_path):
+    """Routers on 127.0.0.2/.3 serve a certificate for the DNS name (and loopback names, not
+    those addresses): the node's streams to the discovered addresses verify it against the
+    name they came from, and register over mutual TLS on the routers' control port."""
+    from gpumesh.security.certs import make_mesh_certs
+    from gpumesh.security.client import ClientTls, open_channel
+
+    certs = tmp_path / "certs"
+    make_mesh_certs(str(certs), router_id="r", node_ids=["tn"], hosts=[NAME])
+    hosts = HOSTS[1:]
+    port = port_free_on_all_hosts()
+    control = port_free_on_all_hosts()   # nodes use the routers' mutual-TLS control port
+    records = {NAME: list(hosts)}
+    tls = ["--tls-cert-file", str(certs / "router.pem"), "--tls-key-file",
+           str(certs / "router.key"), "--tls-ca-file", str(certs / "ca.pem")]
+    operator = ClientTls(str(certs / "ca.pem"), str(certs / "operator.pem"),
+                         str(certs / "operator.key"), NAME)
+
+    async def tls_fleet(h: str) -> cpb.GetFleetResponse:
+        async with open_channel(f"{h}:{port}", (), operator) as ch:
+            return await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=10)
+
+    procs: list[Proc] = []
+    async with dns_server(records) as (_, dns_port):
+        try:
+            for i, h in enumerate(hosts):
+                procs.append(Proc(f"tls-router-{i}", [
+                    "router", "--host", h, "--port", str(port), "--control-port",
+                    str(control), *tls],
+                    env={"GPUMESH_ROUTER_ROUTER_ID": f"t{i}"}))
+            procs.append(Proc("tls-node", [
+                "node", "--engine", "sim", "--served-name", MODEL, "--port", "0",
+                "--node-id", "tn", "--router", f"dns://127.0.0.1:{dns_port}/{NAME}:{control}",
+                "--tls-cert-file", str(certs / "tn.pem"), "--tls-key-file",
+                str(certs / "tn.key"), "--tls-ca-file", str(certs / "ca.pem")]))
+
+            async def registered() -> bool:
+                views = [await tls_fleet(h) for h in hosts]
+                return all([n.node_id for n in v.nodes] == ["tn"]
+                           and set(v.nodes[0].router_ids) == {"t0", "t1"} for v in views)
+
+            await wait_until_async(registered, 60, watch=procs,
+                                   what="node registered over TLS with both routers")
+        finally:
+            stop_all(procs, 15)
