@@ -56,14 +56,6 @@ def fleet_rebuilding(model: str, age_s: float, retry_after_s: float) -> RouterEr
                        retry_after_s=retry_after_s)
 
 
-def fleet_rebuilding(model: str, age_s: float, retry_after_s: float) -> RouterError:
-    """An unknown model while a restarted router's fleet may still be incomplete: transient."""
-    return RouterError(grpc.StatusCode.UNAVAILABLE,
-                       f"model {model!r} is not known yet: this router started {age_s:.1f}s ago "
-                       f"and its nodes are still registering; retry shortly",
-                       retry_after_s=retry_after_s)
-
-
 def model_required(served: Iterable[str]) -> RouterError:
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                        f"model is required: the fleet serves {', '.join(sorted(served))}")
