@@ -62,30 +62,39 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int], now: float = 0.0) -> dict[str, int]:
         """Node id -> how many of ``hashes``' leading blocks it holds (nodes holding none are
         absent). Approximate entries older than ``ttl_s`` and pending ones older than
-        ``pending_ttl_s`` at ``now`` do not count."""
+        ``pending_ttl_s`` at ``now`` do not count.
+
+        Bisection over the chain with node bitmasks: the nodes holding the first block are
+        split by whether they hold the middle one, and so on, so a lookup costs about
+        log2(blocks) mask operations per group of nodes holding the same depth, not one per
+        block. It assumes a node holds a prefix of the chain (engines evict a chain from its
+        tail; the memory bound drops a node's oldest, i.e. first, blocks): a block missing
+        inside a held chain is not seen."""
         blocks = self._blocks
         if not hashes or not blocks:
             return {}
-        alive = blocks.get(hashes[0], 0)
+        top = blocks.get(hashes[0], 0)
+        if not top:
+            return {}
         out: dict[str, int] = {}
-        depth = 0
-        for h in hashes:
-            nxt = alive & blocks.get(h, 0)
-            if nxt != alive:
-                self._settle(alive & ~nxt, depth, out)
-                alive = nxt
-            if not alive:
-                break
-            depth += 1
-        if alive:
-            self._settle(alive, depth, out)
+        stack = [(1, len(hashes), top)]   # the nodes in mask hold a depth in [lo, hi]
+        while stack:
+            lo, hi, mask = stack.pop()
+            if lo == hi:
+                self._settle(mask, lo, out)
+                continue
+            mid = (lo + hi + 1) // 2
+            deep = mask & blocks.get(hashes[mid - 1], 0)
+            if deep:
+                stack.append((mid, hi, deep))
+                mask &= ~deep
+            if mask:
+                stack.append((lo, mid - 1, mask))
         if out:
             self._age(out, hashes, now)
         return out
 
     def _settle(self, mask: int, depth: int, out: dict[str, int]) -> None:
-        if depth == 0:
-            return
         by_slot = self._by_slot
         while mask:
             low = mask & -mask
@@ -93,7 +102,8 @@ class PrefixIndex:
             mask ^= low
 
     def _age(self, out: dict[str, int], hashes: Sequence[int], now: float) -> None:
-        """A match stops at the node's first expired block (approximate or pending)."""
+        """A match stops at the node's first expired block (approximate or pending), found
+        by bisection too (a chain is added and renewed as a whole)."""
         for node_id, depth in list(out.items()):
             n = self._nodes[node_id]
             if n.precise:
@@ -105,15 +115,19 @@ class PrefixIndex:
             else:
                 continue
             horizon = now - ttl
-            blocks, confirmed = n.blocks, n.precise   # time 0.0: confirmed by events
-            for i in range(depth):
-                t = blocks[hashes[i]]
-                if t < horizon and not (confirmed and t == 0.0):
-                    if i:
-                        out[node_id] = i
-                    else:
-                        del out[node_id]
-                    break
+            own, confirmed = n.blocks, n.precise   # time 0.0: confirmed by events
+            lo, hi = 0, depth                      # the first lo blocks are valid
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                t = own.get(hashes[mid - 1])
+                if t is not None and (t >= horizon or (confirmed and t == 0.0)):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo:
+                out[node_id] = lo
+            else:
+                del out[node_id]
 
     def node_blocks(self, node_id: str) -> int:
         n = self._nodes.get(node_id)

@@ -27,11 +27,14 @@ def test_match_depth_per_node() -> None:
     assert ix.match(A)["n4"] == 10 and ix.entries == 3 + 10 + 10
 
 
-def test_a_hole_in_the_chain_ends_the_match() -> None:
+def test_an_evicted_tail_ends_the_match() -> None:
     ix = PrefixIndex()
     ix.add("n", A)
-    ix.remove("n", [A[4]])
-    assert ix.match(A) == {"n": 4}
+    ix.add("m", A[:7])
+    ix.remove("n", A[4:])
+    assert ix.match(A) == {"n": 4, "m": 7}
+    ix.remove("n", A[:1])               # the head gone: nothing of the chain counts
+    assert ix.match(A) == {"m": 7}
 
 
 def test_memory_bound_drops_the_adding_nodes_oldest() -> None:
