@@ -43,3 +43,29 @@ async def test_a_node_that_goes_idle_says_so_within_a_busy_interval() -> None:
     finally:
         await hb.close()
         await plane.stop()
+
+
+async def test_reconnects_to_a_restarted_router_at_once() -> None:
+    """The first reconnect attempt comes 0.05-0.15 s after the stream broke (jittered back-off
+    from 0.1 s), so a router restarted on its port hears from the node right away."""
+    plane = RecordingControlPlane()
+    addr = await plane.start()
+    hb = HeartbeatClient((addr,), registration=lambda: cpb.Registration(node_id="hb-re"),
+                         load=lambda: cpb.LoadReport(), busy_interval_s=0.05,
+                         idle_interval_s=0.05, max_backoff_s=1.0)
+    hb.start()
+    again = RecordingControlPlane()
+    try:
+        while not plane.messages.get("hb-re"):
+            await asyncio.sleep(0.01)
+        await plane.stop()
+        await again.start(plane.port)
+        t0 = time.monotonic()
+        while not again.messages.get("hb-re"):
+            assert time.monotonic() - t0 < 5.0, "the node did not come back"
+            await asyncio.sleep(0.005)
+        print(f"\nre-registered {time.monotonic() - t0:.3f}s after the router came back")
+        assert hb.reconnects >= 1
+    finally:
+        await hb.close()
+        await again.stop()
