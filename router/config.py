@@ -142,6 +142,8 @@ class RouterConfig:
     first_token_min_s: float = 10.0   # first-token wait = this + factor x the node's expected
     first_token_wait_factor: float = 4.0  # wait, capped by first_token_timeout_s
     stall_check_interval_s: float = 0.1   # how often stalled calls on STALE nodes are looked for
+    stall_s: float = 1.0               # a stream whose node reported nothing and that moved
+    #                                   nothing for this long fails over (>= freshness_s)
     outlier_consecutive_failures: int = 3  # node faults in a row -> ejected (0 = off)
     outlier_latency_factor: float = 5.0    # first-response EWMA > this x peers' median -> ejected
     outlier_base_ejection_s: float = 1.0   # k-th ejection in a row lasts base x 2^(k-1) ...
@@ -229,6 +231,7 @@ class RouterConfig:
         for name in ("lease_ttl_s", "freshness_s", "reference_prompt_tokens_per_s",
                      "wait_scale_s", "request_timeout_s", "first_token_timeout_s", "ticket_ttl_s",
                      "foreign_poll_interval_s", "first_token_min_s", "stall_check_interval_s",
+                     "stall_s",
                      "outlier_base_ejection_s", "outlier_max_ejection_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -47,7 +47,6 @@ from gpumesh.router.fleet.sessions import SessionTable
 from gpumesh.router.scheduling import Decision, Profile, RequestInfo
 from gpumesh.router.scheduling.filters import Filter, fresh_first
 from gpumesh.router.dispatch.watch import InFlightWatch, Tracked
-from gpumesh.router.scheduling.types import NodeState
 from gpumesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class Dispatcher:
             consecutive_failures=config.outlier_consecutive_failures,
             latency_factor=config.outlier_latency_factor,
             base_s=config.outlier_base_ejection_s, max_s=config.outlier_max_ejection_s), clock)
-        self.watch = InFlightWatch(self._fresh, clock, config.freshness_s)
+        self.watch = InFlightWatch(self._reporting, clock, config.stall_s)
         self._watch_task: asyncio.Task[None] | None = None
         registry.add_removal_listener(self._node_left)
         filters = (*filters, fresh_first(), self.ejector)
@@ -220,9 +219,14 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ gray failures
 
-    def _fresh(self, node_id: str, now: float) -> bool:
+    def _reporting(self, node_id: str, now: float) -> bool:
+        """The node is in the fleet and reported within ``stall_s``: its streams are left alone
+        (a node whose front end is saturated sends late heartbeats and pauses its streams at
+        once, so the watch waits longer than the routing freshness before failing over)."""
         entry = self.registry.entry(node_id)
-        return entry is not None and self.registry.state_of(entry, now)[0] is not NodeState.STALE
+        if entry is None:
+            return False
+        return self.registry.state_of(entry, now)[1] < self.config.stall_s
 
     def _node_left(self, entry: Any) -> None:
         self.watch.node_gone(entry.node_id)
