@@ -159,7 +159,7 @@ class RouterConfig:
     # sent where; precise: events only; approximate: records only; off: no locality term.
     prefix_locality: str = "auto"
     # Bound on the prefix index: (node, block) entries per model; past it a node's oldest
-    # blocks go first. About 150 bytes each (docs/routing.md).
+    # blocks go first. About 110 bytes each (docs/routing.md).
     prefix_index_max_entries: int = 4_000_000
     # Approximate mode: a prefix the router sent to a node counts as cached there this long.
     prefix_approx_ttl_s: float = 120.0

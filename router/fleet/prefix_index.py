@@ -19,7 +19,7 @@ Two sources fill it, per node:
   its first request still queues for prefill, before any event can say where it lives.
 
 Memory is bounded: at most ``max_entries`` (node, block) pairs per model; past it, the node
-that is adding loses its oldest blocks first. Each pair costs about 150 bytes (a Python dict
+that is adding loses its oldest blocks first. Each pair costs about 110 bytes (a Python dict
 entry per node, a shared dict entry and bitmask per block; docs/routing.md). Not thread-safe:
 the router's event loop owns it.
 """
