@@ -95,12 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _plan_args(pl: argparse.ArgumentParser) -> None:
-    pl.add_argument("--fleet", action="append", required=True,
+def _plan_args(pl: argparse.ArgumentParser, required: bool = True) -> None:
+    pl.add_argument("--fleet", action="append", required=required,
                     help="a built-in fleet or a fleet TOML (repeat to compare)")
     pl.add_argument("--trace", default="")
     pl.add_argument("--workload", default="lognormal", choices=wl.WORKLOADS)
-    pl.add_argument("--slo", type=_slo, required=True)
+    pl.add_argument("--slo", type=_slo, required=required)
     pl.add_argument("--rates", type=_floats, default=[])
     pl.add_argument("--attainment", type=float, default=0.99)
     pl.add_argument("--ttft-p99-ms", type=float, default=float("inf"))
@@ -199,8 +199,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("sim", help="virtual-time fleet simulator and capacity planning",
                        add_help=False)
     s.add_argument("-h", "--help", action="store_true", dest="sim_help")
+    # `gpumesh sim --fleet ... --slo ...` (plan): argparse gives a leading option to no
+    # REMAINDER positional, so the plan's options are declared here too
+    _plan_args(s, required=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(func=lambda a: main((["--help"] if a.sim_help else []) + a.rest))
+    s.set_defaults(func=_from_gpumesh)
+
+
+def _from_gpumesh(a: argparse.Namespace) -> int:
+    if a.sim_help:
+        return main(["--help"])
+    if a.fleet:
+        if a.slo is None:
+            raise SystemExit("gpumesh sim --fleet ...: --slo TTFT_MS:TPOT_MS is required")
+        if a.rest:
+            raise SystemExit(f"gpumesh sim: unexpected arguments {a.rest}")
+        return _cmd_plan(a)
+    return main(a.rest)
 
 
 if __name__ == "__main__":

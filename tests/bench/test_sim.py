@@ -176,3 +176,18 @@ def test_cli_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert (out / "plan.png").stat().st_size > 0
     plan = json.loads((out / "plan.json").read_text())
     assert set(plan) == {"homo", "hetero-speed"}
+
+
+def test_gpumesh_sim_entry_point(tmp_path: Path) -> None:
+    """`gpumesh sim --fleet ... --trace ... --slo ...` (the plan) and a subcommand, through the
+    product's command line and the gpumesh.commands entry point."""
+    from gpumesh.cli import main as gpumesh_main
+
+    trace = tmp_path / "t.jsonl"
+    assert gpumesh_main(["sim", "trace", "--requests", "200", "--rate", "80",
+                         "--out", str(trace)]) == 0
+    out = tmp_path / "plan"
+    assert gpumesh_main(["sim", "--fleet", "homo", "--trace", str(trace), "--slo", "300:30",
+                         "--rates", "80", "--seeds", "1", "--requests", "200",
+                         "--out", str(out)]) == 0
+    assert json.loads((out / "plan.json").read_text())["homo"]["points"]
