@@ -88,12 +88,14 @@ async def run_demo(args: argparse.Namespace) -> int:
                                   "--port", str(args.port), *router_tls))
         for i in range(2):
             procs.append(_spawn(
-                f"node-{i}", "node", *model_args, "--port", "0", "--node-id", f"node-{i}", "--router", router,
+                f"node-{i}", "node", *model_args, "--port", "0", "--node-id", f"node-{i}",
+                "--router", router,
                 *node_tls.get(f"node-{i}", ()),
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
                      "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}))
-        print(f"[demo] router on {router}, two vLLM CPU nodes starting (~20-60 s; logs in "
-              f"{LOG_DIR}/)...", file=sys.stderr)
+        kind = ("two vLLM CPU nodes starting (~20-60 s" if args.engine == "vllm"
+                else "two simulated nodes starting (a few seconds")
+        print(f"[demo] router on {router}, {kind}; logs in {LOG_DIR}/)...", file=sys.stderr)
         await wait_for_fleet(router, 2, timeout_s=300, tls=tls)
         async with MeshClient(router, tls=tls) as client:
             result = StreamResult()

@@ -26,7 +26,8 @@ def test_demo_answers_and_shows_the_serving_nodes_figures(tmp_path) -> None:
     cols = lines[head].split()
     assert cols[cols.index("tok/s") + 1:cols.index("tok/s") + 3] == ["step", "ms"]
     row = next(line.split() for line in lines[head + 1:] if line.startswith(node))
-    # node, state, model, weight, fe, running, waiting, KV%, in flight, tok/s, step ms, ...
-    assert row[1] == "healthy" and row[4] == "1" and row[8] == "0/0", row
-    assert float(row[9]) > 0, row            # the request's tokens, not a report from before
-    assert float(row[10]) > 0, row           # its decode step, measured
+    # node, address, state, model, weight, fe, running, waiting, KV%, in flight, tok/s, step ms
+    assert row[1].startswith("127.0.0.1:"), row
+    assert row[2] == "healthy" and row[5] == "1" and row[9] == "0/0", row
+    assert float(row[10]) > 0, row           # the request's tokens, not a report from before
+    assert float(row[11]) > 0, row           # its decode step, measured

@@ -46,7 +46,8 @@ async def mesh(receiver):
     rport = free_port()
     raddr = f"127.0.0.1:{rport}"
     procs = [Proc(ROUTER_ID, ["router", "--host", "127.0.0.1", "--port", str(rport),
-                              "--router-id", ROUTER_ID, "--first-token-timeout-s", "10"], env)]
+                              "--router-id", ROUTER_ID, "--first-token-timeout-s", "10",
+                              "--fleet-rebuild-s", "0"], env)]
     try:
         for node_id in NODES:
             port = free_port()
@@ -154,7 +155,7 @@ class _GhostNode:
     async def _messages(self):
         yield cpb.NodeMessage(registration=cpb.Registration(
             node_id="trace-ghost", address=self.address, incarnation="ghost-1", engine="sim",
-            models=[cpb.ServedModel(name=SIM_MODEL, capacity_weight=1000.0,
+            models=[cpb.ServedModel(name=SIM_MODEL, capacity_weight=64.0,
                                     max_context_length=8704)]))
         seq = 0
         while not self._stop.is_set():
