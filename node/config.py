@@ -67,6 +67,10 @@ class NodeConfig:
     heartbeat_busy_interval_s: float = 0.25
     heartbeat_idle_interval_s: float = 0.25   # = busy: a hung idle node is STALE in 0.5 s
     reconnect_max_backoff_s: float = 1.0   # a restarted router has its fleet back within ~1 s
+    # Stream the engine's prefix-cache block events (stored / evicted KV blocks) to routers
+    # for precise prefix-locality routing (gpumesh.node.cache); off: routers fall back to
+    # approximating this node's cache from what they sent it.
+    kv_events: bool = True
     flush_interval_ms: int = 20           # coalescing default (0 = per token)
     # The node's budget of stream messages per second over all its streams: with more streams
     # sending (past their first token) than budget x interval, the default interval widens to
