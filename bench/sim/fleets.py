@@ -151,7 +151,7 @@ def builtin(name: str) -> FleetSpec:
 
 
 BUILTIN = ("homo", "hetero-speed", "hetero-kv", "hetero-kvspeed", "large")
-HETEROGENEOUS = ("hetero-speed", "hetero-kvspeed", "large")
+HETEROGENEOUS = ("hetero-speed", "hetero-kv", "hetero-kvspeed", "large")
 
 
 def resolve(name_or_path: str) -> FleetSpec:
