@@ -74,7 +74,7 @@ class Dispatcher:
             consecutive_failures=config.outlier_consecutive_failures,
             latency_factor=config.outlier_latency_factor,
             base_s=config.outlier_base_ejection_s, max_s=config.outlier_max_ejection_s), clock)
-        self.watch = InFlightWatch(self._reporting, clock, config.stall_s)
+        self.watch = InFlightWatch(self._reporting, clock, config.stall_s, self._replaceable)
         self._watch_task: asyncio.Task[None] | None = None
         registry.add_removal_listener(self._node_left)
         filters = (*filters, fresh_first(), self.ejector)
@@ -227,6 +227,17 @@ class Dispatcher:
         if entry is None:
             return False
         return self.registry.state_of(entry, now)[1] < self.config.stall_s
+
+    def _replaceable(self, node_id: str, now: float) -> bool:
+        """Another node that reported within ``stall_s`` serves one of this node's models."""
+        entry = self.registry.entry(node_id)
+        if entry is None:
+            return True
+        for m in entry.registration.models:
+            for c in self.registry.candidates(m.name):
+                if c.node_id != node_id and self._reporting(c.node_id, now):
+                    return True
+        return False
 
     def _node_left(self, entry: Any) -> None:
         self.watch.node_gone(entry.node_id)

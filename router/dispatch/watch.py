@@ -6,8 +6,8 @@ node call (``track``), marks progress at every chunk (``Tracked.progress``, one 
 and forgets it when the attempt ends; a task of the dispatcher runs ``sweep`` every
 ``period_s``; the registry's removal listener calls ``node_gone``.
 
-Rule (``sweep``): a stream is *lost* when its node is no longer routable-fresh — STALE (no
-heartbeat within ``freshness_s``) or gone from the fleet (lease expired, stream closed) — and
+Rule (``sweep``): a stream is *lost* when its node has sent no report for ``stall_s`` or is
+gone from the fleet (lease expired, stream closed), another healthy node serves its model, and
 the stream itself has made no progress for ``stall_s``. A unary call shows no progress: it is
 lost only when its node leaves the fleet (``node_gone``). A node whose heartbeats stop while its
 streams keep moving (a partitioned control stream) keeps its streams; a node that keeps
@@ -43,11 +43,15 @@ class Tracked:
 
 @dataclass
 class InFlightWatch:
-    """``healthy(node_id, now)``: True while the node is in the fleet with a fresh report."""
+    """``healthy(node_id, now)``: True while the node is in the fleet with a fresh report.
+    ``replaceable(node_id, now)``: True when another healthy node serves one of its models (a
+    call on the only node of its model is left alone until the node leaves the fleet: failing
+    it over could only fail it, and a saturated node that reports late is still working)."""
 
     healthy: Callable[[str, float], bool]
     clock: Callable[[], float]
     stall_s: float
+    replaceable: Callable[[str, float], bool] = lambda _node_id, _now: True
     _calls: dict[str, set[Tracked]] = field(default_factory=dict)
 
     def track(self, node_id: str, call: Any, streaming: bool = True) -> Tracked:
@@ -70,7 +74,7 @@ class InFlightWatch:
         now = self.clock()
         n = 0
         for node_id in list(self._calls):
-            if self.healthy(node_id, now):
+            if self.healthy(node_id, now) or not self.replaceable(node_id, now):
                 continue
             for t in list(self._calls.get(node_id, ())):
                 if not t.lost and t.streaming and now - t.last >= self.stall_s:

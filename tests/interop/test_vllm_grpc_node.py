@@ -102,8 +102,9 @@ async def test_unsupported_and_invalid_requests(node):
 
 async def test_abort_and_loads(node):
     server, _ = node
-    # 200 prompts of 500 tokens fill the sim's 64 Ki-token KV: some run, the rest wait.
-    calls = [stub(node).Generate(_req(f"a{i}", list(range(1, 501)), 400), timeout=60)
+    # 200 prompts of 500 tokens fill the sim's 64 Ki-token KV: some run, the rest wait (each
+    # starts with its own token, so the prefix cache shares none of their blocks).
+    calls = [stub(node).Generate(_req(f"a{i}", [1 + i, *range(1, 500)], 400), timeout=60)
              for i in range(200)]
     firsts = await asyncio.gather(*(c.read() for c in calls[:3]))
     assert all(f.HasField("chunk") for f in firsts)

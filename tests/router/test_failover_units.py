@@ -168,6 +168,22 @@ def test_watch_loses_stalled_streams_on_stale_nodes_only() -> None:
     assert w.in_flight("b") == 0
 
 
+def test_watch_leaves_the_only_node_of_a_model_alone() -> None:
+    """A stalled stream on a silent node is failed over only where another node can take it:
+    on the model's only node, failing over could only fail it (a saturated node that reports
+    late is still working); the node's departure from the fleet still ends the wait."""
+    c = Clock()
+    alternatives = {"a": False}
+    w = InFlightWatch(lambda n, now: False, c, stall_s=0.5,
+                      replaceable=lambda n, now: alternatives[n])
+    call = FakeCall()
+    t = w.track("a", call)
+    c.t += 5.0
+    assert w.sweep() == 0 and not call.cancelled and not t.lost
+    alternatives["a"] = True                     # a second node came up
+    assert w.sweep() == 1 and call.cancelled and t.lost
+
+
 async def test_lost_call_tells_our_cancellation_from_the_clients() -> None:
     t = SimpleNamespace(lost="stalled", node_id="n")
     e = failover.lost_call(asyncio.CancelledError(), t)  # type: ignore[arg-type]
