@@ -143,7 +143,10 @@ async def test_one_engine_core_two_front_ends_each_with_its_own_address(
 async def test_router_spreads_calls_and_the_heartbeat_merges_both_front_ends(
         mesh: FrontendMesh) -> None:
     # Start from a settled report: the other front end's last report (up to 0.1 s old) can
-    # still hold an earlier test's direct stream, which no router's account has.
+    # still hold an earlier test's direct stream, which no router's account has; a starved
+    # front end can send that report late, so the idle report must hold a second later too.
+    await mesh.node_status(lambda s: s.load.in_flight == 0)
+    await asyncio.sleep(1.0)
     await mesh.node_status(lambda s: s.load.in_flight == 0)
     procs = mesh.processes()
     cpu0 = {k: _cpu(procs[k]) for k in ("main", "frontend")}
