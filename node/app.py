@@ -192,7 +192,7 @@ class NodeServer:
             self.prompts, adapters=self.adapters),
             guarded)
         # vLLM's native gRPC (what SMG and vLLM clients speak) on the same port and ledger.
-        add_vllm_engine_service(guarded, self.engine, self.state,
+        self.vllm_service = add_vllm_engine_service(guarded, self.engine, self.state,
                                 model_path=self.cfg.model, require_ticket=self.cfg.require_ticket,
                                 prompts=self.prompts)
         reflection.enable_server_reflection(
@@ -236,6 +236,8 @@ class NodeServer:
             return ()
         if self.state is not None:
             self.state.cached_prefix_tokens = pub.cached_prefix_tokens
+        if getattr(self, "vllm_service", None) is not None:   # SMG's exact mode
+            self.vllm_service.attach_kv_events(pub)
         return (pub,)
 
     def _bind(self, address: str) -> int:

@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Sequence
 
 from gpumesh.kvblocks import chain_hash
+from gpumesh.node.engines.base import KvEventSink
 from gpumesh.v1 import control_pb2 as cpb
 
 
@@ -132,6 +133,12 @@ class KvPublisher:
         self.max_pending = max_pending
         self.held: dict[int, None] = {}
         self._subs: list[KvSubscription] = []
+        self._listeners: list[KvEventSink] = []
+
+    def add_listener(self, sink: KvEventSink) -> None:
+        """Also reports block changes to ``sink`` (new blocks only, removals of held ones),
+        e.g. the VllmEngine service's ``SubscribeKvEvents`` log."""
+        self._listeners.append(sink)
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens of ``token_ids``' leading full blocks the engine holds (at most all but the
@@ -161,21 +168,33 @@ class KvPublisher:
 
     def stored(self, hashes: Sequence[int]) -> None:
         held = self.held
+        new: list[int] = []
         for h in hashes:
             if h in held:
                 continue
             held[h] = None
+            new.append(h)
             for s in self._subs:
                 s._stored_one(h)
+        if new:
+            for sink in self._listeners:
+                sink.stored(new)
 
     def removed(self, hashes: Sequence[int]) -> None:
         held = self.held
+        gone: list[int] = []
         for h in hashes:
             if held.pop(h, 0) is None:
+                gone.append(h)
                 for s in self._subs:
                     s._removed_one(h)
+        if gone:
+            for sink in self._listeners:
+                sink.removed(gone)
 
     def cleared(self) -> None:
         self.held.clear()
         for s in self._subs:
             s._clear()
+        for sink in self._listeners:
+            sink.cleared()

@@ -17,7 +17,9 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
 from gpumesh.node.accounting import Admission
+from gpumesh.node.cache import KvPublisher
 from gpumesh.node.api.vllm_grpc.facts import engine_limits, model_file_facts
+from gpumesh.node.api.vllm_grpc.kv_stream import KvEventLog
 from gpumesh.node.api.vllm_grpc.load import (
     HEARTBEAT_BACKOFF_S,
     HEARTBEAT_S,
@@ -69,6 +71,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._tick = load_tick_s
         self._heartbeat = heartbeat_s
         self._backoff = heartbeat_backoff_s
+        self.kv_log: KvEventLog | None = None   # attach_kv_events
+
+    def attach_kv_events(self, publisher: KvPublisher) -> KvEventLog:
+        """Streams ``publisher``'s block events on SubscribeKvEvents from now on (kv_stream)."""
+        self.kv_log = KvEventLog(publisher.block_size)
+        publisher.add_listener(self.kv_log)
+        return self.kv_log
 
     # --- Generate -----------------------------------------------------------------------
     async def _prompt(self, req: vpb.GenerateRequest) -> list[int]:
@@ -106,6 +115,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             await context.abort(err.code, err.message)
             return
         self._last_receive = time.time()
+        if self.kv_log is not None:
+            self.kv_log.learn(ids)
         n_prompt = len(ids)
         admission: Admission = self._state.ledger.admit("", n_prompt)
         engine_done = False
@@ -227,28 +238,83 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[cpb.KvEventBatch]:
-        """load_only batches (sequence 0, no events) paced as the package docstring says."""
-        log.debug("KV-event subscriber (load records only; before first batch: %s)",
-                  request.load_records_before_first_batch)
+        """The node's KV block events (kv_stream, when attached) and load records: batches
+        with events carry the current record; ``load_only`` batches (repeating the last
+        sequence sent, 0 before any) are paced as the package docstring says."""
+        kv = self.kv_log
+        cursor = 0
+        backlog: list[cpb.KvEventBatch] = []
+        if kv is not None:
+            start = request.start_sequence_number
+            if start:
+                kv.flush()
+                if not kv.covers(start):
+                    await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                        f"KV events after {start} are no longer kept; "
+                                        "subscribe from 0 for a snapshot")
+                    return
+                cursor, backlog = start, kv.after(start)
+            elif kv.held:
+                backlog = kv.snapshot()
+                cursor = kv.seq
+            else:
+                kv.flush()
+                cursor = kv.seq
+        elif request.start_sequence_number:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                "this node keeps no KV event history")
+            return
+        wake = asyncio.Event()
+        if kv is not None:
+            kv.waiters.add(wake)
         sample = 0
         last: cpb.EngineLoad | None = None
         last_sent = 0.0
         idle_beats = 0
-        while True:
-            cur = self.load_record()
-            now = self._clock()
-            changed = last is None or load_changed(last, cur)
-            due = self._backoff if idle_beats >= 2 else self._heartbeat
-            if changed or now - last_sent >= due:
-                sample += 1
-                idle_beats = 0 if changed else idle_beats + 1
-                last, last_sent = cur, now
-                rec = cpb.EngineLoad()
-                rec.CopyFrom(cur)
-                rec.sample = sample
-                rec.load_only = True
-                yield cpb.KvEventBatch(sequence_number=0, timestamp=time.time(), load=rec)
-            await asyncio.sleep(self._tick)
+        try:
+            while True:
+                cur = self.load_record()
+                if kv is not None:
+                    kv.flush()
+                    if not backlog:
+                        if not kv.covers(cursor):
+                            await context.abort(grpc.StatusCode.DATA_LOSS,
+                                                "subscriber fell behind the KV event history")
+                            return
+                        backlog = kv.after(cursor)
+                for batch in backlog:
+                    sample += 1
+                    rec = cpb.EngineLoad()
+                    rec.CopyFrom(cur)
+                    rec.sample = sample
+                    out = cpb.KvEventBatch()
+                    out.CopyFrom(batch)
+                    out.load.CopyFrom(rec)
+                    cursor = batch.sequence_number
+                    last, last_sent = cur, self._clock()
+                    yield out
+                backlog = []
+                now = self._clock()
+                changed = last is None or load_changed(last, cur)
+                due = self._backoff if idle_beats >= 2 else self._heartbeat
+                if changed or now - last_sent >= due:
+                    sample += 1
+                    idle_beats = 0 if changed else idle_beats + 1
+                    last, last_sent = cur, now
+                    rec = cpb.EngineLoad()
+                    rec.CopyFrom(cur)
+                    rec.sample = sample
+                    rec.load_only = True
+                    yield cpb.KvEventBatch(sequence_number=cursor, timestamp=time.time(),
+                                           dp_rank=0, load=rec)
+                wake.clear()
+                try:
+                    await asyncio.wait_for(wake.wait(), self._tick)
+                except TimeoutError:
+                    pass
+        finally:
+            if kv is not None:
+                kv.waiters.discard(wake)
 
 
 def add_vllm_engine_service(server: grpc.aio.Server, engine: Engine, state: ServingState, *,
