@@ -4,7 +4,9 @@
                     [--policies P,...] [--requests N] [--seeds 1,2,3] [--slo TTFT_MS:TPOT_MS]
                     [--json OUT] [--md OUT]
   gpumesh sim grid  [--fleets F,...] [--workloads W,...] [--loads 0.8,0.95] [--policies P,...]
-                    [--seeds 5] [--requests 20000] [--slo ...] --out DIR
+                    [--seeds 5] [--requests 20000] [--slo ...] [--shard K/N]
+                    [--have GRID.jsonl ...] [--replace] [--capacities CAP.json] --out DIR
+  gpumesh sim merge GRID.jsonl... --out MERGED.jsonl
   gpumesh sim report DIR/grid.jsonl... --out DIR
   gpumesh sim plan  --fleet F [--fleet G ...] (--trace T.jsonl | --workload W) --slo TTFT:TPOT
                     [--rates R,...] [--attainment 0.99] [--policy P] [--out DIR]
@@ -30,7 +32,7 @@ from gpumesh_bench.sim import fleets, grid, report
 from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.metrics import SLOSpec
 
-SUBCOMMANDS = ("run", "grid", "report", "plan", "trace")
+SUBCOMMANDS = ("run", "grid", "merge", "report", "plan", "trace")
 
 
 def _slo(s: str) -> SLOSpec:
@@ -48,6 +50,17 @@ def _floats(s: str) -> list[float]:
 def _seeds(s: str) -> list[int]:
     """"5" -> seeds 1..5; "1,4,7" -> those."""
     return [int(x) for x in s.split(",")] if "," in s else list(range(1, int(s) + 1))
+
+
+def _shard(s: str) -> tuple[int, int]:
+    try:
+        k, _, n = s.partition("/")
+        shard = (int(k), int(n))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--shard takes K/N, got {s!r}") from e
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"--shard K/N needs 0 <= K < N, got {s!r}")
+    return shard
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--requests", type=int, default=20000)
     gr.add_argument("--slo", type=_slo, default=SLOSpec())
     gr.add_argument("--out", required=True)
+    gr.add_argument("--shard", type=_shard, default=(0, 1),
+                    help="K/N: run the units i with i %% N == K of the grid (grid.py)")
+    gr.add_argument("--have", action="append", default=[],
+                    help="a grid.jsonl whose (cell, policy) units count as done (repeat)")
+    gr.add_argument("--replace", action="store_true",
+                    help="run --policies even where --have or OUT holds them (replaced)")
+    gr.add_argument("--capacities", default="",
+                    help='JSON {"fleet/workload": req/s} of capacities already measured')
+    gr.add_argument("--router-json", default="",
+                    help="JSON object of router config overrides for every run")
+    gr.add_argument("--no-report", action="store_true", help="skip grid.md and the PNGs")
+
+    mg = sub.add_parser("merge", help="fold grid.jsonl files into one (a record per cell)")
+    mg.add_argument("files", nargs="+")
+    mg.add_argument("--out", required=True)
 
     rp = sub.add_parser("report", help="tables and plots of grid.jsonl files")
     rp.add_argument("files", nargs="+")
@@ -169,11 +197,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "plan":
         return _cmd_plan(a)
     if a.cmd == "grid":
+        caps = json.loads(Path(a.capacities).read_text()) if a.capacities else None
         path = grid.grid(a.fleets.split(","), a.workloads.split(","), a.loads,
                          a.policies.split(","), a.seeds, a.requests, a.slo, Path(a.out),
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
+                         log=lambda m: print(m, file=sys.stderr, flush=True),
+                         shard=a.shard, have=[Path(h) for h in a.have], replace=a.replace,
+                         capacities=caps,
+                         router=json.loads(a.router_json) if a.router_json else None)
+        if a.no_report or not grid.read_records(path):
+            print(path)
+            return 0
         md, pngs = report.write(report.load_cells([path]), Path(a.out))
         print(f"{md}\n" + "\n".join(map(str, pngs)))
+        return 0
+    if a.cmd == "merge":
+        records = grid.merge_records(r for f in a.files for r in grid.read_records(Path(f)))
+        grid.write_records(Path(a.out), records)
+        print(f"{len(records)} cells -> {a.out}")
         return 0
     if a.cmd == "report":
         md, pngs = report.write(report.load_cells(a.files), Path(a.out))

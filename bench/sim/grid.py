@@ -11,6 +11,16 @@ A cell (fleet, workload, load): for each seed one trace at load x capacity, run 
 policy (the same requests and arrival times for all: paired), ``metrics.run_metrics`` per run,
 aggregated over seeds. Results are written cell by cell to ``OUT/grid.jsonl`` (one JSON
 record per cell, with every seed's metrics), so an interrupted grid keeps what it finished.
+
+Sharding and merging (``gpumesh sim grid --shard K/N --have FILE --replace``,
+``gpumesh sim merge``): the work is the ordered list of units (cell, policy), cells in
+fleet x workload x load order, each cell's policies in the order given; units whose policy a
+record of the output or of a ``--have`` file already holds are dropped (unless ``replace``),
+and process K of N runs the units i with i % N == K of what is left, so N processes started
+with the same arguments split the work between them. Each finished unit is merged into
+``OUT/grid.jsonl`` at once (one record per cell; a policy's runs replace that policy's runs
+in the cell's record), so a process stopped at any point keeps every unit it finished.
+``merge_records`` folds the records of one cell from several files into one.
 """
 
 from __future__ import annotations
@@ -68,39 +78,115 @@ def run_cell(fleet: fleets_mod.FleetSpec, workload: str, rate: float, policies: 
             "cpu_s_per_run": cpu}
 
 
+Key = tuple[str, str, float, int, tuple[int, ...]]
+
+
+def cell_key(rec: dict[str, Any]) -> Key:
+    """(fleet, workload, load, requests, seeds): what identifies a cell's record."""
+    return (rec["fleet"], rec["workload"], float(rec["load"]), int(rec["requests"]),
+            tuple(rec["seeds"]))
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a grid.jsonl ([] when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def merge_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per cell, in order of first appearance: a later record's policies replace
+    the same policies of an earlier one and add the others (policies in ``POLICIES`` order,
+    others after)."""
+    merged: dict[Key, dict[str, Any]] = {}
+    for rec in records:
+        k = cell_key(rec)
+        old = merged.get(k)
+        if old is None:
+            merged[k] = {**rec, "runs": dict(rec["runs"]), "agg": dict(rec["agg"]),
+                         "cpu_s_per_run": list(rec.get("cpu_s_per_run", []))}
+            continue
+        old["runs"].update(rec["runs"])
+        old["agg"].update(rec["agg"])
+        old["cpu_s_per_run"] = old["cpu_s_per_run"] + list(rec.get("cpu_s_per_run", []))
+    for rec in merged.values():
+        order = [p for p in POLICIES if p in rec["runs"]]
+        order += [p for p in rec["runs"] if p not in order]
+        rec["runs"] = {p: rec["runs"][p] for p in order}
+        rec["agg"] = {p: rec["agg"][p] for p in order}
+    return list(merged.values())
+
+
+def write_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Writes ``records`` to ``path`` as JSON lines (through a temporary file, then renamed,
+    so a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    tmp.replace(path)
+
+
+def units(fleet_names: list[str], workloads: list[str], loads: list[float],
+          policies: list[str], n: int, seeds: list[int], have: Iterable[dict[str, Any]] = (),
+          replace: bool = False, shard: tuple[int, int] = (0, 1)
+          ) -> list[tuple[str, str, float, str]]:
+    """The (fleet, workload, load, policy) units shard K of N runs (module docstring).
+    ``fleet_names`` are built-in fleet names or TOML paths, as ``fleets.resolve`` takes."""
+    k, nshards = shard
+    if not 0 <= k < nshards:
+        raise ValueError(f"shard {k}/{nshards}: K must be in [0, N)")
+    held: set[tuple[Key, str]] = set()
+    if not replace:
+        for rec in have:
+            held.update((cell_key(rec), p) for p in rec["runs"])
+    todo = []
+    for fname in fleet_names:
+        name = fleets_mod.resolve(fname).name
+        for w in workloads:
+            for load in loads:
+                key = (name, w, float(load), n, tuple(seeds))
+                todo += [(fname, w, load, p) for p in policies if (key, p) not in held]
+    return [u for i, u in enumerate(todo) if i % nshards == k]
+
+
 def grid(fleet_names: list[str], workloads: list[str], loads: list[float],
          policies: list[str], seeds: list[int], n: int, slo: SLOSpec, out: Path,
-         log: Any = print) -> Path:
-    """Runs the grid cell by cell, appending to ``out/grid.jsonl``; returns that path.
-    Cells already in the file (same fleet, workload, load, requests, seeds) are skipped."""
+         log: Any = print, *, shard: tuple[int, int] = (0, 1), have: Iterable[Path] = (),
+         replace: bool = False, capacities: dict[str, float] | None = None,
+         router: dict[str, Any] | None = None) -> Path:
+    """Runs this shard's units (module docstring) one by one, merging each into
+    ``out/grid.jsonl``; returns that path. ``have``: more grid.jsonl files whose units count
+    as done (and whose capacities are reused); ``replace``: run the given policies even where
+    a record holds them (their runs are replaced); ``capacities``: known capacities by
+    "fleet/workload" (measured here where missing); ``router``: RouterConfig overrides for
+    every run (kept in the records it writes)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "grid.jsonl"
-    done = set()
-    caps: dict[str, float] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            c = json.loads(line)
-            done.add((c["fleet"], c["workload"], c["load"], c["requests"], tuple(c["seeds"])))
-            caps[f'{c["fleet"]}/{c["workload"]}'] = c["capacity"]
-    for fname in fleet_names:
-        fleet = fleets_mod.resolve(fname)
-        for w in workloads:
-            key = f"{fleet.name}/{w}"
-            for load in loads:
-                if (fleet.name, w, load, n, tuple(seeds)) in done:
-                    continue
-                if key not in caps:
-                    caps[key] = capacity(fleet, w)
-                    log(f"capacity {key}: {caps[key]:.1f} req/s")
-                t0 = time.time()
-                cell = run_cell(fleet, w, load * caps[key], policies, seeds, n, slo)
-                rec = {"fleet": fleet.name, "workload": w, "load": load, "requests": n,
-                       "seeds": seeds, "capacity": caps[key], "rate": load * caps[key],
-                       "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-                       "nodes": [x.node_id for x in fleet.nodes],
-                       "speeds": [x.engine.speed for x in fleet.nodes], **cell}
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec) + "\n")
-                log(f"{key} load {load}: {time.time() - t0:.0f} s wall, "
-                    f"{max(cell['cpu_s_per_run']):.1f} s CPU per run at most")
+    records = merge_records(read_records(path))
+    known = records + [r for h in have for r in read_records(Path(h))]
+    caps: dict[str, float] = dict(capacities or {})
+    for c in known:
+        caps.setdefault(f'{c["fleet"]}/{c["workload"]}', c["capacity"])
+    todo = units(fleet_names, workloads, loads, policies, n, seeds, known, replace, shard)
+    log(f"shard {shard[0]}/{shard[1]}: {len(todo)} units")
+    fleet_cache: dict[str, fleets_mod.FleetSpec] = {}
+    for fname, w, load, policy in todo:
+        fleet = fleet_cache.get(fname) or fleets_mod.resolve(fname)
+        fleet_cache[fname] = fleet
+        key = f"{fleet.name}/{w}"
+        if key not in caps:
+            caps[key] = capacity(fleet, w)
+            log(f"capacity {key}: {caps[key]:.1f} req/s")
+        t0 = time.time()
+        cell = run_cell(fleet, w, load * caps[key], [policy], seeds, n, slo, router=router)
+        rec = {**({"router": router} if router else {}),"fleet": fleet.name, "workload": w, "load": load, "requests": n,
+               "seeds": seeds, "capacity": caps[key], "rate": load * caps[key],
+               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+               "nodes": [x.node_id for x in fleet.nodes],
+               "speeds": [x.engine.speed for x in fleet.nodes], **cell}
+        records = merge_records([*records, rec])
+        write_records(path, records)
+        log(f"{key} load {load} {policy}: {time.time() - t0:.0f} s wall, "
+            f"{max(cell['cpu_s_per_run']):.1f} s CPU per run at most")
     return path

@@ -28,12 +28,16 @@ SHORT = {"weighted_least_load": "wll (default)", "least_request": "least_request
 
 
 def load_cells(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """The cells of grid.jsonl files, one record per cell (``grid.merge_records``: a later
+    file's policy runs replace an earlier one's)."""
+    from gpumesh_bench.sim.grid import merge_records
+
     cells = []
     for p in paths:
         for line in Path(p).read_text().splitlines():
             if line.strip():
                 cells.append(json.loads(line))
-    return cells
+    return merge_records(cells)
 
 
 def _fmt(mean: float, ci: float, digits: int = 0) -> str:
@@ -89,6 +93,10 @@ def ratio_table(cells: Sequence[dict[str, Any]]) -> str:
              "goodput ÷ best other | targets missed |",
              "|---|---|---|---|---|---|---|---|"]
     for c in cells:
+        if DEFAULT not in c["runs"] or BASE not in c["runs"] or len(c["runs"]) < 3:
+            lines.append(f"| {c['fleet']} | {c['workload']} | {c['load']:.0%} | – | – | – | – | "
+                         f"not run yet: only {', '.join(c['runs'])} |")
+            continue
         r = cell_ratios(c)
         miss = []
         for k in ("ttft_p50", "ttft_p99", "e2e_p99"):
@@ -135,16 +143,17 @@ def plot_fleet(cells: Sequence[dict[str, Any]], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     labels = [f"{c['workload']}\n{c['load']:.0%}" for c in cells]
-    policies = list(cells[0]["agg"])
+    policies = list(dict.fromkeys(p for c in cells for p in c["agg"]))
     fig, axes = plt.subplots(3, 1, figsize=(max(6, 1.3 * len(cells)), 10), sharex=True)
     width = 0.8 / len(policies)
     for ax, (metric, title) in zip(axes, [("ttft_p99", "TTFT p99 (ms)"),
                                           ("e2e_p99", "end-to-end p99 (ms)"),
                                           ("goodput", "goodput at SLO (req/s)")]):
         for j, p in enumerate(policies):
-            ms = [c["agg"][p][metric][0] for c in cells]
-            cis = [0 if math.isnan(c["agg"][p][metric][1]) else c["agg"][p][metric][1]
-                   for c in cells]
+            nan = (math.nan, math.nan)
+            ms = [c["agg"].get(p, {}).get(metric, nan)[0] for c in cells]
+            cis = [0 if math.isnan(ci) else ci
+                   for ci in (c["agg"].get(p, {}).get(metric, nan)[1] for c in cells)]
             xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(cells))]
             ax.bar(xs, ms, width, yerr=cis, label=SHORT.get(p, p), capsize=2)
         ax.set_ylabel(title)

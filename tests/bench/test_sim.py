@@ -191,3 +191,42 @@ def test_gpumesh_sim_entry_point(tmp_path: Path) -> None:
                          "--rates", "80", "--seeds", "1", "--requests", "200",
                          "--out", str(out)]) == 0
     assert json.loads((out / "plan.json").read_text())["homo"]["points"]
+
+
+def test_grid_shards_merge_and_replace(tmp_path: Path) -> None:
+    """N shards run disjoint (cell, policy) units that together are the whole grid; merging
+    gives one record per cell with every policy; --replace re-runs one policy in place."""
+    caps = tmp_path / "cap.json"
+    caps.write_text(json.dumps({"homo/lognormal": 300.0, "hetero-kv/lognormal": 300.0}))
+    common = ["grid", "--fleets", "homo,hetero-kv", "--workloads", "lognormal", "--loads",
+              "0.8", "--seeds", "1", "--requests", "150", "--capacities", str(caps),
+              "--no-report"]
+    all_units = grid.units(["homo", "hetero-kv"], ["lognormal"], [0.8], list(grid.POLICIES),
+                           150, [1])
+    shards = [grid.units(["homo", "hetero-kv"], ["lognormal"], [0.8], list(grid.POLICIES),
+                         150, [1], shard=(k, 3)) for k in range(3)]
+    assert sorted(u for s in shards for u in s) == sorted(all_units) and len(all_units) == 8
+    for k in range(3):
+        assert cli.main([*common, "--shard", f"{k}/3", "--out", str(tmp_path / f"s{k}")]) == 0
+    merged = tmp_path / "merged.jsonl"
+    assert cli.main(["merge", *(str(tmp_path / f"s{k}" / "grid.jsonl") for k in range(3)),
+                     "--out", str(merged)]) == 0
+    recs = grid.read_records(merged)
+    assert [(r["fleet"], list(r["runs"])) for r in recs] == [
+        ("homo", list(grid.POLICIES)), ("hetero-kv", list(grid.POLICIES))]
+    # nothing left to do once the merged file is had
+    assert grid.units(["homo", "hetero-kv"], ["lognormal"], [0.8], list(grid.POLICIES), 150,
+                      [1], have=recs) == []
+    before = {r["fleet"]: r["runs"]["least_request"] for r in recs}
+    wll = {r["fleet"]: r["runs"]["weighted_least_load"] for r in recs}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "grid.jsonl").write_text(merged.read_text())
+    assert cli.main([*common, "--policies", "weighted_least_load", "--replace",
+                     "--router-json", '{"service_weight": 0.0}', "--out", str(out)]) == 0
+    again = grid.read_records(out / "grid.jsonl")
+    assert len(again) == 2 and all(list(r["runs"]) == list(grid.POLICIES) for r in again)
+    assert {r["fleet"]: r["runs"]["least_request"] for r in again} == before
+    assert {r["fleet"]: r["runs"]["weighted_least_load"] for r in again} != wll
+    with pytest.raises(SystemExit):
+        cli.main([*common, "--shard", "3/3", "--out", str(tmp_path / "bad")])
