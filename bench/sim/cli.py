@@ -5,7 +5,8 @@
                     [--json OUT] [--md OUT]
   gpumesh sim grid  [--fleets F,...] [--workloads W,...] [--loads 0.8,0.95] [--policies P,...]
                     [--seeds 5] [--requests 20000] [--slo ...] [--shard K/N]
-                    [--have GRID.jsonl ...] [--replace] [--capacities CAP.json] --out DIR
+                    [--have GRID.jsonl ...] [--replace [P,...]] [--capacities CAP.json]
+                    [--router-json JSON] [--no-report] --out DIR
   gpumesh sim merge GRID.jsonl... --out MERGED.jsonl
   gpumesh sim report DIR/grid.jsonl... --out DIR
   gpumesh sim plan  --fleet F [--fleet G ...] (--trace T.jsonl | --workload W) --slo TTFT:TPOT
@@ -95,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="K/N: run the units i with i %% N == K of the grid (grid.py)")
     gr.add_argument("--have", action="append", default=[],
                     help="a grid.jsonl whose (cell, policy) units count as done (repeat)")
-    gr.add_argument("--replace", action="store_true",
-                    help="run --policies even where --have or OUT holds them (replaced)")
+    gr.add_argument("--replace", nargs="?", const="*", default="",
+                    help="re-run --policies (or only these, P,...) even where --have or OUT "
+                         "holds them; their runs are replaced")
     gr.add_argument("--capacities", default="",
                     help='JSON {"fleet/workload": req/s} of capacities already measured')
     gr.add_argument("--router-json", default="",
@@ -201,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = grid.grid(a.fleets.split(","), a.workloads.split(","), a.loads,
                          a.policies.split(","), a.seeds, a.requests, a.slo, Path(a.out),
                          log=lambda m: print(m, file=sys.stderr, flush=True),
-                         shard=a.shard, have=[Path(h) for h in a.have], replace=a.replace,
+                         shard=a.shard, have=[Path(h) for h in a.have],
+                         replace=True if a.replace == "*" else a.replace.split(",") if a.replace
+                         else False,
                          capacities=caps,
                          router=json.loads(a.router_json) if a.router_json else None)
         if a.no_report or not grid.read_records(path):

@@ -14,8 +14,9 @@ record per cell, with every seed's metrics), so an interrupted grid keeps what i
 
 Sharding and merging (``gpumesh sim grid --shard K/N --have FILE --replace``,
 ``gpumesh sim merge``): the work is the ordered list of units (cell, policy), cells in
-fleet x workload x load order, each cell's policies in the order given; units whose policy a
-record of the output or of a ``--have`` file already holds are dropped (unless ``replace``),
+workload x fleet x load order, each cell's policies in the order given; units whose policy a
+record of the output or of a ``--have`` file already holds are dropped (except the
+policies named by ``--replace``),
 and process K of N runs the units i with i % N == K of what is left, so N processes started
 with the same arguments split the work between them. Each finished unit is merged into
 ``OUT/grid.jsonl`` at once (one record per cell; a policy's runs replace that policy's runs
@@ -129,23 +130,25 @@ def write_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
 
 def units(fleet_names: list[str], workloads: list[str], loads: list[float],
           policies: list[str], n: int, seeds: list[int], have: Iterable[dict[str, Any]] = (),
-          replace: bool = False, shard: tuple[int, int] = (0, 1)
+          replace: bool | Iterable[str] = False, shard: tuple[int, int] = (0, 1)
           ) -> list[tuple[str, str, float, str]]:
-    """The (fleet, workload, load, policy) units shard K of N runs (module docstring).
-    ``fleet_names`` are built-in fleet names or TOML paths, as ``fleets.resolve`` takes."""
+    """The (fleet, workload, load, policy) units shard K of N runs (module docstring), in
+    workload x fleet x load order. ``fleet_names`` are built-in fleet names or TOML paths, as
+    ``fleets.resolve`` takes; ``replace``: True = every policy, or the policies to run even
+    where ``have`` holds them."""
     k, nshards = shard
     if not 0 <= k < nshards:
         raise ValueError(f"shard {k}/{nshards}: K must be in [0, N)")
+    rerun = set(policies) if replace is True else set(replace or ())
     held: set[tuple[Key, str]] = set()
-    if not replace:
-        for rec in have:
-            held.update((cell_key(rec), p) for p in rec["runs"])
+    for rec in have:
+        held.update((cell_key(rec), p) for p in rec["runs"] if p not in rerun)
+    names = {f: fleets_mod.resolve(f).name for f in fleet_names}
     todo = []
-    for fname in fleet_names:
-        name = fleets_mod.resolve(fname).name
-        for w in workloads:
+    for w in workloads:
+        for fname in fleet_names:
             for load in loads:
-                key = (name, w, float(load), n, tuple(seeds))
+                key = (names[fname], w, float(load), n, tuple(seeds))
                 todo += [(fname, w, load, p) for p in policies if (key, p) not in held]
     return [u for i, u in enumerate(todo) if i % nshards == k]
 
@@ -153,12 +156,12 @@ def units(fleet_names: list[str], workloads: list[str], loads: list[float],
 def grid(fleet_names: list[str], workloads: list[str], loads: list[float],
          policies: list[str], seeds: list[int], n: int, slo: SLOSpec, out: Path,
          log: Any = print, *, shard: tuple[int, int] = (0, 1), have: Iterable[Path] = (),
-         replace: bool = False, capacities: dict[str, float] | None = None,
+         replace: bool | Iterable[str] = False, capacities: dict[str, float] | None = None,
          router: dict[str, Any] | None = None) -> Path:
     """Runs this shard's units (module docstring) one by one, merging each into
     ``out/grid.jsonl``; returns that path. ``have``: more grid.jsonl files whose units count
-    as done (and whose capacities are reused); ``replace``: run the given policies even where
-    a record holds them (their runs are replaced); ``capacities``: known capacities by
+    as done (and whose capacities are reused); ``replace``: run the given policies (True) or
+    these of them even where a record holds them (their runs are replaced); ``capacities``: known capacities by
     "fleet/workload" (measured here where missing); ``router``: RouterConfig overrides for
     every run (kept in the records it writes)."""
     out.mkdir(parents=True, exist_ok=True)

@@ -228,5 +228,8 @@ def test_grid_shards_merge_and_replace(tmp_path: Path) -> None:
     assert len(again) == 2 and all(list(r["runs"]) == list(grid.POLICIES) for r in again)
     assert {r["fleet"]: r["runs"]["least_request"] for r in again} == before
     assert {r["fleet"]: r["runs"]["weighted_least_load"] for r in again} != wll
+    assert grid.units(["homo"], ["lognormal"], [0.8], list(grid.POLICIES), 150, [1],
+                      have=again, replace=["least_request"]) == [
+        ("homo", "lognormal", 0.8, "least_request")]
     with pytest.raises(SystemExit):
         cli.main([*common, "--shard", "3/3", "--out", str(tmp_path / "bad")])
