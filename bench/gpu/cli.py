@@ -30,6 +30,8 @@ from gpumesh_bench.gpu.phases import (
     phase_unequal,
 )
 from gpumesh_bench.gpu.plot import plot
+from gpumesh_bench.gpu.prefix import PrefixWorkload, phase_prefix, prefix_need
+from gpumesh_bench.gpu.prefixreport import prefix_markdown
 from gpumesh_bench.gpu.reference import phase_eng, phase_raw
 from gpumesh_bench.gpu.report import cmd_report, report_markdown
 from gpumesh_bench.gpu.vsraw import VSRAW_LEGS, VSRAW_START_S, phase_vsraw, vsraw_need
@@ -118,6 +120,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             "dp7": 330, "eng05": 160, "eng7": 200, "msg05": 300, "msg7": 400,
             "fe05": 300, "fe7": 420,
             **{ph: doors_need(ph) for ph in ("doors05", "doors7", "uneq05")},
+            "prefix05": prefix_need(env),
             # the node's start and one round (the phase stops before a round that won't fit)
             **{ph: vsraw_need(ph, env) for ph in VSRAW_START_S}}
     failed = []
@@ -168,6 +171,9 @@ def cmd_run(a: argparse.Namespace) -> int:
                                            doors=doors, concurrency=a.door_concurrency,
                                            engines=door_engines),
              "uneq05": lambda: phase_uneq(env, rounds=a.rounds),
+             "prefix05": lambda: phase_prefix(env, rounds=a.rounds, work=PrefixWorkload(
+                 tenants=a.prefix_tenants, system_words=a.prefix_system_words,
+                 concurrency=a.prefix_concurrency)),
              "vsraw05": lambda: phase_vsraw(env, "0.5b", "vsraw05", rounds=a.rounds),
              "vsraw7": lambda: phase_vsraw(env, "7b", "vsraw7", rounds=a.rounds),
              "vsrawdp05": lambda: phase_vsraw(env, "0.5b", "vsrawdp05", rounds=a.rounds,
@@ -182,8 +188,9 @@ def cmd_run(a: argparse.Namespace) -> int:
                 wait_gpus_free()
         env.meta.setdefault("phase_s", {})[ph] = round(time.monotonic() - t, 1)
         env.save()
-    rest = [r for r in env.records if "door" not in r]
-    md = (report_markdown(rest, env.meta) if rest else "") + doors_markdown(env.records, env.meta)
+    rest = [r for r in env.records if "door" not in r and "prefix" not in r]
+    md = ((report_markdown(rest, env.meta) if rest else "") + doors_markdown(env.records, env.meta)
+          + prefix_markdown(env.records))
     (out / "summary.md").write_text(md)
     with contextlib.suppress(Exception):
         plot(env.records, out / "plots.png")
@@ -267,6 +274,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="doors05/doors7: one engine per door (1), two sharing the GPU (2) or both")
     r.add_argument("--door-concurrency", type=int, default=0,
                    help="doors05/doors7: concurrency of every door (0: the phase's default)")
+    r.add_argument("--prefix-tenants", type=int, default=PrefixWorkload.tenants,
+                   help="prefix05: tenants of the shared-prefix workload")
+    r.add_argument("--prefix-system-words", type=int, default=PrefixWorkload.system_words,
+                   help="prefix05: tokens of each tenant's system prompt")
+    r.add_argument("--prefix-concurrency", type=int, default=PrefixWorkload.concurrency,
+                   help="prefix05: closed-loop concurrency of every balancer (each node's KV "
+                        "is sized from it and the workload: gpu.prefix.PrefixWorkload)")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
     r.set_defaults(func=cmd_run)

@@ -150,6 +150,17 @@ def serve_args(kw: dict[str, Any]) -> list[str]:
     return out
 
 
+def smg_command() -> list[str]:
+    """SMG's CLI: ``python -m smg`` where this Python has it (the kit's PYTHONPATH), else
+    ``.smg-venv/bin/smg`` of this checkout when there is one."""
+    import importlib.util
+
+    venv = REPO_ROOT / ".smg-venv" / "bin" / "smg"
+    if importlib.util.find_spec("smg") is None and venv.is_file():
+        return [str(venv)]
+    return [sys.executable, "-m", "smg"]
+
+
 class Smg:
     """SMG's gateway (``python -m smg launch``) in gRPC mode over ``workers`` (host:port of
     gpumesh nodes, whose VllmEngine service it speaks)."""
@@ -159,8 +170,9 @@ class Smg:
                  flags: Sequence[str] = ()) -> None:
         self.name = name
         self.port, self.metrics_port = free_port(), free_port()
-        # GPUMESH_SMG: the command that runs SMG's CLI (default: this Python's ``-m smg``)
-        exe = shlex.split(os.environ.get("GPUMESH_SMG", "")) or [sys.executable, "-m", "smg"]
+        # GPUMESH_SMG: the command that runs SMG's CLI (default: this Python's ``-m smg``,
+        # else this checkout's .smg-venv)
+        exe = shlex.split(os.environ.get("GPUMESH_SMG", "")) or smg_command()
         self.argv = [*exe, "launch", "--host", "127.0.0.1",
                      "--port", str(self.port), "--worker-urls", *[f"grpc://{w}" for w in workers],
                      "--policy", policy, "--model-path", str(model_dir),
