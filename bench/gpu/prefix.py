@@ -11,7 +11,8 @@ nodes, interleaved over rounds (order reversed every round):
   whether the nodes' ``SubscribeKvEvents`` carried block events during the bench.
 
 Session affinity is off in every gpumesh router (``affinity_weight`` 0), so locality alone
-places requests; the routers hash prompts with the model's own tokenizer.
+places requests; the routers hash prompts with the model's own tokenizer and run one process
+each (approximate mode's record of what went where is per process), whatever ``--workers``.
 
 Workload (``prefixload``, ``gpumesh_bench.tenants``): ``PrefixWorkload.tenants`` tenants, each
 a ``system_words``-token system prompt, multi-turn conversations, ``max_tokens`` output
