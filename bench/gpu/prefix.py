@@ -55,16 +55,23 @@ ENGINE_START_S = 75.0    # one 0.5B node's start on the GPU (the two start one a
 @dataclass(frozen=True)
 class PrefixWorkload:
     tenants: int = 48
-    system_words: int = 1024
+    system_words: int = 1536
     turn_words: int = 40
     max_turns: int = 6
     max_tokens: int = 48
-    concurrency: int = 32
+    concurrency: int = 48
 
     def spec(self) -> TenantSpec:
         return TenantSpec(tenants=self.tenants, system_words=self.system_words,
                           turn_words=self.turn_words, max_turns=self.max_turns,
                           max_tokens=self.max_tokens, seed=0)
+
+    def max_len(self) -> int:
+        """Tokens of the longest request: header, system prompt, earlier turns, the new user
+        message and the output."""
+        turn = self.turn_words + 1
+        return (self.system_words + 3 + (self.max_turns - 1) * 2 * turn + turn
+                + self.max_tokens)
 
     def kv_blocks(self) -> int:
         """16-token blocks per node: a quarter of all system prompts, plus half the
@@ -192,6 +199,8 @@ def phase_prefix(env: Env, phase: str = "prefix05", rounds: int = 2,
         # tokenizer from there (the served name stays the GPU nodes'); SMG's token ids of the
         # simulator's spelling are all one id, so a dry run's SMG figures are plumbing only
         env.node_options = {**saved, "model": str(env.models["0.5b"])}
+    if w.max_len() > env.max_model_len:
+        env.node_options = {**env.node_options, "max_model_len": -(-w.max_len() // 256) * 256}
     with Group(env, nodes, routers) as g:
         try:
             t = time.monotonic()
