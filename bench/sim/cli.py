@@ -6,7 +6,7 @@
   gpumesh sim grid  [--fleets F,...] [--workloads W,...] [--loads 0.8,0.95] [--policies P,...]
                     [--seeds 5] [--requests 20000] [--slo ...] [--shard K/N]
                     [--have GRID.jsonl ...] [--replace [P,...]] [--capacities CAP.json]
-                    [--router-json JSON] [--no-report] --out DIR
+                    [--router-json JSON] [--skip F/W,...] [--no-report] --out DIR
   gpumesh sim merge GRID.jsonl... --out MERGED.jsonl
   gpumesh sim report DIR/grid.jsonl... --out DIR
   gpumesh sim plan  --fleet F [--fleet G ...] (--trace T.jsonl | --workload W) --slo TTFT:TPOT
@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help='JSON {"fleet/workload": req/s} of capacities already measured')
     gr.add_argument("--router-json", default="",
                     help="JSON object of router config overrides for every run")
+    gr.add_argument("--skip", default="",
+                    help="fleet/workload,... pairs to leave out of the grid")
     gr.add_argument("--no-report", action="store_true", help="skip grid.md and the PNGs")
 
     mg = sub.add_parser("merge", help="fold grid.jsonl files into one (a record per cell)")
@@ -207,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          replace=True if a.replace == "*" else a.replace.split(",") if a.replace
                          else False,
                          capacities=caps,
-                         router=json.loads(a.router_json) if a.router_json else None)
+                         router=json.loads(a.router_json) if a.router_json else None,
+                         skip=[x for x in a.skip.split(",") if x])
         if a.no_report or not grid.read_records(path):
             print(path)
             return 0

@@ -130,12 +130,12 @@ def write_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
 
 def units(fleet_names: list[str], workloads: list[str], loads: list[float],
           policies: list[str], n: int, seeds: list[int], have: Iterable[dict[str, Any]] = (),
-          replace: bool | Iterable[str] = False, shard: tuple[int, int] = (0, 1)
-          ) -> list[tuple[str, str, float, str]]:
+          replace: bool | Iterable[str] = False, shard: tuple[int, int] = (0, 1),
+          skip: Iterable[str] = ()) -> list[tuple[str, str, float, str]]:
     """The (fleet, workload, load, policy) units shard K of N runs (module docstring), in
     workload x fleet x load order. ``fleet_names`` are built-in fleet names or TOML paths, as
     ``fleets.resolve`` takes; ``replace``: True = every policy, or the policies to run even
-    where ``have`` holds them."""
+    where ``have`` holds them; ``skip``: "fleet/workload" pairs left out."""
     k, nshards = shard
     if not 0 <= k < nshards:
         raise ValueError(f"shard {k}/{nshards}: K must be in [0, N)")
@@ -144,9 +144,12 @@ def units(fleet_names: list[str], workloads: list[str], loads: list[float],
     for rec in have:
         held.update((cell_key(rec), p) for p in rec["runs"] if p not in rerun)
     names = {f: fleets_mod.resolve(f).name for f in fleet_names}
+    skipped = set(skip)
     todo = []
     for w in workloads:
         for fname in fleet_names:
+            if f"{names[fname]}/{w}" in skipped:
+                continue
             for load in loads:
                 key = (names[fname], w, float(load), n, tuple(seeds))
                 todo += [(fname, w, load, p) for p in policies if (key, p) not in held]
@@ -157,13 +160,13 @@ def grid(fleet_names: list[str], workloads: list[str], loads: list[float],
          policies: list[str], seeds: list[int], n: int, slo: SLOSpec, out: Path,
          log: Any = print, *, shard: tuple[int, int] = (0, 1), have: Iterable[Path] = (),
          replace: bool | Iterable[str] = False, capacities: dict[str, float] | None = None,
-         router: dict[str, Any] | None = None) -> Path:
+         router: dict[str, Any] | None = None, skip: Iterable[str] = ()) -> Path:
     """Runs this shard's units (module docstring) one by one, merging each into
     ``out/grid.jsonl``; returns that path. ``have``: more grid.jsonl files whose units count
     as done (and whose capacities are reused); ``replace``: run the given policies (True) or
     these of them even where a record holds them (their runs are replaced); ``capacities``: known capacities by
     "fleet/workload" (measured here where missing); ``router``: RouterConfig overrides for
-    every run (kept in the records it writes)."""
+    every run (kept in the records it writes); ``skip``: "fleet/workload" pairs left out."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "grid.jsonl"
     records = merge_records(read_records(path))
@@ -171,7 +174,8 @@ def grid(fleet_names: list[str], workloads: list[str], loads: list[float],
     caps: dict[str, float] = dict(capacities or {})
     for c in known:
         caps.setdefault(f'{c["fleet"]}/{c["workload"]}', c["capacity"])
-    todo = units(fleet_names, workloads, loads, policies, n, seeds, known, replace, shard)
+    todo = units(fleet_names, workloads, loads, policies, n, seeds, known, replace, shard,
+                 skip)
     log(f"shard {shard[0]}/{shard[1]}: {len(todo)} units")
     fleet_cache: dict[str, fleets_mod.FleetSpec] = {}
     for fname, w, load, policy in todo:

@@ -231,5 +231,8 @@ def test_grid_shards_merge_and_replace(tmp_path: Path) -> None:
     assert grid.units(["homo"], ["lognormal"], [0.8], list(grid.POLICIES), 150, [1],
                       have=again, replace=["least_request"]) == [
         ("homo", "lognormal", 0.8, "least_request")]
+    assert grid.units(["homo", "hetero-kv"], ["lognormal"], [0.8], ["least_request"], 150,
+                      [1], skip=["homo/lognormal"]) == [
+        ("hetero-kv", "lognormal", 0.8, "least_request")]
     with pytest.raises(SystemExit):
         cli.main([*common, "--shard", "3/3", "--out", str(tmp_path / "bad")])
