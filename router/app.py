@@ -89,7 +89,9 @@ class RouterServer:
                                config.kv_usage_cap, config.decode_s_per_request,
                                config.wait_scale_s, config.kv_output_allowance_tokens,
                                config.prefill_from_capacity, config.decode_steps_per_request,
-                               config.service_weight, config.output_tokens_cap)
+                               config.service_weight, config.output_tokens_cap,
+                               config.admission_weight, config.service_step_from_weight,
+                               config.output_weight)
         # Session affinity and LoRA adapters on top of the load profile (scheduling.steering).
         self.profile = steer(build_profile(config.policy, config.scorer_weights, wait_model),
                              SteeringModel(config.affinity_weight,

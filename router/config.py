@@ -28,7 +28,7 @@ from gpumesh.config import ConfigError, add_flags, flag_overrides, load_config
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
 
 DEFAULT_SCORER_WEIGHTS: Mapping[str, float] = MappingProxyType(
-    {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 0.0}
+    {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 8.0}
 )
 
 ENV_PREFIX = "GPUMESH_ROUTER_"
@@ -72,17 +72,27 @@ class RouterConfig:
     service_weight: float = 1.0
     # Output tokens (max_tokens) counted at most per request in that service time.
     output_tokens_cap: int = 1024
+    # weighted_least_load adds, times this, the wait for a running slot on a node whose last
+    # report had requests waiting: (waiting + unreported + 1) x the request's output tokens x
+    # the node's decode step / its running count (docs/routing.md); 0 = none.
+    admission_weight: float = 2.0
+    # The output term of that service time at decode_s_per_request / weight per token (the
+    # node's declared speed) instead of its measured decode step, which moves with its load.
+    service_step_from_weight: bool = True
+    # Weight of the output term (output tokens x decode step) within that service time,
+    # relative to the prompt's prefill (part of the first token's wait).
+    output_weight: float = 0.6
     # The decode step: the node's own measurement (LoadReport.decode_step_s, timed between the
     # engine's steps) where it reports one; off, or from a node without it: inferred as
     # average running / generation tokens/s.
     step_from_report: bool = True
     # c in c * k / (1 - k) (docs/routing.md): a larger c sends bursts onto the node with the
     # lowest KV usage (docs/benchmarks.md, "Which routing policy balances best").
-    kv_penalty_s: float = 0.05
+    kv_penalty_s: float = 0.2
     kv_usage_cap: float = 0.98      # k is capped here so the penalty stays finite
     # KV tokens each of this router's unreported requests is expected to add beyond its prompt
     # (its output), when the node reports its KV capacity: k moves by (C + U * this) / K.
-    kv_output_allowance_tokens: float = 128.0
+    kv_output_allowance_tokens: float = 512.0
     # The decode term per running request, per unit of weight, where no step time is measured
     # (no capacity reported, prefill_from_capacity off, or a node never busy yet).
     decode_s_per_request: float = 0.002
@@ -239,8 +249,10 @@ class RouterConfig:
             raise ValueError("kv_hard_threshold must be in (0, 1] and kv_usage_cap in (0, 1)")
         if self.peer_share_half_life_s < 0:
             raise ValueError("peer_share_half_life_s must be >= 0 (0 = ignore peers)")
-        if self.service_weight < 0 or self.output_tokens_cap < 0:
-            raise ValueError("service_weight and output_tokens_cap must be >= 0")
+        if (self.service_weight < 0 or self.output_tokens_cap < 0 or self.admission_weight < 0
+                or self.output_weight < 0):
+            raise ValueError("service_weight, output_tokens_cap, admission_weight and "
+                             "output_weight must be >= 0")
         if (self.affinity_weight < 0 or self.affinity_epsilon < 0
                 or self.affinity_max_keys < 0 or self.affinity_ttl_s <= 0
                 or self.adapter_weight < 0 or self.adapter_load_s < 0):

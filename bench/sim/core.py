@@ -63,7 +63,8 @@ def wait_model(c: RouterConfig) -> WaitModel:
     return WaitModel(c.reference_prompt_tokens_per_s, c.kv_penalty_s, c.kv_usage_cap,
                      c.decode_s_per_request, c.wait_scale_s, c.kv_output_allowance_tokens,
                      c.prefill_from_capacity, c.decode_steps_per_request, c.service_weight,
-                     c.output_tokens_cap)
+                     c.output_tokens_cap, c.admission_weight,
+                     c.service_step_from_weight, c.output_weight)
 
 
 @dataclass

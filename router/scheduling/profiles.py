@@ -2,8 +2,9 @@
 
 - ``weighted_least_load`` (default): the weighted sum of ``expected_wait``, ``kv_headroom`` and
   ``least_request`` (weights from config), max wins, random tie-break. The expected_wait
-  score is taken of the node's expected wait plus the request's own expected service time
-  there (``WaitModel.service_weight``); see ``scorers`` for both formulas.
+  score is taken of the node's expected wait plus the request's admission wait and its own
+  expected service time there (``WaitModel.admission_weight``, ``service_weight``); see
+  ``scorers`` for the formulas. Default weights: expected_wait 1, least_request 8.
 - ``least_request``: the fewest of this router's in-flight requests per unit of capacity weight
   (nginx ``least_conn`` with weights); random tie-break.
 - ``power_of_two``: two candidates drawn at random, the one with fewer in-flight (weighted) wins;
@@ -126,6 +127,8 @@ class WeightedLeastLoad:
         wait = self._base(c)[0]
         if m.service_weight:
             wait += m.service_weight * scorers.expected_service_s(c, m, request)
+        if m.admission_weight:
+            wait += m.admission_weight * scorers.expected_admission_s(c, m, request)
         return wait
 
     def score(self, c: Candidate, request: RequestInfo = RequestInfo("", 0)) -> CandidateScore:
@@ -143,6 +146,8 @@ class WeightedLeastLoad:
         wait, rest = self._base(c)
         if m.service_weight:
             wait += m.service_weight * scorers.expected_service_s(c, m, request)
+        if m.admission_weight:
+            wait += m.admission_weight * scorers.expected_admission_s(c, m, request)
         return self._w[0] * scorers.wait_score(wait, m) + rest
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,

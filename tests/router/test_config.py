@@ -42,7 +42,8 @@ def test_env_weights_and_peers() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"policy": "random"}, {"router_id": "a.b"}, {"scorer_weights": {"nope": 1.0}},
-    {"scorer_weights": {"expected_wait": 0.0}}, {"lease_ttl_s": 0}, {"kv_hard_threshold": 1.5},
+    {"scorer_weights": {"expected_wait": 0.0, "least_request": 0.0}},
+    {"admission_weight": -1.0}, {"output_weight": -0.1}, {"lease_ttl_s": 0}, {"kv_hard_threshold": 1.5},
     {"max_attempts": 0},
 ])
 def test_invalid_values_rejected(bad: dict) -> None:

@@ -293,8 +293,37 @@ def speed_cand(node_id: str, *, step_s: float, capacity: float, pending: int = 0
      RequestInfo("m", 100, output_tokens=10), (100 / 1000 + 10 * 0.004) / 2),
 ])
 def test_expected_service_s(c: Candidate, req: RequestInfo, expected: float) -> None:
-    wm = replace(WM, decode_s_per_request=0.004)
+    wm = replace(WM, decode_s_per_request=0.004, output_weight=1.0,
+                 service_step_from_weight=False)
     assert scorers.expected_service_s(c, wm, req) == pytest.approx(expected)
+
+
+def test_expected_service_s_defaults() -> None:
+    """By default the output term is at the node's declared speed (decode_s_per_request / w,
+    not its load-dependent measured step) and weighs output_weight of the whole."""
+    wm = replace(WM, decode_s_per_request=0.004)
+    assert wm.service_step_from_weight and wm.output_weight == 0.6
+    req = RequestInfo("m", 100, output_tokens=50)
+    for step in (0.001, 0.05):
+        c = speed_cand("a", step_s=step, capacity=1000.0, weight=2.0)
+        assert scorers.expected_service_s(c, wm, req) == pytest.approx(
+            0.1 + 0.6 * 50 * 0.004 / 2)
+
+
+def test_expected_admission_s() -> None:
+    """A node whose report had requests waiting: (still waiting + unreported + 1) x output x
+    step / running; 0 once the reported waiting ones have had their first tokens."""
+    base = replace(speed_cand("a", step_s=0.01, capacity=1000.0, running=10),
+                   report=LoadReport(num_running=10, num_waiting=4,
+                                     prefill_capacity_tokens_per_s=1000.0))
+    req = RequestInfo("m", 10, output_tokens=100)
+    c = replace(base, outstanding_requests=6, unreported_requests=1)
+    assert scorers.expected_admission_s(c, WM, req) == pytest.approx((4 + 1 + 1) * 100 * 0.01
+                                                                      / 10)
+    drained = replace(base, outstanding_requests=1, unreported_requests=1)
+    assert scorers.expected_admission_s(drained, WM, req) == 0.0
+    idle = replace(c, report=replace(c.report, num_waiting=0))
+    assert scorers.expected_admission_s(idle, WM, req) == 0.0
 
 
 @pytest.mark.parametrize("output_tokens, service_weight, expected", [
@@ -307,7 +336,8 @@ def test_service_time_sends_long_outputs_to_fast_nodes(output_tokens: int, servi
     # the slow node is idle, the fast one has a short queue (0.05 s of prefill)
     fast = speed_cand("fast", step_s=0.005, capacity=20_000.0, pending=1000)
     slow = speed_cand("slow", step_s=0.02, capacity=5_000.0)
-    wm = replace(WM, service_weight=service_weight)
+    wm = replace(WM, service_weight=service_weight, output_weight=1.0,
+                 service_step_from_weight=False)
     profile = build_profile("weighted_least_load", WEIGHTS, wm)
     d = select(profile, [fast, slow], RequestInfo("m", 32, output_tokens=output_tokens),
                random.Random(0), default_filters(0.92))

@@ -5,6 +5,7 @@ term, with its cost model), ``kv_headroom``, ``least_request``."""
 from gpumesh.router.scheduling.scorers.expected_wait import (
     WaitModel,
     effective_kv_usage,
+    expected_admission_s,
     expected_service_s,
     expected_wait_s,
     wait_score,
@@ -15,6 +16,7 @@ from gpumesh.router.scheduling.scorers.least_request import least_request
 __all__ = [
     "WaitModel",
     "effective_kv_usage",
+    "expected_admission_s",
     "expected_service_s",
     "expected_wait_s",
     "kv_headroom",

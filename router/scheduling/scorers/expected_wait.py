@@ -120,6 +120,25 @@ what a fast node with a slightly longer queue would give (docs/routing.md). The 
 is its length in that node's own steps, so a slow node costs it more in proportion, and on
 a fleet of equal nodes it is about the same everywhere and changes little.
 
+By default (``service_step_from_weight``) S in the output term is the node's declared speed,
+decode_s_per_request / w per token, not its measured step, which grows with its batch and
+lags by its averaging window; multiplied by hundreds of tokens it swung the choice between
+equal nodes with their recent load. The output term weighs ``output_weight`` (0.6) of the
+whole; the prompt's prefill, part of the first token's wait, keeps weight 1.
+
+The admission wait (``expected_admission_s``, weighted by ``admission_weight``): a node whose
+last report had requests waiting (batch or KV full) starts a new one only as running ones
+finish. With out = min(output_tokens, output_tokens_cap) (kv_output_allowance_tokens when
+unknown) a running request frees its slot after about out steps, so one frees every
+out * S / num_running seconds, and the request waits for those still waiting, this router's
+unreported ones and itself::
+
+    admission = (Wn + f * U + 1) * out * S / max(num_running, 1)
+    Wn = min(num_waiting, f * (this router's pre-first-token requests that were in the report))
+
+Wn drains as the reported waiting requests get their first tokens, so a report does not keep
+a node looking blocked until the next one; 0 when the report had none waiting.
+
 The curve: ``wait_score`` = 1 / (1 + wait / wait_scale_s): 1 at zero wait, 0.5 at
 wait_scale_s, falling towards 0 hyperbolically (monotone, so the max picks the least wait).
 """
@@ -136,11 +155,11 @@ class WaitModel:
     """Parameters of the expected-wait estimate (from ``RouterConfig``)."""
 
     reference_prompt_tokens_per_s: float = 8000.0
-    kv_penalty_s: float = 0.05
+    kv_penalty_s: float = 0.2
     kv_usage_cap: float = 0.98
     decode_s_per_request: float = 0.002
     wait_scale_s: float = 0.5
-    kv_output_allowance_tokens: float = 128.0  # KV tokens per unreported request's output
+    kv_output_allowance_tokens: float = 512.0  # KV tokens per unreported request's output
     # T from the node's reported prefill capacity (RouterConfig.prefill_from_capacity)
     prefill_from_capacity: bool = True
     # With it, a running request costs this many of the node's measured decode steps
@@ -152,6 +171,15 @@ class WaitModel:
     # Output tokens counted at most per request in that service time (max_tokens above it
     # is taken as an upper bound the request will not reach).
     output_tokens_cap: int = 1024
+    # Weight of the admission wait (``expected_admission_s``): the slots a full node must
+    # free before this request starts; 0 = none.
+    admission_weight: float = 2.0
+    # The output term of the service time at decode_s_per_request / w per token (the node's
+    # declared speed) instead of its measured, load-dependent step S.
+    service_step_from_weight: bool = True
+    # Weight of the output term within the service time (the prompt's prefill is part of the
+    # first token's wait and keeps weight 1); 1 = the request's whole expected time.
+    output_weight: float = 0.6
 
 
 def expected_wait_s(c: Candidate, m: WaitModel) -> float:
@@ -183,16 +211,38 @@ def expected_service_s(c: Candidate, m: WaitModel, request: RequestInfo) -> floa
     """Seconds ``request`` itself takes on ``c`` once it runs: its prompt's prefill and its
     output's decode steps at the node's speed (``service`` above; 0 for an empty request)."""
     weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
-    out = min(max(request.output_tokens, 0), m.output_tokens_cap)
+    out = min(max(request.output_tokens, 0), m.output_tokens_cap) * m.output_weight
     # prefix locality: only the prompt tokens the node does not hold in its KV cache
     prompt = max(request.prompt_tokens - request.cached_tokens.get(c.node_id, 0), 0)
     r = c.report
     if r is not None and m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
         tps = max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
-        if c.step_s > 0:
+        if c.step_s > 0 and not m.service_step_from_weight:
             return prompt / tps + out * c.step_s
         return prompt / tps + out * m.decode_s_per_request / weight
     return (prompt / m.reference_prompt_tokens_per_s + out * m.decode_s_per_request) / weight
+
+
+def expected_admission_s(c: Candidate, m: WaitModel, request: RequestInfo) -> float:
+    """Seconds ``request`` waits on ``c`` for a running slot (``admission`` above): 0 unless
+    the node's last report had requests waiting to be admitted."""
+    r = c.report
+    if r is None or r.num_waiting <= 0:
+        return 0.0
+    f = max(c.peer_factor, 1.0)
+    # of the reported waiting, those still before their first token (this router's reported
+    # pre-first-token requests, scaled to all routers): the queue drains as they start
+    still = min(float(r.num_waiting), f * max(c.outstanding_requests - c.unreported_requests, 0))
+    if still <= 0:
+        return 0.0
+    ahead = still + f * c.unreported_requests + 1
+    running = max(r.num_running, 1)
+    out = min(max(request.output_tokens, 0), m.output_tokens_cap)
+    if out <= 0:
+        out = m.kv_output_allowance_tokens
+    weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
+    step = c.step_s if c.step_s > 0 else m.decode_s_per_request / weight
+    return ahead * out * step / running
 
 
 def effective_kv_usage(c: Candidate, m: WaitModel) -> float:
