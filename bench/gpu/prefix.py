@@ -150,6 +150,19 @@ class _KvEventProbe:
                 "SMG's own approximate tree" + (f" [probe: {self.error}]" if self.error else ""))
 
 
+def tenant_stickiness(res: list[Any], keys: dict[int, str], lo: float, hi: float) -> float:
+    """Of the requests completed in [lo, hi], the share that went to their tenant's most
+    used node: 1 = every tenant on one node; about 1 / nodes when placement ignores tenants."""
+    by: dict[str, dict[str, int]] = {}
+    for r in res:
+        if r.status == "OK" and lo <= r.start_s + r.latency_s <= hi and r.index in keys:
+            t = keys[r.index].split("-")[0]
+            c = by.setdefault(t, {})
+            c[r.node_id] = c.get(r.node_id, 0) + 1
+    total = sum(sum(c.values()) for c in by.values())
+    return round(sum(max(c.values()) for c in by.values()) / total, 4) if total else math.nan
+
+
 def _metrics(res: list[Any], warmup_s: float, window_s: float) -> dict[str, Any]:
     m = window_metrics(res, warmup_s, window_s)
     lo, hi = warmup_s, warmup_s + window_s
@@ -259,7 +272,7 @@ def _rounds(env: Env, phase: str, w: PrefixWorkload, order: list[str],
             probe = _KvEventProbe(node_a, min(dur, 10.0)) if s == "smg" else None
             try:
                 with probe if probe is not None else contextlib.nullcontext():
-                    res = tenant_load(kind, target, model, w.spec(), spell,
+                    res, keys = tenant_load(kind, target, model, w.spec(), spell,
                                       concurrency=w.concurrency, duration_s=dur,
                                       procs=n_procs, worker_nodes=worker_nodes)
             except Exception as e:  # noqa: BLE001 - one balancer failing must not stop the rest
@@ -270,6 +283,7 @@ def _rounds(env: Env, phase: str, w: PrefixWorkload, order: list[str],
                 continue
             nodes = _node_view(view) if view else {}
             m = _metrics(res, env.warmup_s, env.window_s)
+            m["tenant_stickiness"] = tenant_stickiness(res, keys, env.warmup_s, dur)
             rec: dict[str, Any] = {
                 "phase": phase, "prefix": s, "balancer": PREFIX_LABEL[s], "kind": kind,
                 "shape": "0.5b", "round": k, "position": i, "concurrency": w.concurrency,
@@ -284,7 +298,7 @@ def _rounds(env: Env, phase: str, w: PrefixWorkload, order: list[str],
             print(f"[prefix] {PREFIX_LABEL[s]:26} #{k} done_qps={m['done_qps']:7.1f} "
                   f"ttft p50/p90/p99={m['ttft_p50']:.3f}/{m['ttft_p90']:.3f}/"
                   f"{m['ttft_p99']:.3f}s lat p50={m['lat_p50']:.3f}s errors={m['errors']} "
-                  f"share={m['node_share']} hit {hits}"
+                  f"share={m['node_share']} stick={m['tenant_stickiness']:.2f} hit {hits}"
                   + (f" [{rec['smg_mode']}]" if probe is not None else ""), flush=True)
             if res and m["errors"] > len(res) / 2:
                 env.meta.setdefault("doors_failed", {})[f"{phase} {s} #{k}"] = (

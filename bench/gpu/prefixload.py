@@ -105,8 +105,15 @@ class _Texts:
 
 def _child(kind: str, target: str, model: str, worker_nodes: dict[str, str],
            tenants: TenantSpec, s: SpellSpec, concurrency: int, duration_s: float, k: int,
-           n: int, start_at: float) -> list[dict[str, Any]]:
+           n: int, start_at: float) -> tuple[list[dict[str, Any]], dict[int, str]]:
     from gpumesh_bench.loadgen import drive
+
+    keys: dict[int, str] = {}   # request index -> conversation id ("t<tenant>-c<n>")
+
+    def stream() -> Iterator[Prompted]:
+        for r in requests(tenants, s, model, k, n):
+            keys[r.index] = r.routing_key
+            yield r
 
     cfg = LoadConfig(target=target, concurrency=concurrency, duration_s=duration_s,
                      timeout_s=120.0, progress_s=0.0, label=target)
@@ -130,7 +137,7 @@ def _child(kind: str, target: str, model: str, worker_nodes: dict[str, str],
             stub = pb_grpc.InferenceStub(ch)
             await asyncio.wait_for(ch.channel_ready(), timeout=30)
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            run = await drive(cfg, requests(tenants, s, model, k, n),
+            run = await drive(cfg, stream(),
                               lambda r, t0: send_message(stub, msg(r), r, cfg, t0))  # type: ignore[arg-type]
             return run.results
 
@@ -141,29 +148,30 @@ def _child(kind: str, target: str, model: str, worker_nodes: dict[str, str],
 
         texts = _Texts()
 
-        def stream() -> Iterator[Prompted]:
-            for r in requests(tenants, s, model, k, n):
+        def texted() -> Iterator[Prompted]:
+            for r in stream():
                 texts.by_index[r.index] = r.prompt_text or ""
                 yield r
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as sess:
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            run = await drive(cfg, stream(),
+            run = await drive(cfg, texted(),
                               lambda r, t0: http_send(sess, target, model, texts,  # type: ignore[arg-type]
                                                       worker_nodes, r, cfg, t0))
             return run.results
 
     res = asyncio.run(grpc_go() if kind == "grpc" else http_go())
-    return [dataclasses.asdict(r) for r in res]
+    return [dataclasses.asdict(r) for r in res], {r.index: keys[r.index] for r in res}
 
 
 def tenant_load(kind: str, target: str, model: str, tenants: TenantSpec, s: SpellSpec, *,
                 concurrency: int, duration_s: float, procs: int,
-                worker_nodes: dict[str, str] | None = None) -> list[RequestResult]:
+                worker_nodes: dict[str, str] | None = None
+                ) -> tuple[list[RequestResult], dict[int, str]]:
     """``concurrency`` closed-loop streams in all over ``procs`` processes (each its share of
     the stream and of the concurrency), from one start instant; ``kind`` "grpc" (``target``
     host:port) or "http" (``target`` base URL of an OpenAI server). Results' ``start_s``
-    count from that instant."""
+    count from that instant. Also each result's conversation id by request index."""
     n = max(1, min(procs, concurrency))
     start_at = time.time() + 2.0 + 0.2 * n
     ctx = multiprocessing.get_context("spawn")
@@ -171,5 +179,7 @@ def tenant_load(kind: str, target: str, model: str, tenants: TenantSpec, s: Spel
         futs = [ex.submit(_child, kind, target, model, dict(worker_nodes or {}), tenants, s,
                           concurrency // n + (k < concurrency % n), duration_s, k, n, start_at)
                 for k in range(n)]
-        rows = [d for f in futs for d in f.result()]
-    return sorted((RequestResult(**d) for d in rows), key=lambda r: r.index)
+        parts = [f.result() for f in futs]
+    rows = [d for p, _ in parts for d in p]
+    keys = {i: c for _, ks in parts for i, c in ks.items()}
+    return sorted((RequestResult(**d) for d in rows), key=lambda r: r.index), keys

@@ -26,8 +26,8 @@ def prefix_table(recs: list[dict[str, Any]]) -> str:
                    | {n for r in recs for n in r.get("node_share", {})} - {"?"})
     out = ["| balancer | TTFT p50 / p90 / p99 ms | p90 TTFT ms (spread) | latency p50 / p99 ms "
            "| completions/s | share " + " / ".join(nodes) + " | prefix hit rate "
-           + " / ".join(nodes) + " | p90 TTFT ÷ least_request | p90 TTFT ÷ SMG | errors "
-           "| rounds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           + " / ".join(nodes) + " | tenant on its main node | p90 TTFT ÷ least_request "
+           "| p90 TTFT ÷ SMG | errors | rounds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, rs in by.items():
         shares = []
         for r in rs:
@@ -43,6 +43,7 @@ def prefix_table(recs: list[dict[str, Any]]) -> str:
             f"| {_spread([r['ttft_p90'] * 1000 for r in rs], 0)} "
             f"| {_ms(_med([r['lat_p50'] for r in rs]))} / {_ms(_med([r['lat_p99'] for r in rs]))} "
             f"| {_spread([r['done_qps'] for r in rs])} | {share} | {hit} "
+            f"| {_med([r.get('tenant_stickiness', math.nan) for r in rs]):.0%} "
             f"| {'—' if s == 'least_request' else _spread(_ratio(rs, lr), 2)} "
             f"| {'—' if s == 'smg' else _spread(_ratio(rs, smg), 2)} "
             f"| {sum(r.get('errors', 0) for r in rs)} of {sum(r.get('requests', 0) for r in rs)} "

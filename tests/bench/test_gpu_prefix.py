@@ -66,6 +66,21 @@ def test_report_pairs_p90_ttft_round_by_round() -> None:
     assert not math.isnan(recs[0]["ttft_p90"])
 
 
+def test_tenant_stickiness_counts_requests_on_their_tenants_main_node() -> None:
+    from gpumesh_bench.gpu.prefix import tenant_stickiness
+    from gpumesh_bench.loadgen import RequestResult
+
+    def res(i: int, node: str, status: str = "OK") -> RequestResult:
+        return RequestResult(i, 1.0, 0.5, 0.1, 8, 100, status, node)
+
+    rs = [res(0, "pa"), res(1, "pa"), res(2, "pb"), res(3, "pb"), res(4, "pa"),
+          res(5, "pb", "UNAVAILABLE")]
+    keys = {0: "t1-c0", 1: "t1-c0", 2: "t1-c3", 3: "t2-c1", 4: "t2-c2", 5: "t2-c2"}
+    # t1: 2 of 3 on pa; t2: 1 of 2 on its main node (the failed one not counted)
+    assert tenant_stickiness(rs, keys, 0.0, 10.0) == pytest.approx(3 / 5)
+    assert math.isnan(tenant_stickiness(rs, keys, 5.0, 10.0))
+
+
 @pytest.mark.slow
 def test_prefix_phase_on_simulated_engines(tmp_path: Path) -> None:
     from gpumesh_bench.gpu import cli as gpu_cli
