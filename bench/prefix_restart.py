@@ -10,6 +10,14 @@ what follows each node's registration: its snapshot, sent at once on the new str
 
 Prints and writes OUT/restart.json: per node the seconds from the new router's start to its
 registration and from registration to its index entries, with the heartbeat intervals.
+
+``--ttft-rate R`` adds the client's view: R requests per second (Poisson; each a warmed
+tenant's prompt plus a new ~60-word turn, streamed, ``wait_for_ready`` so that a request sent
+while the router is down waits for the new one) run through every repeat; the router is
+restarted ``--ttft-before`` seconds into each and the stream continues ``--ttft-after``
+seconds. The level is the p90 TTFT of the requests sent in the ``--ttft-before`` seconds
+before the stop; TTFT is back when every later 1 s bin (by send time) has its p90 within
+``max(1.25 x level, level + 10 ms)``: ``ttft_recovered_s`` is that bin's start after the stop.
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--tenants-per-node", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ttft-rate", type=float, default=0.0,
+                   help="requests/s through each restart (0: index timing only)")
+    p.add_argument("--ttft-before", type=float, default=10.0)
+    p.add_argument("--ttft-after", type=float, default=15.0)
 
 
 def _free_port() -> int:
@@ -48,6 +60,75 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class _Stream:
+    """The ``--ttft-rate`` client: streamed requests sent open loop until stopped; records
+    (send time, TTFT or None, status) with times from ``t0``."""
+
+    def __init__(self, address: str, prompts: list[str], rate: float, seed: int) -> None:
+        self.address, self.prompts, self.rate = address, prompts, rate
+        self.rng = random.Random(seed)
+        self.t0 = time.perf_counter()
+        self.records: list[tuple[float, float | None, str]] = []
+        self.stop = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def _one(self, stub: Any, text: str) -> None:
+        sent = time.perf_counter()
+        req = inference_pb2.GenerateRequest(model="sim", text=text)
+        req.sampling.max_tokens = 8
+        req.sampling.ignore_eos = True
+        ttft: float | None = None
+        status = "OK"
+        try:
+            async for msg in stub.GenerateStream(req, timeout=60, wait_for_ready=True):
+                if ttft is None and msg.token_ids:
+                    ttft = time.perf_counter() - sent
+        except grpc.aio.AioRpcError as e:
+            status = e.code().name
+        self.records.append((sent - self.t0, ttft, status))
+
+    async def run(self) -> None:
+        opts = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.max_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 20)]
+        async with grpc.aio.insecure_channel(self.address, options=opts) as ch:
+            stub = inference_pb2_grpc.InferenceStub(ch)
+            while not self.stop.is_set():
+                text = self.rng.choice(self.prompts) + " user: " + _words(self.rng, 60)
+                t = asyncio.ensure_future(self._one(stub, text))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+                await asyncio.sleep(self.rng.expovariate(self.rate))
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=60)
+
+
+def _p90(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.9 * len(xs)))] if xs else float("nan")
+
+
+def ttft_recovery(records: list[tuple[float, float | None, str]], stop_s: float,
+                  before_s: float) -> dict[str, Any]:
+    """The level before the stop, 1 s bins after it, and when TTFT was back (module doc)."""
+    pre = [t for s, t, _ in records if stop_s - before_s <= s < stop_s and t is not None]
+    level = _p90(pre)
+    bound = max(1.25 * level, level + 0.010)
+    end = max((s for s, _, _ in records), default=stop_s)
+    bins = []
+    k = 0
+    while stop_s + k < end:
+        xs = [t for s, t, _ in records if stop_s + k <= s < stop_s + k + 1 and t is not None]
+        bins.append({"from_s": k, "n": len(xs), "p90_s": _p90(xs)})
+        k += 1
+    back = None
+    for i in range(len(bins)):
+        if all(b["n"] == 0 or b["p90_s"] <= bound for b in bins[i:]):
+            back = bins[i]["from_s"]
+            break
+    return {"level_p90_s": level, "bound_s": bound, "bins": bins, "ttft_recovered_s": back,
+            "failed": sum(1 for s, _, st in records if s >= stop_s - before_s and st != "OK")}
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -70,16 +151,24 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         while len(router.registry) < a.nodes:
             await asyncio.sleep(0.01)
+        prompts: list[str] = []
         async with grpc.aio.insecure_channel(router.address) as ch:
             stub = inference_pb2_grpc.InferenceStub(ch)
             rng = random.Random(1)
             for k in range(a.nodes * a.tenants_per_node):
                 text = f"tenant {k}. " + _words(rng, 4000)
+                prompts.append(text)
                 req = inference_pb2.GenerateRequest(model="sim", text=text)
                 req.sampling.max_tokens = 2
                 await stub.Generate(req, timeout=60)
         await asyncio.sleep(1.0)
-        for _ in range(a.repeats):
+        for rep_i in range(a.repeats):
+            stream = task = None
+            if a.ttft_rate > 0:
+                stream = _Stream(router.address, prompts, a.ttft_rate, rep_i)
+                task = asyncio.ensure_future(stream.run())
+                await asyncio.sleep(a.ttft_before)
+            stop_s = time.perf_counter() - stream.t0 if stream else 0.0
             before = dict(router.locality.indexes.model("sim").nodes())
             await router.stop(0.2)
             router = RouterServer(cfg)
@@ -102,6 +191,16 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                                                   statistics.median(gaps)},
                    "all_indexed_after_start_s": max(full.values()),
                    "blocks": sum(before.values())}
+            if stream is not None and task is not None:
+                await asyncio.sleep(max(0.0, a.ttft_after - (time.perf_counter() - t0)))
+                stream.stop.set()
+                await task
+                rep["ttft"] = ttft_recovery(stream.records, stop_s, a.ttft_before)
+                rep["ttft"]["rate_req_per_s"] = a.ttft_rate
+                print(f"TTFT p90 before {rep['ttft']['level_p90_s'] * 1000:.1f} ms; back "
+                      f"within {rep['ttft']['bound_s'] * 1000:.1f} ms from "
+                      f"{rep['ttft']['ttft_recovered_s']} s after the stop; "
+                      f"{rep['ttft']['failed']} failed", flush=True)
             doc["repeats"].append(rep)
             print(f"all nodes' blocks back {rep['all_indexed_after_start_s']:.3f} s after the "
                   f"router started; after each node's registration: median "
