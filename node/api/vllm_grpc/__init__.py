@@ -31,13 +31,15 @@ Field semantics follow the reference servicer (smg-grpc-servicer 0.14.1), field 
   ``pending_prefill_tokens`` (prompt tokens admitted with no first token yet, every client's).
   vLLM's servicer estimates the same quantity from the requests it forwarded that the engine
   has not started; the ledger's figure also holds a request whose prefill is in progress.
-- ``SubscribeKvEvents`` pushes the servicer's load record (``KvEventBatch.load``, the same
-  figures as ``GetLoads``) as ``load_only`` batches numbered 0, from the subscription on (what a
-  subscriber setting ``load_records_before_first_batch`` expects), paced like the reference's
-  ``LoadRecorder``: checked every 0.1 s, sent when it moved, and as a heartbeat after 1 s of
-  silence (5 s after two unchanged heartbeats). No KV block events: the simulator models no
-  prefix cache, and relaying a real vLLM engine's ZMQ KV events is not implemented here, so a
-  cache-aware gateway falls back to its own approximation for these workers.
+- ``SubscribeKvEvents`` streams the node's KV block events (``kv_stream.KvEventLog``, on a
+  node with ``kv_events``: stored blocks with their token ids and parent chain, removals,
+  clears, in the form SMG's event-driven ``cache_aware`` consumes; a snapshot first, numbered
+  batches, resume from a kept sequence, else OUT_OF_RANGE / DATA_LOSS), each batch carrying
+  the servicer's load record (``KvEventBatch.load``, the same figures as ``GetLoads``), and
+  ``load_only`` batches repeating the last sequence sent (0 before any; the first one before
+  anything else when the subscriber sets ``load_records_before_first_batch``), paced like the
+  reference's ``LoadRecorder``: checked every 0.1 s, sent when the record moved, and as a
+  heartbeat after 1 s of silence (5 s after two unchanged heartbeats).
 - ``HealthCheck`` is unhealthy while the node drains (the reference: while the engine has
   errored). Embed, GetTokenizer, FlushCache and profiling stay UNIMPLEMENTED.
 """

@@ -254,12 +254,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                         "subscribe from 0 for a snapshot")
                     return
                 cursor, backlog = start, kv.after(start)
-            elif kv.held:
-                backlog = kv.snapshot()
-                cursor = kv.seq
             else:
                 kv.flush()
-                cursor = kv.seq
+                if kv.seq:   # a snapshot (maybe of no block) brings the cursor up to date
+                    backlog = kv.snapshot()
         elif request.start_sequence_number:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE,
                                 "this node keeps no KV event history")
@@ -271,9 +269,20 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         last: cpb.EngineLoad | None = None
         last_sent = 0.0
         idle_beats = 0
+        first_load = request.load_records_before_first_batch
         try:
             while True:
                 cur = self.load_record()
+                if first_load:   # the record before the first batch (sequence 0)
+                    first_load = False
+                    sample += 1
+                    rec = cpb.EngineLoad()
+                    rec.CopyFrom(cur)
+                    rec.sample = sample
+                    rec.load_only = True
+                    last, last_sent = cur, self._clock()
+                    yield cpb.KvEventBatch(sequence_number=cursor, timestamp=time.time(),
+                                           dp_rank=0, load=rec)
                 if kv is not None:
                     kv.flush()
                     if not backlog:
