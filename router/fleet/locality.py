@@ -26,6 +26,7 @@ the others), ``precise`` (events only), ``approximate`` (records only, events ig
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -105,6 +106,7 @@ class PrefixLocality:
         self._specs = dict(tokenizers or {})
         self._engine_of = engine_of
         self._tokenizers: dict[str, PromptTokenizer | None] = {}
+        self._loading: dict[str, asyncio.Future[PromptTokenizer | None]] = {}
         self._worker: SerialWorker | None = None
         self.max_prompt_blocks = max_prompt_blocks
         self.gaps = 0
@@ -117,9 +119,21 @@ class PrefixLocality:
 
     async def _tokenizer(self, model: str) -> PromptTokenizer | None:
         """The model's tokenizer, loaded once on the worker thread (an HF tokenizer takes
-        a while); None without one (no node of the model known yet: decided again later)."""
+        a while); None without one (no node of the model known yet: decided again later).
+        Requests that arrive while it loads wait for that one load: a load each would queue
+        on the serial worker ahead of every prompt's tokenization (a burst of N first
+        requests would wait N loads)."""
         if model in self._tokenizers:
             return self._tokenizers[model]
+        pending = self._loading.get(model)
+        if pending is None:
+            pending = asyncio.ensure_future(self._load(model))
+            self._loading[model] = pending
+            pending.add_done_callback(lambda _f: self._loading.pop(model, None))
+        # shielded: one waiter's cancellation must not cancel the load the others wait for
+        return await asyncio.shield(pending)
+
+    async def _load(self, model: str) -> PromptTokenizer | None:
         spec = self._specs.get(model, "")
         if not spec and self._engine_of is not None:
             engine = self._engine_of(model)
