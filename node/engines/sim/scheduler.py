@@ -62,7 +62,13 @@ class SimScheduler:
 
     def add(self, req: SimRequest) -> None:
         """The admission path: the request joins the waiting queue (the next step may admit
-        it). The caller has checked its id is new and its prompt fits."""
+        it). The caller has checked its id is new and its prompt fits the context. Raises
+        ValueError (adding nothing) when its prompt and its longest output could not fit the
+        KV cache even alone: it could never finish (vLLM rejects such a request too)."""
+        if -(-(req.prompt_len + req.max_out) // self._block) > self._total_blocks:
+            raise ValueError(
+                f"request {req.id!r}: {req.prompt_len} prompt + {req.max_out} output tokens "
+                f"exceed the KV cache of {self._total_blocks * self._block} tokens")
         self._reqs[req.id] = req
         self._waiting.append(req)
 
@@ -76,7 +82,10 @@ class SimScheduler:
         if not self._running and not self._waiting:
             return None
         scheduled, n_dec, n_pre = self._schedule()
-        if not scheduled:  # cannot happen with a valid config; never spin
+        if not scheduled and not self._running:
+            # every running request was preempted (no admission in that step): admit now
+            scheduled, n_dec, n_pre = self._schedule()
+        if not scheduled:  # cannot happen: a request alone always fits (add); never spin
             return None
         dt = self.step_time_s(n_dec, n_pre)
         self._steps += 1
@@ -242,19 +251,9 @@ class SimScheduler:
             waiting = self._waiting
             while waiting and len(running) < cfg.max_num_seqs and budget > 0:
                 req = waiting[0]
-                if req.computed == 0 and req.hashes and self.prefix is not None:
-                    if not self._lookup(req):
-                        break  # KV full: it waits
-                n = req.prompt_len + len(req.out) - req.computed
-                if n > budget:  # noqa: PLR1730
-                    n = budget
-                need = -(-(req.computed + n) // B) - req.blocks
-                if need > self._free_blocks:
-                    break  # KV full: it waits
-                if self.prefix is not None:
-                    self.prefix.make_room(self._free_blocks, need)
-                self._free_blocks -= need
-                req.blocks += need
+                n = self._admit(req, budget)
+                if n == 0:
+                    break  # KV full: it waits (holding no block)
                 waiting.popleft()
                 running.append(req)
                 scheduled.append((req, n))
@@ -305,27 +304,49 @@ class SimScheduler:
             self._running = [r for r in self._running if r.finish is None]
         return firsts, done
 
-    def _lookup(self, req: SimRequest) -> bool:
-        """Shares the cached leading blocks of ``req``'s prompt with it (they skip prefill; at
-        least the last prompt token is computed); False when the KV cannot take it now."""
-        cache = self.prefix
-        assert cache is not None
+    def _admit(self, req: SimRequest, budget: int) -> int:
+        """Allocates the KV of a waiting request's first chunk (at most ``budget`` tokens),
+        all or nothing as vLLM's ``allocate_slots``: its cached leading prompt blocks are
+        shared with it (they skip prefill; at least the last prompt token is computed) and
+        empty blocks taken for the rest of the chunk. Returns the chunk's tokens, or 0 when
+        the KV cannot take it now; then nothing changed, so a waiting request never holds a
+        block (one that did could keep the KV from ever fitting the requests ahead of it)."""
+        assert req.blocks == 0 and not req.cached, "a waiting request holds no KV block"
         B = self._block
-        k = min(cache.match(req.hashes), (req.prompt_len - 1) // B)
+        cache = self.prefix
+        hashes = req.hashes if cache is not None else ()
+        k = taken = 0
+        if hashes:
+            assert cache is not None
+            k = min(cache.match(hashes), (req.prompt_len - 1) // B)
         if k > 0:
-            hit = req.hashes[:k]
+            assert cache is not None
+            refs = cache._refs
+            taken = sum(1 for h in hashes[:k] if refs[h] == 0)  # evictable ones leave "free"
             # the rest of the prompt's first chunk must fit beside the shared blocks
             rest = min(req.prompt_len - k * B, self.config.max_num_batched_tokens)
-            taken = sum(1 for h in hit if cache._refs[h] == 0)
             if -(-rest // B) > self._free_blocks - taken:
-                return False
-            self._free_blocks -= cache.acquire(hit)
-            req.cached = list(hit)
-            req.blocks = k
-            req.computed = k * B
-            req.upto = k
-        cache.record_lookup(req.prompt_len, k * B)
-        return True
+                return 0
+        n = req.prompt_len + len(req.out) - k * B
+        if n > budget:  # noqa: PLR1730
+            n = budget
+        need = -(-(k * B + n) // B) - k
+        if need + taken > self._free_blocks:
+            return 0
+        if hashes:
+            assert cache is not None
+            if k > 0:
+                hit = hashes[:k]
+                self._free_blocks -= cache.acquire(hit)
+                req.cached = list(hit)
+                req.upto = k
+            cache.record_lookup(req.prompt_len, k * B)
+        if cache is not None:
+            cache.make_room(self._free_blocks, need)
+        req.computed = k * B
+        req.blocks = k + need
+        self._free_blocks -= need
+        return n
 
     def _cache_blocks(self, req: SimRequest) -> None:
         """Caches the prompt blocks ``req`` has now fully computed (vLLM caches each full
