@@ -14,10 +14,12 @@ Model of the GPU (one asyncio task per engine runs continuous-batching steps):
   Tokens sampled in a step appear when the step ends (the first token when a request's last
   prefill chunk ends).
 - KV cache: ``kv_capacity_tokens`` in blocks of ``kv_block_size``; a step only schedules the
-  tokens whose blocks it can allocate. A waiting request that does not fit stays waiting;
-  when a running request cannot grow, the newest running request is preempted (its KV is
-  freed and it recomputes prompt + generated tokens when readmitted, vLLM's RECOMPUTE
-  mode), and no new request is admitted in that step.
+  tokens whose blocks it can allocate. A waiting request that does not fit stays waiting,
+  holding no block (admission allocates its first chunk, shared prefix blocks included,
+  all or nothing); when a running request cannot grow, the newest running request is
+  preempted (its KV is freed and it recomputes prompt + generated tokens when readmitted,
+  vLLM's RECOMPUTE mode), and no new request is admitted in that step. A request whose
+  prompt and maximum output exceed the KV cache even alone is refused when added.
 - ``front_end_tokens_per_s`` (0 = none): the node's front-end ceiling. A real node's vLLM
   front end (output processing, detokenising, the gRPC servicer) is one Python process and
   tops out at a host-dependent output-token rate whatever the GPU does; a step that samples
