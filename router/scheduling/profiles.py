@@ -100,25 +100,23 @@ class WeightedLeastLoad:
         self.wait_model = wait_model
         self._w = (self.weights.get("expected_wait", 0.0), self.weights.get("kv_headroom", 0.0),
                    self.weights.get("least_request", 0.0))
-        self._memo: dict[str, tuple[Candidate, float, float]] = {}
+        self._memo: dict[str, tuple[Candidate, float, float, float]] = {}
 
-    def _base(self, c: Candidate) -> tuple[float, float]:
-        """(wait, weighted KV + least-request part of the total) for ``c``, memoised."""
+    def _base(self, c: Candidate) -> tuple[float, float, float]:
+        """(wait, weighted KV part, weighted least-request part of the total) for ``c``,
+        memoised."""
         hit = self._memo.get(c.node_id)
         if hit is not None and hit[0] is c:
-            return hit[1], hit[2]
+            return hit[1], hit[2], hit[3]
         m = self.wait_model
         _, wk, wl = self._w
         wait = scorers.expected_wait_s(c, m)
-        rest = 0.0
-        if wk:
-            rest += wk * scorers.kv_headroom(c, m)
-        if wl:
-            rest += wl * scorers.least_request(c)
+        kv = wk * scorers.kv_headroom(c, m) if wk else 0.0
+        lr = wl * scorers.least_request(c) if wl else 0.0
         if len(self._memo) > 65_536:
             self._memo.clear()   # departed nodes' entries; the cache refills as it is read
-        self._memo[c.node_id] = (c, wait, rest)
-        return wait, rest
+        self._memo[c.node_id] = (c, wait, kv, lr)
+        return wait, kv, lr
 
     def cost_s(self, c: Candidate, request: RequestInfo) -> float:
         """The estimate the expected_wait score is taken of: the wait plus the weighted
@@ -143,12 +141,16 @@ class WeightedLeastLoad:
     def total(self, c: Candidate, request: RequestInfo = RequestInfo("", 0)) -> float:
         """``score(c, request).total`` (the same float), without building the score record."""
         m = self.wait_model
-        wait, rest = self._base(c)
+        wait, kv, lr = self._base(c)
         if m.service_weight:
             wait += m.service_weight * scorers.expected_service_s(c, m, request)
         if m.admission_weight:
             wait += m.admission_weight * scorers.expected_admission_s(c, m, request)
-        return self._w[0] * scorers.wait_score(wait, m) + rest
+        # A request whose prefix some node holds is placed without the in-flight count: at
+        # low load one request more or less outweighs a whole prefill's saving there, while
+        # the expected wait already carries every node's load (docs/routing.md).
+        return self._w[0] * scorers.wait_score(wait, m) + kv + (0.0 if request.cached_tokens
+                                                                 else lr)
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision:

@@ -342,3 +342,16 @@ def test_service_time_sends_long_outputs_to_fast_nodes(output_tokens: int, servi
     d = select(profile, [fast, slow], RequestInfo("m", 32, output_tokens=output_tokens),
                random.Random(0), default_filters(0.92))
     assert d.node_id == expected
+
+
+def test_prefix_holder_wins_over_in_flight_count_in_the_default_blend() -> None:
+    """With the default weights (least_request 8) a request whose 2,000-token prefix node
+    ``holder`` has cached goes there although it has one more request in flight; without a
+    cached prefix the in-flight count decides."""
+    profile = build_profile("weighted_least_load",
+                            {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 8.0}, WM)
+    cs = [cand("holder", in_flight=2), cand("other", in_flight=1)]
+    plain = RequestInfo("m", 2000)
+    cached = RequestInfo("m", 2000, cached_tokens={"holder": 1984})
+    assert select(profile, cs, plain, random.Random(0), ()).node_id == "other"
+    assert select(profile, cs, cached, random.Random(0), ()).node_id == "holder"
