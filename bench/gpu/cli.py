@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import gpumesh_bench.gpu as package
-from gpumesh_bench.gpu.doors import DOORS, doors_need, phase_doors, phase_uneq
+from gpumesh_bench.gpu.doors import (
+    DOORS,
+    UNEQ_CONCURRENCY,
+    doors_need,
+    phase_doors,
+    phase_uneq,
+)
 from gpumesh_bench.gpu.doorsreport import doors_markdown
 from gpumesh_bench.gpu.env import POLICIES, Env
 from gpumesh_bench.gpu.group import nvidia_smi, wait_gpus_free
@@ -170,7 +176,8 @@ def cmd_run(a: argparse.Namespace) -> int:
              "doors7": lambda: phase_doors(env, "7b", "doors7", rounds=a.rounds,
                                            doors=doors, concurrency=a.door_concurrency,
                                            engines=door_engines),
-             "uneq05": lambda: phase_uneq(env, rounds=a.rounds),
+             "uneq05": lambda: phase_uneq(env, rounds=a.rounds,
+                                           concurrency=a.door_concurrency or UNEQ_CONCURRENCY),
              "prefix05": lambda: phase_prefix(env, rounds=a.rounds, work=PrefixWorkload(
                  tenants=a.prefix_tenants, system_words=a.prefix_system_words,
                  concurrency=a.prefix_concurrency)),
@@ -273,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--door-engines", default="1,2",
                    help="doors05/doors7: one engine per door (1), two sharing the GPU (2) or both")
     r.add_argument("--door-concurrency", type=int, default=0,
-                   help="doors05/doors7: concurrency of every door (0: the phase's default)")
+                   help="doors05/doors7/uneq05: concurrency of every door (0: the phase's default)")
     r.add_argument("--prefix-tenants", type=int, default=PrefixWorkload.tenants,
                    help="prefix05: tenants of the shared-prefix workload")
     r.add_argument("--prefix-system-words", type=int, default=PrefixWorkload.system_words,
