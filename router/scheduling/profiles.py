@@ -146,11 +146,12 @@ class WeightedLeastLoad:
             wait += m.service_weight * scorers.expected_service_s(c, m, request)
         if m.admission_weight:
             wait += m.admission_weight * scorers.expected_admission_s(c, m, request)
-        # A request whose prefix some node holds is placed without the in-flight count: at
-        # low load one request more or less outweighs a whole prefill's saving there, while
-        # the expected wait already carries every node's load (docs/routing.md).
-        return self._w[0] * scorers.wait_score(wait, m) + kv + (0.0 if request.cached_tokens
-                                                                 else lr)
+        # A request whose prefix some node holds, or whose session has a node, is placed
+        # without the in-flight count: at low load one request more or less outweighs a whole
+        # prefill's saving or the affinity term, while the expected wait already carries every
+        # node's load and affinity has its own load bound (docs/routing.md).
+        steered = request.cached_tokens or request.session_node
+        return self._w[0] * scorers.wait_score(wait, m) + kv + (0.0 if steered else lr)
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision:
