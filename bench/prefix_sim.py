@@ -9,8 +9,12 @@ router's real Registry / AdmissionQueue / profiles / prefix index, the simulated
 scheduler and prefix cache, heartbeats and KV events with network delay).
 
 Fleet: ``--nodes`` nodes of the ``7b-h200`` shape with ``--kv-tokens`` of KV each (about a
-quarter of all tenants' system prompts), one router. Setups: ``least_request``,
-``wll`` (weighted_least_load, ``prefix_locality = off``), ``approximate``, ``precise``.
+quarter of all tenants' system prompts), one router. Every request carries its
+conversation's id as its routing key, as a live client's would. Setups (as
+``gpumesh bench prefix`` defines them): ``least_request``; ``wll`` (weighted_least_load,
+``prefix_locality = off``, ``affinity_weight = 0``); ``approximate`` and ``precise`` (the
+locality mode, ``affinity_weight = 0``); ``affinity`` (weighted_least_load,
+``prefix_locality = off``, session affinity on the routing key with ``affinity_weight = 1``).
 
 Load is relative to the capacity of ``least_request`` on this workload: a closed-loop
 saturation run (``gpumesh_bench.sim.grid.capacity``'s method: completions per second between
@@ -44,27 +48,32 @@ from gpumesh_bench.sim.metrics import SLOSpec, run_metrics
 from gpumesh_bench.sim.workloads import Arrival, Workload
 from gpumesh_bench.tenants import TenantSpec, iter_tenant_requests
 
-SETUPS: dict[str, tuple[str, str]] = {   # name -> (policy, prefix_locality)
-    "least_request": ("least_request", "off"),
-    "wll": ("weighted_least_load", "off"),
-    "approximate": ("weighted_least_load", "approximate"),
-    "precise": ("weighted_least_load", "precise"),
+# name -> (policy, prefix_locality, affinity_weight)
+SETUPS: dict[str, tuple[str, str, float]] = {
+    "least_request": ("least_request", "off", 0.0),
+    "wll": ("weighted_least_load", "off", 0.0),
+    "approximate": ("weighted_least_load", "approximate", 0.0),
+    "precise": ("weighted_least_load", "precise", 0.0),
+    "affinity": ("weighted_least_load", "off", 1.0),
 }
 
 
-def fleet(nodes: int, kv_tokens: int, locality: str) -> FleetSpec:
+def fleet(nodes: int, kv_tokens: int, locality: str, affinity_weight: float = 0.0
+          ) -> FleetSpec:
     eng = SimEngineConfig.for_shape("7b-h200", model_name="sim-model", time_scale=0.0,
                                     kv_capacity_tokens=kv_tokens, max_context_length=8192,
                                     max_num_seqs=64)
     return FleetSpec(f"tenants-{nodes}x7b", tuple(NodeSpec(f"n{i:02d}", replace(eng, seed=i), 1.0)
                                                   for i in range(nodes)),
-                     router={"prefix_locality": locality})
+                     router={"prefix_locality": locality,
+                             "affinity_weight": affinity_weight})
 
 
 def arrivals(spec: TenantSpec, n: int, warm: int = 0, warm_rate: float = 0.0
              ) -> list[Arrival]:
-    """``n`` requests of the tenant workload, tokenized and hashed as the engine does; the
-    first ``warm`` of them at ``warm_rate`` (Poisson), the others at ``spec.rate``."""
+    """``n`` requests of the tenant workload, tokenized and hashed as the engine does, each
+    with its conversation's id as routing key; the first ``warm`` of them at ``warm_rate``
+    (Poisson), the others at ``spec.rate``."""
     tok = SimTokenizer()
     gaps = random.Random(spec.seed ^ 0xA11)
     out: list[Arrival] = []
@@ -78,7 +87,8 @@ def arrivals(spec: TenantSpec, n: int, warm: int = 0, warm_rate: float = 0.0
                 t += gaps.expovariate(warm_rate if len(out) < warm else spec.rate)
         else:
             t = r.arrival_s
-        out.append(Arrival(r.index, t, len(ids), r.max_tokens, tuple(block_hashes(ids))))
+        out.append(Arrival(r.index, t, len(ids), r.max_tokens, tuple(block_hashes(ids)),
+                           r.conversation))
     return out
 
 
@@ -128,9 +138,9 @@ def main(a: argparse.Namespace) -> int:
             w = Workload("tenants", arrivals(replace(base, rate=load * cap, seed=seed),
                                              a.requests, warm, a.warm_load * cap), [])
             for s in setups:
-                policy, locality = SETUPS[s]
+                policy, locality, affinity = SETUPS[s]
                 t = time.process_time()
-                res = simulate(fleet(a.nodes, a.kv_tokens, locality), w, policy, seed)
+                res = simulate(fleet(a.nodes, a.kv_tokens, locality, affinity), w, policy, seed)
                 m = run_metrics(res, slo, warmup=max(0.2, a.warm_fraction + 0.05))
                 m.update({"setup": s, "load": load, "seed": seed,
                           "cpu_s": time.process_time() - t})

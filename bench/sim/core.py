@@ -8,6 +8,8 @@ What runs as in production (the same objects, driven by the virtual clock):
   ``router.dispatch.AdmissionQueue``'s decision (filters, the profile, sampling on large
   fleets) and the proxy charge the dispatcher makes (``Registry.charge``; the credit's
   ``first_token`` at the first token, ``finish`` at the end); ``Registry.expire`` every 0.5 s;
+  the profile wrapped in the session-affinity and adapter terms (``scheduling.steering``) and
+  the ``SessionTable`` the dispatcher reads and updates for an arrival with a routing key;
 - per node: ``node.engines.sim.SimScheduler`` (continuous batching, chunked prefill, KV
   blocks, preemption, the step-time model, the prefix cache, the load signals), the node's
   ``AdmissionLedger`` (per-router accounts) and ``node.report.build_load_report`` (the
@@ -39,6 +41,7 @@ from gpumesh.router.dispatch.admission import AdmissionQueue
 from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.fleet.locality import PrefixLocality, prefill_tokens
 from gpumesh.router.fleet.prefix_index import PrefixIndexes
+from gpumesh.router.fleet.sessions import SessionTable
 from gpumesh.router.scheduling import (
     NoCandidate,
     RequestInfo,
@@ -46,6 +49,7 @@ from gpumesh.router.scheduling import (
     build_profile,
     default_filters,
 )
+from gpumesh.router.scheduling.steering import SteeringModel, steer
 from gpumesh.types import ModelSpec, Registration
 from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec
 from gpumesh_bench.sim.workloads import Arrival, FleetEvent, Workload
@@ -136,7 +140,7 @@ class _Node:
 
 
 class _Router:
-    __slots__ = ("admission", "credits", "locality", "registry", "router_id")
+    __slots__ = ("admission", "credits", "locality", "registry", "router_id", "sessions")
 
     def __init__(self, router_id: str, config: RouterConfig, clock: Callable[[], float],
                  rng: random.Random) -> None:
@@ -147,7 +151,12 @@ class _Router:
                                  known_model_retention_s=config.known_model_retention_s,
                                  peer_share_half_life_s=config.peer_share_half_life_s,
                                  step_from_report=config.step_from_report, clock=clock)
-        profile = build_profile(config.policy, config.scorer_weights, wait_model(config))
+        # as router.app builds them: the profile with the request terms, the session table
+        profile = steer(build_profile(config.policy, config.scorer_weights, wait_model(config)),
+                        SteeringModel(config.affinity_weight, config.affinity_epsilon,
+                                      config.adapter_weight, config.adapter_load_s,
+                                      config.wait_scale_s))
+        self.sessions = SessionTable(config.affinity_max_keys, config.affinity_ttl_s, clock)
         self.admission = AdmissionQueue(self.registry, profile,
                                         default_filters(config.kv_hard_threshold), rng, clock,
                                         queue_bound=config.queue_bound,
@@ -250,6 +259,10 @@ class Simulation:
         rec.router = ri
         router = self.routers[ri]
         info = RequestInfo(MODEL, a.prompt_tokens, output_tokens=a.output_tokens)
+        key = a.routing_key   # session affinity as the dispatcher does it (_assign)
+        if key:
+            info = replace(info, routing_key=key,
+                           session_node=router.sessions.lookup(MODEL, key))
         loc = router.locality
         if loc is not None and a.blocks:
             info = loc.annotate(replace(info, prefix_hashes=a.blocks))
@@ -264,6 +277,8 @@ class Simulation:
                                                          prefill_tokens(info, d.node_id))
         if loc is not None and a.blocks:
             loc.routed(info, d.node_id)
+        if key:
+            router.sessions.remember(MODEL, key, d.node_id)
         rec.node_id = d.node_id
         self._push(self.now + self.delay, _NODE_RECV, (a, ri, d.node_id))
 

@@ -46,13 +46,15 @@ class Arrival:
     """One request: arrival (simulated seconds from the start), prompt and output lengths
     (tokens; the output is max_tokens, always generated in full), and optionally the prompt's
     full-block structure (``blocks``: one id per full 16-token block; equal ids = equal
-    content with equal content before it)."""
+    content with equal content before it); ``routing_key`` the request's session key (a
+    live request's ``GenerateRequest.routing_key``; "" = none)."""
 
     index: int
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
     blocks: tuple[int, ...] = ()
+    routing_key: str = ""
 
 
 @dataclass(frozen=True)
