@@ -6,7 +6,12 @@ For node n with a fresh report (age <= freshness window)::
            or in prefill, as the node counted them)
     C    = prompt tokens of THIS router's requests to n that have not produced their first
            token and were not yet in that report (dispatch ordinal > the report's
-           RouterAccount.admitted_requests for this router); U = how many requests that is
+           RouterAccount.admitted_requests for this router); U = how many requests that is.
+           Each request counts what n will prefill of it: its prompt less the prefix n held
+           when it was dispatched (``RequestInfo.cached_tokens``; router/fleet/locality.py
+           ``prefill_tokens``, what the dispatch charges), so a node that holds a prefix
+           neither queues nor allocates KV for that part; a node without it counts the
+           whole prompt
     T    = max(n's prefill_capacity_tokens_per_s, n's prompt_tokens_per_s) when n reports a
            capacity (> 0) and ``prefill_from_capacity`` is on (the default, below); else
            max(n's prompt_tokens_per_s, reference_prompt_tokens_per_s)   (floor / fallback)
