@@ -49,7 +49,7 @@ from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh.launcher import stop_all
 from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec
 from gpumesh_bench.loadgen import BenchRequest, LoadConfig, RequestResult, drive, send_message
-from gpumesh_bench.smg_clients import SMG_ROUTED_HEADER
+from gpumesh_bench.smg_clients import stream_completion
 from gpumesh_bench.smg_gateway import SmgGateway, SmgSpec
 from gpumesh_bench.stats import SLO, percentile
 from gpumesh_bench.tenants import TenantRequest, TenantSpec, trace
@@ -73,48 +73,14 @@ def nominal_capacity(nodes: int, mean_prompt_tokens: float, budget: int = 16384)
 async def http_send(session: Any, base: str, model: str, text: str, n_ids: int,
                     worker_nodes: dict[str, str], r: BenchRequest, cfg: LoadConfig,
                     t0: float) -> RequestResult:
-    """One streamed ``/v1/completions`` request through SMG: TTFT at the first SSE event with
-    text, node from SMG's routed-worker header; an error when SMG's prompt token count is not
-    the ``n_ids`` the gpumesh paths send."""
-    import aiohttp
-
+    """One streamed ``/v1/completions`` request through SMG (``stream_completion``); an error
+    when SMG's prompt token count is not the ``n_ids`` the gpumesh paths send."""
     body = {"model": model, "prompt": text, "max_tokens": r.max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft: float | None = None
-    tokens = chunks = prompt = 0
-    status, err, node, done = "OK", "", "", False
-    try:
-        async with session.post(base + "/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
-            node = worker_nodes.get(resp.headers.get(SMG_ROUTED_HEADER, ""), "")
-            if resp.status != 200:
-                status, err = f"HTTP_{resp.status}", (await resp.text())[:200]
-            else:
-                async for line in resp.content:
-                    if line.startswith(b"data: [DONE]"):
-                        done = True
-                    elif line.startswith(b"data: "):
-                        ev = json.loads(line[6:])
-                        ch = ev.get("choices")
-                        if ch and ch[0].get("text"):
-                            chunks += 1
-                            if ttft is None:
-                                ttft = time.perf_counter() - start
-                        u = ev.get("usage")
-                        if u:
-                            tokens = int(u.get("completion_tokens") or 0)
-                            prompt = int(u.get("prompt_tokens") or 0)
-                if not done:
-                    status, err = "INCOMPLETE", "stream ended without [DONE]"
-                elif prompt != n_ids:
-                    status, err = "PROMPT_MISMATCH", f"prompt_tokens {prompt} != {n_ids}"
-    except (aiohttp.ClientError, ValueError) as e:
-        status, err = "HTTP_ERROR", repr(e)[:200]
-    except TimeoutError:
-        status, err = "DEADLINE_EXCEEDED", "client timeout"
-    return RequestResult(r.index, start - t0, time.perf_counter() - start, ttft, tokens, prompt,
-                         status, node, chunks, err)
+    res = await stream_completion(session, base, body, worker_nodes, r, cfg, t0)
+    if res.status == "OK" and res.prompt_tokens != n_ids:
+        res.status, res.error = "PROMPT_MISMATCH", f"prompt_tokens {res.prompt_tokens} != {n_ids}"
+    return res
 
 
 async def run_one(target: str, reqs: list[TenantRequest], time_scale: float, warmup_s: float,

@@ -82,16 +82,29 @@ async def http_send(session: Any, base: str, model: str, prompts: BpePrompts,
                     worker_nodes: dict[str, str], r: BenchRequest, cfg: LoadConfig,
                     t0: float) -> RequestResult:
     """One streamed OpenAI ``/v1/completions`` request through SMG, measured like the gRPC
-    path: TTFT at the first SSE event whose text is non-empty, tokens from the final usage
-    (``stream_options.include_usage``), node from SMG's routed-worker header."""
-    import aiohttp
-
+    path (``stream_completion``); a prompt token count other than the ids sent is noted in the
+    result's error text."""
     text, ids = prompts.prompt(r.prompt_tokens, cfg.seed, r.index)
     body: dict[str, Any] = {"model": model, "prompt": text, "max_tokens": r.max_tokens,
                             "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}}
     if cfg.temperature is not None:
         body["temperature"] = cfg.temperature
+    res = await stream_completion(session, base, body, worker_nodes, r, cfg, t0)
+    if res.status == "OK" and res.prompt_tokens != len(ids):
+        res.error = f"prompt_tokens {res.prompt_tokens} != {len(ids)} sent"
+    return res
+
+
+async def stream_completion(session: Any, base: str, body: dict[str, Any],
+                            worker_nodes: dict[str, str], r: BenchRequest, cfg: LoadConfig,
+                            t0: float) -> RequestResult:
+    """POST ``body`` (a streamed ``/v1/completions`` request) to ``base`` and measure it: TTFT
+    at the first SSE event whose text is non-empty, tokens and prompt tokens from the final
+    usage (``stream_options.include_usage``), node from SMG's routed-worker header (mapped by
+    ``worker_nodes``); INCOMPLETE when the stream ends without ``[DONE]``."""
+    import aiohttp
+
     start = time.perf_counter()
     ttft: float | None = None
     tokens = chunks = prompt = 0
@@ -122,8 +135,6 @@ async def http_send(session: Any, base: str, model: str, prompts: BpePrompts,
                         prompt = int(u.get("prompt_tokens") or 0)
                 if not done:
                     status, err = "INCOMPLETE", "stream ended without [DONE]"
-                elif prompt != len(ids):
-                    err = f"prompt_tokens {prompt} != {len(ids)} sent"
     except (aiohttp.ClientError, ValueError) as e:
         status, err = "HTTP_ERROR", repr(e)[:200]
     except TimeoutError:
