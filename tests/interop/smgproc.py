@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpumesh.launcher import ChildProcess, wait_until
+from gpumesh.node.app import NodeServer
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from tests.integration.procs import free_port, log_path
 
 
@@ -94,3 +99,37 @@ def complete(base: str, body: dict, timeout_s: float = 60) -> Completion:
                 finish = c.get("finish_reason") or finish
         assert done, "stream ended without [DONE]"
         return Completion("".join(pieces), tuple(pieces), finish, usage)
+
+
+def sim_config(model_dir: Path) -> SimEngineConfig:
+    """A sim engine that emits ids inside ``model_dir``'s vocabulary (SMG detokenizes them)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return SimEngineConfig(model_name=str(model_dir), vocab_size=int(cfg["vocab_size"]),
+                           eos_token_id=int(cfg["eos_token_id"]), max_context_length=2048,
+                           kv_capacity_tokens=1_000_000)
+
+
+@contextlib.asynccontextmanager
+async def smg_over_sim_nodes(exe: Path, model_dir: Path, id_prefix: str, nodes: int = 2,
+                             policy: str = "cache_aware", extra: Sequence[str] = ()
+                             ) -> AsyncIterator[tuple[SmgProcess, list[NodeServer]]]:
+    """``nodes`` gpumesh sim nodes on loopback (ids ``{id_prefix}0``...) and a real SMG
+    gateway over their VllmEngine service, ready; both stopped on exit."""
+    servers: list[NodeServer] = []
+    smg: SmgProcess | None = None
+    try:
+        for i in range(nodes):
+            node = NodeServer(NodeConfig(port=0, engine="sim", model=str(model_dir),
+                                         served_name=str(model_dir), node_id=f"{id_prefix}{i}"),
+                              SimEngine(sim_config(model_dir)))
+            await node.start()
+            servers.append(node)
+        smg = SmgProcess(exe, [f"127.0.0.1:{n.port}" for n in servers], model_dir,
+                         policy=policy, extra=extra)
+        await asyncio.to_thread(smg.wait_ready, nodes)
+        yield smg, servers
+    finally:
+        if smg is not None:
+            smg.close()
+        for n in servers:
+            await n.stop(0)

@@ -17,10 +17,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from gpumesh.node.app import NodeServer
-from gpumesh.node.config import NodeConfig
-from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
-from tests.interop.smgproc import SmgProcess
+from tests.interop.smgproc import SmgProcess, smg_over_sim_nodes
 
 pytestmark = [pytest.mark.slow]
 tokenizers = pytest.importorskip("tokenizers")
@@ -28,31 +25,11 @@ tokenizers = pytest.importorskip("tokenizers")
 ROUTED = "x-smg-routed-worker-id"
 
 
-def _sim_config(model_dir: Path) -> SimEngineConfig:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return SimEngineConfig(model_name=str(model_dir), vocab_size=int(cfg["vocab_size"]),
-                           eos_token_id=int(cfg["eos_token_id"]), max_context_length=2048,
-                           kv_capacity_tokens=1_000_000)
-
-
 @pytest.fixture(scope="module")
 async def fleet(tiny_model_dir: Path, smg_exe: Path):
-    nodes = []
-    for i in range(2):
-        node = NodeServer(NodeConfig(port=0, engine="sim", model=str(tiny_model_dir),
-                                     served_name=str(tiny_model_dir), node_id=f"smg-x{i}"),
-                          SimEngine(_sim_config(tiny_model_dir)))
-        await node.start()
-        nodes.append(node)
-    smg = SmgProcess(smg_exe, [f"127.0.0.1:{n.port}" for n in nodes], tiny_model_dir,
-                     policy="cache_aware", extra=["--log-level", "info"])
-    try:
-        await asyncio.to_thread(smg.wait_ready, 2)
-        yield smg, nodes
-    finally:
-        smg.close()
-        for n in nodes:
-            await n.stop(0)
+    async with smg_over_sim_nodes(smg_exe, tiny_model_dir, "smg-x",
+                                  extra=["--log-level", "info"]) as pair:
+        yield pair
 
 
 def _post(base: str, body: dict) -> str:

@@ -11,49 +11,26 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.node.app import NodeServer
-from gpumesh.node.config import NodeConfig
 from gpumesh.node.engines.base import EngineRequest, Sampling
-from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
-from tests.interop.smgproc import SmgProcess, complete
+from gpumesh.node.engines.sim import SimEngine
+from tests.interop.smgproc import complete, sim_config, smg_over_sim_nodes
 
 pytestmark = [pytest.mark.slow]
 tokenizers = pytest.importorskip("tokenizers")
 
 
-def _sim_config(model_dir: Path) -> SimEngineConfig:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return SimEngineConfig(model_name=str(model_dir), vocab_size=int(cfg["vocab_size"]),
-                           eos_token_id=int(cfg["eos_token_id"]), max_context_length=2048,
-                           kv_capacity_tokens=1_000_000)
-
-
 @pytest.fixture(scope="module")
 async def fleet(tiny_model_dir: Path, smg_exe: Path):
-    nodes = []
-    for i in range(2):
-        node = NodeServer(NodeConfig(port=0, engine="sim", model=str(tiny_model_dir),
-                                     served_name=str(tiny_model_dir), node_id=f"smg-sim{i}"),
-                          SimEngine(_sim_config(tiny_model_dir)))
-        await node.start()
-        nodes.append(node)
     # cache_aware (SMG's default) is the policy that subscribes to SubscribeKvEvents.
-    smg = SmgProcess(smg_exe, [f"127.0.0.1:{n.port}" for n in nodes], tiny_model_dir,
-                     policy="cache_aware")
-    try:
-        await asyncio.to_thread(smg.wait_ready, 2)
-        yield smg, nodes
-    finally:
-        smg.close()
-        for n in nodes:
-            await n.stop(0)
+    async with smg_over_sim_nodes(smg_exe, tiny_model_dir, "smg-sim") as pair:
+        yield pair
 
 
 async def _expected(model_dir: Path, prompt: str, max_tokens: int) -> str:
     """What the sim generates for SMG's token ids, detokenized as SMG does."""
     tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tok.encode(prompt).ids
-    sim = SimEngine(dataclasses.replace(_sim_config(model_dir), time_scale=0.0))
+    sim = SimEngine(dataclasses.replace(sim_config(model_dir), time_scale=0.0))
     await sim.start()
     out: list[int] = []
     async for o in sim.generate(EngineRequest("x", tuple(ids), Sampling(
