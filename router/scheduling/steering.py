@@ -2,7 +2,9 @@
 
 ``Steered`` wraps the ``weighted_least_load`` profile (``profiles.WeightedLeastLoad``). For a
 request that names neither a known session (``RequestInfo.session_node``) nor an adapter it
-is that profile, unchanged (same totals, same picks, same memoisation). Otherwise each
+is that profile, unchanged (same totals, same picks, same memoisation); with
+``affinity_weight`` 0 a session node is dropped from the request first, so a request with a
+routing key is placed exactly as one without. Otherwise each
 candidate's total is the profile's total plus::
 
     w_affinity * session_affinity(n)   +   w_adapter * adapter(n)
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -64,9 +66,13 @@ class Steered:
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision:
+        m = self.model
+        if request.session_node and m.affinity_weight <= 0:
+            # affinity off: the key's last node means nothing to the load profile either
+            # (which places a request with a session node without its least_request term)
+            request = replace(request, session_node="")
         if not self._active(request):
             return self.inner.pick(candidates, request, rng)
-        m = self.model
         bound = affinity_bound(candidates, request, m.epsilon)
         adapter = request.adapter
         total, score = self.inner.total, self.inner.score

@@ -231,3 +231,17 @@ def test_sampled_decision_includes_the_session_node() -> None:
     free = {select_from(p, reg.candidate_source("m"), RequestInfo("m", 100), rng, FILTERS,
                         8).node_id for _ in range(50)}
     assert len(free) > 10   # without a key: wherever the sample falls
+
+
+def test_affinity_off_places_a_keyed_request_as_one_without_a_key() -> None:
+    # weighted_least_load places a request with a session node without its least_request
+    # term; with affinity off (weight 0) the session node must change nothing at all
+    weights = {"expected_wait": 1.0, "least_request": 8.0}
+    cs = [cand(0, in_flight=3, pending=0), cand(1, in_flight=0, pending=400)]
+    p = steer(build_profile("weighted_least_load", weights, WM), SteeringModel(affinity_weight=0))
+    plain = select(p, cs, RequestInfo("m", 100), random.Random(1), FILTERS)
+    keyed = select(p, cs, req("n0"), random.Random(1), FILTERS)
+    assert keyed.node_id == plain.node_id == "n1"
+    assert [s.total for s in keyed.considered] == [s.total for s in plain.considered]
+    on = steer(build_profile("weighted_least_load", weights, WM), SteeringModel(affinity_weight=1))
+    assert select(on, cs, req("n0"), random.Random(1), FILTERS).node_id == "n0"
