@@ -14,7 +14,9 @@ conversation's id as its routing key, as a live client's would. Setups (as
 ``gpumesh bench prefix`` defines them): ``least_request``; ``wll`` (weighted_least_load,
 ``prefix_locality = off``, ``affinity_weight = 0``); ``approximate`` and ``precise`` (the
 locality mode, ``affinity_weight = 0``); ``affinity`` (weighted_least_load,
-``prefix_locality = off``, session affinity on the routing key with ``affinity_weight = 1``).
+``prefix_locality = off``, session affinity on the routing key with ``affinity_weight = 1``);
+``precise_affinity`` (both: what a router with precise locality does with clients that send
+routing keys, the default ``affinity_weight``).
 
 Load is relative to the capacity of ``least_request`` on this workload: a closed-loop
 saturation run (``gpumesh_bench.sim.grid.capacity``'s method: completions per second between
@@ -55,6 +57,7 @@ SETUPS: dict[str, tuple[str, str, float]] = {
     "approximate": ("weighted_least_load", "approximate", 0.0),
     "precise": ("weighted_least_load", "precise", 0.0),
     "affinity": ("weighted_least_load", "off", 1.0),
+    "precise_affinity": ("weighted_least_load", "precise", 1.0),
 }
 
 
