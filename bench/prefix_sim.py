@@ -27,6 +27,8 @@ phase. ``--warm-fraction 0`` starts cold at the full rate. For each load and see
 is replayed under every setup (paired). Throughput at SLO: the highest load whose p90 TTFT
 stays within ``--slo-ttft-ms`` (mean over seeds), as completed requests per second.
 
+``--router KEY=VALUE`` sets a router setting (a ``RouterConfig`` field) for every setup.
+
 Results: OUT/prefix-sim.json and OUT/prefix-sim.md.
 """
 
@@ -121,6 +123,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-fraction", type=float, default=0.25,
                    help="of each run's requests, arriving first at --warm-load")
     p.add_argument("--warm-load", type=float, default=0.5)
+    p.add_argument("--router", action="append", default=[], metavar="KEY=VALUE",
+                   help="a router setting (RouterConfig field) for every setup, e.g. "
+                        "kv_penalty_s=0.05; repeatable")
+
+
+def router_settings(items: list[str]) -> dict[str, Any]:
+    """``--router KEY=VALUE`` items as RouterConfig overrides (values read as JSON where
+    they parse: numbers, true/false; else strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--router wants KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def main(a: argparse.Namespace) -> int:
@@ -129,6 +149,7 @@ def main(a: argparse.Namespace) -> int:
     setups = [s for s in a.setups.split(",") if s]
     loads = [float(x) for x in a.loads.split(",") if x]
     base = TenantSpec(tenants=a.tenants, unique=a.unique)
+    overrides = router_settings(a.router)
     t0 = time.process_time()
     cap = capacity(a.nodes, a.kv_tokens, base, max(3000, a.requests))
     print(f"least_request capacity {cap:.1f} req/s ({time.process_time() - t0:.0f} s CPU)",
@@ -143,7 +164,8 @@ def main(a: argparse.Namespace) -> int:
             for s in setups:
                 policy, locality, affinity = SETUPS[s]
                 t = time.process_time()
-                res = simulate(fleet(a.nodes, a.kv_tokens, locality, affinity), w, policy, seed)
+                res = simulate(fleet(a.nodes, a.kv_tokens, locality, affinity), w, policy, seed,
+                               router_overrides=overrides)
                 m = run_metrics(res, slo, warmup=max(0.2, a.warm_fraction + 0.05))
                 m.update({"setup": s, "load": load, "seed": seed,
                           "cpu_s": time.process_time() - t})
@@ -172,7 +194,9 @@ def markdown(doc: dict[str, Any], setups: list[str], loads: list[float]) -> str:
     a = doc["args"]
     lines = [f"least_request capacity: {doc['capacity_req_per_s']:.1f} req/s; "
              f"{a['seeds']} seeds x {a['requests']} requests per cell; TTFT in ms, mean over "
-             "seeds [min-max]", "",
+             "seeds [min-max]"
+             + (f"; router settings: {', '.join(a.get('router') or [])}" if a.get("router")
+                else ""), "",
              "| load | " + " | ".join(f"{s} p90 TTFT" for s in setups)
              + " | precise / least_request |", "|" + "---|" * (len(setups) + 2)]
     for ld in loads:
