@@ -6,6 +6,7 @@ gpumesh sim node serving the same model name) routes as one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import grpc
@@ -97,20 +98,30 @@ async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
     await _reported(router, "stock-vllm", "the foreign node in the fleet")
     stub = pb_grpc.InferenceStub(ch)
     calls: list[grpc.aio.UnaryStreamCall] = []
+    readers: list[asyncio.Task[None]] = []
     started = 0
 
+    async def drain(call: grpc.aio.UnaryStreamCall) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            async for _ in call:
+                pass
+
     async def top_up() -> None:
-        # Three long streams in flight while we look: one that finished (the tiny model can
-        # finish 400 tokens before a report shows it on a loaded machine: CI once saw the
-        # worker idle on every poll) is replaced, so the worker is busy whenever we look.
+        # Three long streams in flight while we look. The tiny model can finish 400 tokens
+        # before a report shows it on a loaded machine, so each stream is read to its end by
+        # its own task (an unread stream never reports done) and one that ended is replaced:
+        # the worker is busy whenever we look.
         nonlocal started
-        calls[:] = [c for c in calls if not c.done()]
+        live = [(c, t) for c, t in zip(calls, readers) if not t.done()]
+        calls[:] = [c for c, _ in live]
+        readers[:] = [t for _, t in live]
         fresh = [stub.GenerateStream(_req(tiny_model_dir, 400, text=f"load {started + i} " * 20),
                                      timeout=600) for i in range(3 - len(calls))]
         started += len(fresh)
         for c in fresh:
             await c.read()       # admitted and streaming
-        calls.extend(fresh)
+            calls.append(c)
+            readers.append(asyncio.create_task(drain(c)))
 
     try:
         fleet_stub = cpb_grpc.RouterStub(ch)
@@ -141,6 +152,7 @@ async def test_load_shows_in_gpumesh_status(mesh, tiny_model_dir):
     finally:
         for c in calls:
             c.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
     await _until(lambda: router.registry.ledger("stock-vllm").in_flight == 0, 120,
                  "router in-flight back to 0")
     # The worker aborted them: its next reports show it idle.
