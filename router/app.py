@@ -85,13 +85,7 @@ class RouterServer:
             credentials=(lambda: channel_credentials(self.tls.ca, self.tls.cert, self.tls.key))
             if self.tls.enabled else None)
         self.registry.add_removal_listener(lambda e: self.channels.forget(e.node_id))
-        wait_model = WaitModel(config.reference_prompt_tokens_per_s, config.kv_penalty_s,
-                               config.kv_usage_cap, config.decode_s_per_request,
-                               config.wait_scale_s, config.kv_output_allowance_tokens,
-                               config.prefill_from_capacity, config.decode_steps_per_request,
-                               config.service_weight, config.output_tokens_cap,
-                               config.admission_weight, config.service_step_from_weight,
-                               config.output_weight)
+        wait_model = WaitModel.from_config(config)
         # Session affinity and LoRA adapters on top of the load profile (scheduling.steering).
         self.profile = steer(build_profile(config.policy, config.scorer_weights, wait_model),
                              SteeringModel(config.affinity_weight,

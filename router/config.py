@@ -82,6 +82,10 @@ class RouterConfig:
     # Weight of the output term (output tokens x decode step) within that service time,
     # relative to the prompt's prefill (part of the first token's wait).
     output_weight: float = 0.6
+    # weighted_least_load adds, times this, the price of a prefix miss: on a node that lacks
+    # part of the longest prompt prefix some node holds, that part's prefill x (1 + the
+    # requests running there), the batch it stalls (docs/routing.md); 0 = none.
+    miss_weight: float = 1.0
     # The decode step: the node's own measurement (LoadReport.decode_step_s, timed between the
     # engine's steps) where it reports one; off, or from a node without it: inferred as
     # average running / generation tokens/s.
@@ -250,9 +254,9 @@ class RouterConfig:
         if self.peer_share_half_life_s < 0:
             raise ValueError("peer_share_half_life_s must be >= 0 (0 = ignore peers)")
         if (self.service_weight < 0 or self.output_tokens_cap < 0 or self.admission_weight < 0
-                or self.output_weight < 0):
-            raise ValueError("service_weight, output_tokens_cap, admission_weight and "
-                             "output_weight must be >= 0")
+                or self.output_weight < 0 or self.miss_weight < 0):
+            raise ValueError("service_weight, output_tokens_cap, admission_weight, "
+                             "output_weight and miss_weight must be >= 0")
         if (self.affinity_weight < 0 or self.affinity_epsilon < 0
                 or self.affinity_max_keys < 0 or self.affinity_ttl_s <= 0
                 or self.adapter_weight < 0 or self.adapter_load_s < 0):

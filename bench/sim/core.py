@@ -62,15 +62,6 @@ _ARRIVE, _NODE_RECV, _STEP_END, _HB_SEND, _HB_RECV, _FIRST_RECV, _END_RECV, _FLE
     _REG_RECV, _DEREG_RECV, _SWEEP, _KV_RECV = range(12)
 
 
-def wait_model(c: RouterConfig) -> WaitModel:
-    """The router's WaitModel from its config (as ``router.app`` builds it)."""
-    return WaitModel(c.reference_prompt_tokens_per_s, c.kv_penalty_s, c.kv_usage_cap,
-                     c.decode_s_per_request, c.wait_scale_s, c.kv_output_allowance_tokens,
-                     c.prefill_from_capacity, c.decode_steps_per_request, c.service_weight,
-                     c.output_tokens_cap, c.admission_weight,
-                     c.service_step_from_weight, c.output_weight)
-
-
 @dataclass
 class RequestRecord:
     """One request's outcome (simulated seconds from the run's start)."""
@@ -152,7 +143,7 @@ class _Router:
                                  peer_share_half_life_s=config.peer_share_half_life_s,
                                  step_from_report=config.step_from_report, clock=clock)
         # as router.app builds them: the profile with the request terms, the session table
-        profile = steer(build_profile(config.policy, config.scorer_weights, wait_model(config)),
+        profile = steer(build_profile(config.policy, config.scorer_weights, WaitModel.from_config(config)),
                         SteeringModel(config.affinity_weight, config.affinity_epsilon,
                                       config.adapter_weight, config.adapter_load_s,
                                       config.wait_scale_s))

@@ -127,6 +127,8 @@ class WeightedLeastLoad:
             wait += m.service_weight * scorers.expected_service_s(c, m, request)
         if m.admission_weight:
             wait += m.admission_weight * scorers.expected_admission_s(c, m, request)
+        if m.miss_weight and request.cached_tokens:
+            wait += m.miss_weight * scorers.expected_miss_s(c, m, request)
         return wait
 
     def score(self, c: Candidate, request: RequestInfo = RequestInfo("", 0)) -> CandidateScore:
@@ -146,6 +148,8 @@ class WeightedLeastLoad:
             wait += m.service_weight * scorers.expected_service_s(c, m, request)
         if m.admission_weight:
             wait += m.admission_weight * scorers.expected_admission_s(c, m, request)
+        if m.miss_weight and request.cached_tokens:
+            wait += m.miss_weight * scorers.expected_miss_s(c, m, request)
         # A request whose prefix some node holds, or whose session has a node, is placed
         # without the in-flight count: at low load one request more or less outweighs a whole
         # prefill's saving or the affinity term, while the expected wait already carries every

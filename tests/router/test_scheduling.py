@@ -355,3 +355,49 @@ def test_prefix_holder_wins_over_in_flight_count_in_the_default_blend() -> None:
     cached = RequestInfo("m", 2000, cached_tokens={"holder": 1984})
     assert select(profile, cs, plain, random.Random(0), ()).node_id == "other"
     assert select(profile, cs, cached, random.Random(0), ()).node_id == "holder"
+
+
+def test_expected_miss_s() -> None:
+    """The prefill of the part of the longest held prefix a node lacks, at its capacity, times
+    (1 + its running requests); 0 on the node holding it and when no node holds any."""
+    req = RequestInfo("m", 3000, cached_tokens={"holder": 2000, "part": 500})
+    holder = speed_cand("holder", step_s=0.01, capacity=1000.0, running=9)
+    part = speed_cand("part", step_s=0.01, capacity=1000.0, running=3)
+    other = speed_cand("other", step_s=0.01, capacity=4000.0, running=1)
+    assert scorers.expected_miss_s(holder, WM, req) == 0.0
+    assert scorers.expected_miss_s(part, WM, req) == pytest.approx(1500 / 1000 * (1 + 3))
+    assert scorers.expected_miss_s(other, WM, req) == pytest.approx(2000 / 4000 * (1 + 1))
+    assert scorers.expected_miss_s(other, WM, RequestInfo("m", 3000)) == 0.0
+    # a held prefix longer than the prompt counts as the prompt
+    short = RequestInfo("m", 100, cached_tokens={"holder": 2000})
+    assert scorers.expected_miss_s(other, WM, short) == pytest.approx(100 / 4000 * 2)
+    # no capacity reported (or prefill_from_capacity off): the floor over the weight
+    floor = cand("floor", running=4, weight=2.0)
+    assert scorers.expected_miss_s(floor, WM, req) == pytest.approx(2000 / 1000 / 2 * 5)
+    # no report: this router's in-flight requests stand for the running ones
+    stale = cand("stale", stale=True, in_flight=3)
+    assert scorers.expected_miss_s(stale, WM, req) == pytest.approx(2000 / 1000 * 4)
+
+
+def test_miss_price_keeps_a_busy_holder() -> None:
+    """A holder with more requests running than an idle node keeps the request once a miss is
+    priced by the batch it stalls (miss_weight), and loses it without; without any held
+    prefix the price is 0 and the choice is the same either way."""
+    holder = speed_cand("holder", step_s=0.01, capacity=20_000.0, running=12)
+    idle = speed_cand("idle", step_s=0.01, capacity=20_000.0, running=2)
+    cached = RequestInfo("m", 2000, cached_tokens={"holder": 1984})
+    picks = {}
+    for mw in (0.0, 1.0):
+        profile = build_profile("weighted_least_load", WEIGHTS, replace(WM, miss_weight=mw))
+        picks[mw] = [select(profile, [holder, idle], r, random.Random(0), ()).node_id
+                     for r in (cached, RequestInfo("m", 2000))]
+    assert picks[0.0] == ["idle", "idle"]
+    assert picks[1.0] == ["holder", "idle"]
+
+
+def test_wait_model_from_config_takes_every_field() -> None:
+    from gpumesh.router.config import RouterConfig
+
+    cfg = RouterConfig(miss_weight=0.5, output_weight=0.3, kv_penalty_s=0.1)
+    wm = WaitModel.from_config(cfg)
+    assert (wm.miss_weight, wm.output_weight, wm.kv_penalty_s) == (0.5, 0.3, 0.1)

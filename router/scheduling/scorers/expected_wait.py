@@ -150,7 +150,7 @@ wait_scale_s, falling towards 0 hyperbolically (monotone, so the max picks the l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from gpumesh.router.scheduling.types import Candidate, RequestInfo
 
@@ -185,6 +185,14 @@ class WaitModel:
     # Weight of the output term within the service time (the prompt's prefill is part of the
     # first token's wait and keeps weight 1); 1 = the request's whole expected time.
     output_weight: float = 0.6
+    # Weight of the prefix-miss price (``expected_miss_s``): the prefill a node would redo of
+    # a prefix another node holds, times the requests it stalls there; 0 = none.
+    miss_weight: float = 1.0
+
+    @classmethod
+    def from_config(cls, config: object) -> WaitModel:
+        """The model from a ``RouterConfig`` (its fields of the same names)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 def expected_wait_s(c: Candidate, m: WaitModel) -> float:
@@ -226,6 +234,30 @@ def expected_service_s(c: Candidate, m: WaitModel, request: RequestInfo) -> floa
             return prompt / tps + out * c.step_s
         return prompt / tps + out * m.decode_s_per_request / weight
     return (prompt / m.reference_prompt_tokens_per_s + out * m.decode_s_per_request) / weight
+
+
+def expected_miss_s(c: Candidate, m: WaitModel, request: RequestInfo) -> float:
+    """The price of a prefix miss on ``c`` (``miss`` above): the prefill of the part of the
+    longest prefix some node holds that ``c`` does not, times (1 + the requests running on
+    ``c``); 0 when no node holds a prefix of the request, and on the nodes holding the
+    longest one."""
+    if not request.cached_tokens:
+        return 0.0
+    best = min(max(request.cached_tokens.values()), request.prompt_tokens)
+    missing = best - min(request.cached_tokens.get(c.node_id, 0), best)
+    if missing <= 0:
+        return 0.0
+    weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
+    r = c.report
+    if r is None:
+        return missing / m.reference_prompt_tokens_per_s / weight * (1 + c.router_in_flight)
+    delta = c.unreported_requests if c.decode_delta is None else c.decode_delta
+    running = max(r.num_running + max(c.peer_factor, 1.0) * delta, 0.0)
+    if m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
+        prefill = missing / max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
+    else:
+        prefill = missing / max(r.prompt_tokens_per_s, m.reference_prompt_tokens_per_s) / weight
+    return prefill * (1.0 + running)
 
 
 def expected_admission_s(c: Candidate, m: WaitModel, request: RequestInfo) -> float:
