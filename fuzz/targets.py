@@ -26,23 +26,16 @@ from gpumesh.router.fleet.validation import (
 )
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import inference_pb2 as pb
+from tests.clock import ManualClock
 
 LIMITS = NodeLimits()
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def ingest(data: bytes) -> None:
     """A Connect stream's messages (length-prefixed NodeMessages, 2-byte big-endian length)
     through validation into a fresh registry, then the candidates every model would be scored
     from; every candidate's numbers must be finite."""
-    clock = _Clock()
+    clock = ManualClock()
     registry = Registry("fuzz-router", lease_ttl_s=3.0, freshness_s=1.5, clock=clock)
     node_id = ""
     i = 0

@@ -23,6 +23,7 @@ from gpumesh.router.scheduling import (
 from gpumesh.router.scheduling.scorers.affinity import NO_AFFINITY, affinity_bound
 from gpumesh.router.scheduling.steering import Steered, SteeringModel, steer
 from gpumesh.types import LoadReport
+from tests.clock import ManualClock
 
 WM = WaitModel(reference_prompt_tokens_per_s=1000.0, wait_scale_s=0.5)
 WEIGHTS = {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 0.0}
@@ -53,16 +54,8 @@ def req(session: str = "", key: str = "k") -> RequestInfo:
 # ---------------------------------------------------------------- the session table
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_table_remembers_the_last_node_per_model_and_key() -> None:
-    t = SessionTable(10, 60.0, Clock())
+    t = SessionTable(10, 60.0, ManualClock(0.0))
     assert t.lookup("m", "alice") == ""
     t.remember("m", "alice", "n1")
     t.remember("m", "alice", "n2")          # a retry elsewhere moves the session
@@ -74,7 +67,7 @@ def test_table_remembers_the_last_node_per_model_and_key() -> None:
 
 
 def test_table_is_bounded_lru_and_forgets_after_ttl() -> None:
-    clock = Clock()
+    clock = ManualClock(0.0)
     t = SessionTable(3, 10.0, clock)
     for k in "abc":
         t.remember("m", k, f"node-{k}")
@@ -88,7 +81,7 @@ def test_table_is_bounded_lru_and_forgets_after_ttl() -> None:
 
 
 def test_table_with_zero_keys_is_off() -> None:
-    t = SessionTable(0, 10.0, Clock())
+    t = SessionTable(0, 10.0, ManualClock(0.0))
     t.remember("m", "a", "n1")
     assert t.lookup("m", "a") == "" and len(t) == 0
 
@@ -170,7 +163,7 @@ def test_one_hot_session_spills_at_the_bound(n_nodes: int, eps: float) -> None:
     """Every request carries the same key and nothing finishes: the session node takes
     requests until it holds ceil((1 + eps) x its fair share), then load decides and the key
     follows; no node ever exceeds the bound because of affinity."""
-    table = SessionTable(100, 60.0, Clock())
+    table = SessionTable(100, 60.0, ManualClock(0.0))
     p = profile(epsilon=eps)
     cs = {f"n{i}": cand(i) for i in range(n_nodes)}
     rng = random.Random(3)
@@ -191,7 +184,7 @@ def test_one_hot_session_spills_at_the_bound(n_nodes: int, eps: float) -> None:
 def test_many_sessions_stick_while_the_fleet_is_balanced() -> None:
     """Keys spread by load at first sight, then each stays on its node while loads stay
     within the bound: steady sessions never move."""
-    table = SessionTable(1000, 60.0, Clock())
+    table = SessionTable(1000, 60.0, ManualClock(0.0))
     p = profile()
     cs = {f"n{i}": cand(i) for i in range(4)}
     rng = random.Random(5)

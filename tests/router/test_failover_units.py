@@ -14,14 +14,7 @@ from gpumesh.router.dispatch import failover, migration
 from gpumesh.router.dispatch.ejection import EjectionPolicy, OutlierEjector
 from gpumesh.router.dispatch.watch import InFlightWatch
 from gpumesh.v1 import inference_pb2 as pb
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.clock import ManualClock
 
 
 def chunk(ids: list[int], finish: int = 0) -> bytes:
@@ -56,7 +49,7 @@ def test_progress_notes_the_final_chunk_and_opt_out() -> None:
 
 
 def test_ejection_after_consecutive_failures_with_exponential_backoff() -> None:
-    c = Clock()
+    c = ManualClock(100.0)
     e = OutlierEjector(EjectionPolicy(consecutive_failures=3, base_s=1.0, max_s=3.0), c)
     for _ in range(2):
         e.failure("a", "UNAVAILABLE")
@@ -83,7 +76,7 @@ def test_ejection_after_consecutive_failures_with_exponential_backoff() -> None:
 
 
 def test_latency_outlier_ejected_only_against_enough_peers() -> None:
-    c = Clock()
+    c = ManualClock(100.0)
     e = OutlierEjector(EjectionPolicy(latency_factor=5.0, latency_min_s=0.5, min_peers=2,
                                       min_samples=3), c)
     for _ in range(5):
@@ -98,7 +91,7 @@ def test_latency_outlier_ejected_only_against_enough_peers() -> None:
 
 
 def test_ejection_filter_keeps_everyone_when_all_are_ejected() -> None:
-    c = Clock()
+    c = ManualClock(100.0)
     e = OutlierEjector(EjectionPolicy(consecutive_failures=1), c)
     cands = [SimpleNamespace(node_id="a"), SimpleNamespace(node_id="b")]
     e.failure("a", "x")
@@ -150,7 +143,7 @@ class FakeCall:
 
 
 def test_watch_loses_stalled_streams_on_stale_nodes_only() -> None:
-    c = Clock()
+    c = ManualClock(100.0)
     healthy = {"a": True, "b": False}
     w = InFlightWatch(lambda n, now: healthy.get(n, False), c, stall_s=0.5)
     on_a, on_b, moving_b = FakeCall(), FakeCall(), FakeCall()
@@ -172,7 +165,7 @@ def test_watch_leaves_the_only_node_of_a_model_alone() -> None:
     """A stalled stream on a silent node is failed over only where another node can take it:
     on the model's only node, failing over could only fail it (a saturated node that reports
     late is still working); the node's departure from the fleet still ends the wait."""
-    c = Clock()
+    c = ManualClock(100.0)
     alternatives = {"a": False}
     w = InFlightWatch(lambda n, now: False, c, stall_s=0.5,
                       replaceable=lambda n, now: alternatives[n])

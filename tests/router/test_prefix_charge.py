@@ -22,22 +22,15 @@ from gpumesh.router.scheduling import (
 )
 from gpumesh.router.scheduling.scorers.expected_wait import effective_kv_usage
 from gpumesh.types import LoadReport, ModelSpec, Registration
+from tests.clock import ManualClock
 
 RID = "r1"
 KV = 100_000
 WM = WaitModel()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _fleet() -> tuple[Registry, Dispatcher]:
-    clock = Clock()
+    clock = ManualClock()
     reg = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, clock=clock)
     for i, nid in enumerate(("holder", "other")):
         reg.register(Registration(nid, f"{nid}:1", (ModelSpec("m", ()),), "i1"), i + 1)

@@ -22,19 +22,12 @@ from gpumesh.router.scheduling import (
     select,
 )
 from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
+from tests.clock import ManualClock
 
 RID = "r1"
 WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.25, kv_usage_cap=0.98,
                decode_s_per_request=0.0, wait_scale_s=0.5)
 WEIGHTS = {"expected_wait": 1.0}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def reg(node_id: str, model: str = "m", *, weight: float = 1.0, incarnation: str = "i1",
@@ -44,7 +37,7 @@ def reg(node_id: str, model: str = "m", *, weight: float = 1.0, incarnation: str
                             incarnation, max_concurrency=max_concurrency)
 
 
-def make(clock: Clock, **kw) -> Registry:  # type: ignore[no-untyped-def]
+def make(clock: ManualClock, **kw) -> Registry:  # type: ignore[no-untyped-def]
     return Registry(RID, lease_ttl_s=kw.pop("lease_ttl_s", 3.0),
                     freshness_s=kw.pop("freshness_s", 1.0), clock=clock, **kw)
 
@@ -62,7 +55,7 @@ def hb(r: Registry, node_id: str, stream: int, seq: int, *, pending: int = 0, kv
 
 
 def test_register_resolve_alias_and_empty_model() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a", "llama", aliases=("l",)), 1)
     assert r.resolve("llama") == "llama" and r.resolve("l") == "llama" and r.resolve("") == "llama"
     r.register(reg("b", "qwen"), 2)
@@ -79,7 +72,7 @@ def test_register_resolve_alias_and_empty_model() -> None:
 
 
 def test_seq_ordering_ignores_duplicates_and_out_of_order() -> None:
-    c = Clock()
+    c = ManualClock()
     r = make(c)
     r.register(reg("a"), 1)
     assert hb(r, "a", 1, 5, pending=50)
@@ -91,7 +84,7 @@ def test_seq_ordering_ignores_duplicates_and_out_of_order() -> None:
 
 
 def test_heartbeat_from_another_stream_is_ignored() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     assert not hb(r, "a", 2, 1)
     assert not hb(r, "zz", 1, 1)
@@ -99,7 +92,7 @@ def test_heartbeat_from_another_stream_is_ignored() -> None:
 
 def test_lease_expiry(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gpumesh.router.fleet.registry")
-    c = Clock()
+    c = ManualClock()
     r = make(c, lease_ttl_s=3.0)
     r.register(reg("a"), 1)
     r.register(reg("b"), 2)
@@ -122,7 +115,7 @@ def test_lease_expiry(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_stream_break_removes_at_once_but_old_stream_cannot_remove_new() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     r.register(reg("a"), 2)          # reconnected on a new stream
     r.stream_closed("a", 1)          # the old stream's close arrives late
@@ -132,14 +125,14 @@ def test_stream_break_removes_at_once_but_old_stream_cannot_remove_new() -> None
 
 
 def test_deregister() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     r.deregister("a", 1, "bye")
     assert len(r) == 0
 
 
 def test_stale_and_draining_states() -> None:
-    c = Clock()
+    c = ManualClock()
     r = make(c, freshness_s=1.0)
     r.register(reg("a"), 1)
     r.register(reg("b"), 2)
@@ -155,7 +148,7 @@ def test_stale_and_draining_states() -> None:
 
 
 def test_incarnation_change_resets_accounting_same_incarnation_keeps_it() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a", incarnation="i1"), 1)
     r.charge("a", 100)
     r.stream_closed("a", 1)
@@ -166,7 +159,7 @@ def test_incarnation_change_resets_accounting_same_incarnation_keeps_it() -> Non
 
 
 def test_snapshots_are_replaced_not_mutated() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     before = r.snapshot("m")
     hb(r, "a", 1, 1, pending=10)
@@ -176,7 +169,7 @@ def test_snapshots_are_replaced_not_mutated() -> None:
 
 
 def test_models_aggregate_capacity_and_nodes() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a", weight=1.0, aliases=("x",)), 1)
     r.register(reg("b", weight=2.0, aliases=("y",)), 2)
     r.register(reg("c", "other"), 3)
@@ -189,7 +182,7 @@ def test_models_aggregate_capacity_and_nodes() -> None:
 
 
 def test_credits_split_by_report_admitted_count() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     credits = [r.charge("a", 100) for _ in range(5)]
     (c,) = r.candidates("m")
@@ -206,7 +199,7 @@ def test_credits_split_by_report_admitted_count() -> None:
 
 
 def test_rejected_requests_do_not_shift_the_cutoff() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     c1 = r.charge("a", 10)
     r.charge("a", 10)
@@ -218,7 +211,7 @@ def test_rejected_requests_do_not_shift_the_cutoff() -> None:
 
 
 def test_ledger_syncs_to_counters_from_before_it_existed() -> None:
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     hb(r, "a", 1, 1, admitted=500, first=500)    # router restarted with the same id
     r.charge("a", 10)
@@ -229,7 +222,7 @@ def test_ledger_syncs_to_counters_from_before_it_existed() -> None:
 
 
 def test_lookaside_credits_released_by_first_token_count_and_time() -> None:
-    c = Clock()
+    c = ManualClock()
     r = make(c, lease_ttl_s=10.0)
     r.register(reg("a"), 1)
     hb(r, "a", 1, 1)
@@ -259,7 +252,7 @@ def test_finish_seen_after_the_report_that_holds_it_is_not_subtracted_twice() ->
     reported). Without it (an older node) the finish counts once in the report and once more
     as "since the report": D = -1, as before."""
     for finished, expect in ((1, 0), (None, -1)):
-        r = make(Clock())
+        r = make(ManualClock())
         r.register(reg("a"), 1)
         credits = [r.charge("a", 10) for _ in range(10)]
         for c in credits:
@@ -280,7 +273,7 @@ def test_decode_delta_with_finished_counts_is_in_flight_now_minus_held() -> None
     (admitted - finished) at the report), for proxy requests in any order of admission,
     finish and report: a request the node had ended before the report but whose end the
     router has not seen yet is neither held nor a change."""
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     credits = [r.charge("a", 10) for _ in range(6)]
     credits[0].first_token()
@@ -298,7 +291,7 @@ def test_finished_counts_from_an_earlier_router_process_are_bounded() -> None:
     the raw admitted - finished (10) includes requests this ledger never dispatched, so the
     held count is bounded by this router's own reported requests in flight; as the old ones
     end, the counts become exact again."""
-    r = make(Clock())
+    r = make(ManualClock())
     r.register(reg("a"), 1)
     _report(r, "a", 1, 10, 500, 490)
     credits = [r.charge("a", 10) for _ in range(3)]
@@ -315,7 +308,7 @@ def test_lookaside_requests_keep_the_inferred_delta_with_finished_counts() -> No
     """Lookaside requests are in the node's admitted - finished but their end is never seen
     by the router: with finished counts the estimate is the same as without them."""
     for finished in (0, None):
-        r = make(Clock(), lease_ttl_s=10.0)
+        r = make(ManualClock(), lease_ttl_s=10.0)
         r.register(reg("a"), 1)
         _report(r, "a", 1, 0, 0, finished)
         for _ in range(4):
@@ -341,7 +334,7 @@ _PROFILES: dict = {}
 
 
 def test_double_weight_node_takes_twice_the_requests() -> None:
-    c = Clock()
+    c = ManualClock()
     r = make(c)
     r.register(reg("big", weight=2.0), 1)
     r.register(reg("small", weight=1.0), 2)
@@ -354,7 +347,7 @@ def test_double_weight_node_takes_twice_the_requests() -> None:
 
 
 def test_double_weight_node_takes_twice_the_requests_in_steady_state() -> None:
-    c = Clock()
+    c = ManualClock()
     r = make(c)
     r.register(reg("big", weight=2.0), 1)
     r.register(reg("small", weight=1.0), 2)
@@ -382,7 +375,7 @@ def _waits(r: Registry) -> dict[str, float]:
 
 
 def test_burst_between_heartbeats_spreads_and_next_heartbeat_does_not_herd() -> None:
-    c = Clock()
+    c = ManualClock()
     r = make(c)
     nodes = ["a", "b", "c", "d"]
     for i, n in enumerate(nodes, 1):
@@ -428,8 +421,8 @@ KV_WM = WaitModel(reference_prompt_tokens_per_s=1e9, kv_penalty_s=0.25, kv_usage
 KV_START = {"a": 0.50, "b": 0.55, "c": 0.60, "d": 0.65}
 
 
-def _kv_burst(capacity: int) -> tuple[Registry, Clock, dict[str, list], random.Random]:
-    c = Clock()
+def _kv_burst(capacity: int) -> tuple[Registry, ManualClock, dict[str, list], random.Random]:
+    c = ManualClock()
     r = make(c)
     for i, n in enumerate(KV_START, 1):
         r.register(reg(n), i)
@@ -490,7 +483,7 @@ def test_kv_bound_burst_spreads_and_next_heartbeat_does_not_herd() -> None:
 def test_without_router_credits_a_stale_report_would_herd() -> None:
     """Control for the test above: least_request over the same fleet spreads only by count;
     the expected-wait profile also spreads (credits move before any heartbeat)."""
-    c = Clock()
+    c = ManualClock()
     r = make(c)
     for i, n in enumerate(["a", "b"], 1):
         r.register(reg(n), i)
@@ -503,7 +496,7 @@ def test_without_router_credits_a_stale_report_would_herd() -> None:
 
 
 def test_stale_node_scored_from_router_counts_only() -> None:
-    c = Clock()
+    c = ManualClock()
     r = make(c, freshness_s=1.0, lease_ttl_s=10.0)
     r.register(reg("a"), 1)
     r.register(reg("b"), 2)

@@ -28,6 +28,7 @@ from gpumesh.router.scheduling import (
     select,
 )
 from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
+from tests.clock import ManualClock
 
 RID = "r1"
 # Measured terms on (capacity T, step-time decode term), KV off so the decode term shows.
@@ -36,16 +37,8 @@ WM = WaitModel(reference_prompt_tokens_per_s=8000.0, kv_penalty_s=0.0,
                decode_steps_per_request=1.0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def registry(*nodes: tuple[str, float], from_report: bool = True) -> tuple[Registry, Clock]:
-    clock = Clock()
+def registry(*nodes: tuple[str, float], from_report: bool = True) -> tuple[Registry, ManualClock]:
+    clock = ManualClock()
     r = Registry(RID, lease_ttl_s=3.0, freshness_s=1.0, step_from_report=from_report,
                  clock=clock)
     for i, (node_id, weight) in enumerate(nodes, 1):
@@ -63,7 +56,7 @@ def beat(r: Registry, node_id: str, stream: int, seq: int, *, running: int = 0,
                                   router_accounts=(RouterAccount(RID, 0, 0, 0, 0, 0),)))
 
 
-def settle(r: Registry, clock: Clock, node_id: str, stream: int, seq: int, **kw: float) -> None:
+def settle(r: Registry, clock: ManualClock, node_id: str, stream: int, seq: int, **kw: float) -> None:
     """A report long after the last one: the running average is then the reported count."""
     clock.t += 100.0
     beat(r, node_id, stream, seq, **kw)  # type: ignore[arg-type]
