@@ -47,7 +47,7 @@ from gpumesh.kvblocks import block_hashes
 from gpumesh.node.engines.sim import SimEngineConfig
 from gpumesh.node.engines.sim.text import SimTokenizer
 from gpumesh_bench.sim.core import simulate
-from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec
+from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec, router_settings
 from gpumesh_bench.sim.metrics import SLOSpec, run_metrics
 from gpumesh_bench.sim.workloads import Arrival, Workload
 from gpumesh_bench.tenants import TenantSpec, iter_tenant_requests
@@ -126,21 +126,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", action="append", default=[], metavar="KEY=VALUE",
                    help="a router setting (RouterConfig field) for every setup, e.g. "
                         "kv_penalty_s=0.05; repeatable")
-
-
-def router_settings(items: list[str]) -> dict[str, Any]:
-    """``--router KEY=VALUE`` items as RouterConfig overrides (values read as JSON where
-    they parse: numbers, true/false; else strings)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--router wants KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
 
 
 def main(a: argparse.Namespace) -> int:

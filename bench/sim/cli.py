@@ -6,7 +6,7 @@
   gpumesh sim grid  [--fleets F,...] [--workloads W,...] [--loads 0.8,0.95] [--policies P,...]
                     [--seeds 5] [--requests 20000] [--slo ...] [--shard K/N]
                     [--have GRID.jsonl ...] [--replace [P,...]] [--capacities CAP.json]
-                    [--router-json JSON] [--skip F/W,...] [--no-report] --out DIR
+                    [--router KEY=VALUE ...] [--skip F/W,...] [--no-report] --out DIR
   gpumesh sim merge GRID.jsonl... --out MERGED.jsonl
   gpumesh sim report DIR/grid.jsonl... --out DIR
   gpumesh sim plan  --fleet F [--fleet G ...] (--trace T.jsonl | --workload W) --slo TTFT:TPOT
@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "holds them; their runs are replaced")
     gr.add_argument("--capacities", default="",
                     help='JSON {"fleet/workload": req/s} of capacities already measured')
-    gr.add_argument("--router-json", default="",
-                    help="JSON object of router config overrides for every run")
+    gr.add_argument("--router", action="append", default=[], metavar="KEY=VALUE",
+                    help="a router setting (RouterConfig field) for every run, e.g. "
+                         "service_weight=0.3; repeatable")
     gr.add_argument("--skip", default="",
                     help="fleet/workload,... pairs to leave out of the grid")
     gr.add_argument("--no-report", action="store_true", help="skip grid.md and the PNGs")
@@ -209,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          replace=True if a.replace == "*" else a.replace.split(",") if a.replace
                          else False,
                          capacities=caps,
-                         router=json.loads(a.router_json) if a.router_json else None,
+                         router=fleets.router_settings(a.router) or None,
                          skip=[x for x in a.skip.split(",") if x])
         if a.no_report or not grid.read_records(path):
             print(path)

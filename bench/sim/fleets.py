@@ -33,6 +33,7 @@ hetero-speed mix x 128). Engine defaults: the ``0.5b-h200`` shape, ``max_num_seq
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -163,3 +164,19 @@ def resolve(name_or_path: str) -> FleetSpec:
 
 def with_router(f: FleetSpec, **overrides: Any) -> FleetSpec:
     return replace(f, router={**f.router, **overrides})
+
+
+def router_settings(items: list[str]) -> dict[str, Any]:
+    """``--router KEY=VALUE`` items (``gpumesh sim grid``, ``gpumesh bench prefix-sim``) as
+    RouterConfig overrides (values read as JSON where
+    they parse: numbers, true/false; else strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--router wants KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
