@@ -143,7 +143,8 @@ class _Router:
                                  peer_share_half_life_s=config.peer_share_half_life_s,
                                  step_from_report=config.step_from_report, clock=clock)
         # as router.app builds them: the profile with the request terms, the session table
-        profile = steer(build_profile(config.policy, config.scorer_weights, WaitModel.from_config(config)),
+        profile = steer(build_profile(config.policy, config.scorer_weights,
+                                      WaitModel.from_config(config)),
                         SteeringModel(config.affinity_weight, config.affinity_epsilon,
                                       config.adapter_weight, config.adapter_load_s,
                                       config.wait_scale_s))

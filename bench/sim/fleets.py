@@ -168,8 +168,8 @@ def with_router(f: FleetSpec, **overrides: Any) -> FleetSpec:
 
 def router_settings(items: list[str]) -> dict[str, Any]:
     """``--router KEY=VALUE`` items (``gpumesh sim grid``, ``gpumesh bench prefix-sim``) as
-    RouterConfig overrides (values read as JSON where
-    they parse: numbers, true/false; else strings)."""
+    RouterConfig overrides; values read as JSON where they parse (numbers, true/false), else
+    as strings."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")

@@ -144,6 +144,17 @@ unreported ones and itself::
 Wn drains as the reported waiting requests get their first tokens, so a report does not keep
 a node looking blocked until the next one; 0 when the report had none waiting.
 
+The price of a prefix miss (``expected_miss_s``, weighted by ``miss_weight``): a node that
+lacks part of the longest prefix of the prompt some node holds (``best``, the largest of
+``RequestInfo.cached_tokens``, at most the prompt) would prefill that part inside its running
+batch, delaying every request there, and copy into its KV a prefix another node holds::
+
+    miss = (best - min(cached_n, best)) / T * (1 + R)
+
+with T and R as in the wait (T the floor over w where no capacity is reported; for a STALE
+node the floor over w and this router's in-flight count for R). 0 on the nodes holding the
+longest prefix, and everywhere when no node holds any prefix of the request.
+
 The curve: ``wait_score`` = 1 / (1 + wait / wait_scale_s): 1 at zero wait, 0.5 at
 wait_scale_s, falling towards 0 hyperbolically (monotone, so the max picks the least wait).
 """
