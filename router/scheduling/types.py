@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from types import MappingProxyType
 from typing import Protocol
 
@@ -122,6 +123,12 @@ class RequestInfo:
     # The output tokens it may generate (its max_tokens; 0 = unknown): the expected-wait
     # profile adds its own decode time on each node (scorers.expected_service_s).
     output_tokens: int = 0
+
+    @cached_property
+    def best_cached_tokens(self) -> int:
+        """The longest prefix of the prompt any node holds (0 = none; at most the prompt),
+        computed once per request however many candidates are scored."""
+        return min(max(self.cached_tokens.values(), default=0), self.prompt_tokens)
 
 
 @dataclass(frozen=True)

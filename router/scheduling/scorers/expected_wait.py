@@ -252,9 +252,7 @@ def expected_miss_s(c: Candidate, m: WaitModel, request: RequestInfo) -> float:
     longest prefix some node holds that ``c`` does not, times (1 + the requests running on
     ``c``); 0 when no node holds a prefix of the request, and on the nodes holding the
     longest one."""
-    if not request.cached_tokens:
-        return 0.0
-    best = min(max(request.cached_tokens.values()), request.prompt_tokens)
+    best = request.best_cached_tokens
     missing = best - min(request.cached_tokens.get(c.node_id, 0), best)
     if missing <= 0:
         return 0.0
