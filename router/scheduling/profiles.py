@@ -142,20 +142,15 @@ class WeightedLeastLoad:
 
     def total(self, c: Candidate, request: RequestInfo = RequestInfo("", 0)) -> float:
         """``score(c, request).total`` (the same float), without building the score record."""
-        m = self.wait_model
-        wait, kv, lr = self._base(c)
-        if m.service_weight:
-            wait += m.service_weight * scorers.expected_service_s(c, m, request)
-        if m.admission_weight:
-            wait += m.admission_weight * scorers.expected_admission_s(c, m, request)
-        if m.miss_weight and request.cached_tokens:
-            wait += m.miss_weight * scorers.expected_miss_s(c, m, request)
+        _, kv, lr = self._base(c)
+        wait = self.cost_s(c, request)
         # A request whose prefix some node holds, or whose session has a node, is placed
         # without the in-flight count: at low load one request more or less outweighs a whole
         # prefill's saving or the affinity term, while the expected wait already carries every
         # node's load and affinity has its own load bound (docs/routing.md).
         steered = request.cached_tokens or request.session_node
-        return self._w[0] * scorers.wait_score(wait, m) + kv + (0.0 if steered else lr)
+        return (self._w[0] * scorers.wait_score(wait, self.wait_model) + kv
+                + (0.0 if steered else lr))
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
              rng: random.Random) -> Decision:

@@ -206,6 +206,12 @@ class WaitModel:
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
+def _running(c: Candidate, reported: float) -> float:
+    """R: the ``reported`` running requests plus all routers' change since (f x D)."""
+    delta = c.unreported_requests if c.decode_delta is None else c.decode_delta
+    return max(reported + max(c.peer_factor, 1.0) * delta, 0.0)
+
+
 def expected_wait_s(c: Candidate, m: WaitModel) -> float:
     """Seconds a new request is expected to wait for prefill on ``c`` (formula above)."""
     weight = c.capacity_weight if c.capacity_weight > 0 else 1.0
@@ -216,8 +222,7 @@ def expected_wait_s(c: Candidate, m: WaitModel) -> float:
         return wait / weight
     k = min(max(effective_kv_usage(c, m), 0.0), m.kv_usage_cap)
     f = max(c.peer_factor, 1.0)
-    delta = c.unreported_requests if c.decode_delta is None else c.decode_delta
-    running = max(r.num_running + f * delta, 0.0)
+    running = _running(c, r.num_running)
     queued = r.pending_prefill_tokens + f * c.unreported_prompt_tokens
     kv = m.kv_penalty_s * k / (1.0 - k)
     if m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
@@ -260,8 +265,7 @@ def expected_miss_s(c: Candidate, m: WaitModel, request: RequestInfo) -> float:
     r = c.report
     if r is None:
         return missing / m.reference_prompt_tokens_per_s / weight * (1 + c.router_in_flight)
-    delta = c.unreported_requests if c.decode_delta is None else c.decode_delta
-    running = max(r.num_running + max(c.peer_factor, 1.0) * delta, 0.0)
+    running = _running(c, r.num_running)
     if m.prefill_from_capacity and r.prefill_capacity_tokens_per_s > 0:
         prefill = missing / max(r.prefill_capacity_tokens_per_s, r.prompt_tokens_per_s)
     else:
