@@ -34,6 +34,16 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def namespace_seed(adapter: str) -> int:
+    """The ``seed`` of a request's chain: 0 for the base model, a hash of the name for a LoRA
+    adapter (vLLM keys an adapter's blocks apart from the base model's, so a prefix computed
+    under one adapter is no hit for another or for the base model)."""
+    if not adapter:
+        return 0
+    digest = blake2b(b"lora\0" + adapter.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, seed: int = 0,
                  limit: int = 0) -> list[int]:
     """The chained hashes of ``token_ids``' full blocks, in order (``limit`` > 0: at most

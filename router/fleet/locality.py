@@ -33,7 +33,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from gpumesh.kvblocks import BLOCK_SIZE, block_hashes
+from gpumesh.kvblocks import BLOCK_SIZE, block_hashes, namespace_seed
 from gpumesh.router.fleet.prefix_index import PrefixIndexes
 from gpumesh.router.scheduling.types import RequestInfo
 from gpumesh.serial_worker import INLINE_PROMPT_CHARS, SerialWorker
@@ -163,9 +163,10 @@ class PrefixLocality:
             return 0, ()
         kind = req.WhichOneof("prompt")
         limit = self.max_prompt_blocks
+        seed = namespace_seed(req.adapter)   # an adapter's blocks are its own
         if kind == "token_ids":
             ids = req.token_ids.ids
-            return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, limit=limit))
+            return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, seed, limit))
         if kind not in ("text", "chat"):
             return 0, ()
         tok = await self._tokenizer(model)
@@ -173,11 +174,11 @@ class PrefixLocality:
             return 0, ()
         if kind == "text":
             text = req.text
-            return await self._thread().run(_hash_text, tok, text, limit,
+            return await self._thread().run(_hash_text, tok, text, seed, limit,
                                             inline=len(text) < INLINE_PROMPT_CHARS)
         messages = [(m.role, m.content) for m in req.chat.messages]
         chars = sum(len(r) + len(c) for r, c in messages)
-        return await self._thread().run(_hash_chat, tok, messages, limit,
+        return await self._thread().run(_hash_chat, tok, messages, seed, limit,
                                         inline=chars < INLINE_PROMPT_CHARS)
 
     def annotate(self, info: RequestInfo) -> RequestInfo:
@@ -248,12 +249,13 @@ def prefill_tokens(info: RequestInfo, node_id: str) -> int:
     return max(info.prompt_tokens - info.cached_tokens.get(node_id, 0), 0)
 
 
-def _hash_text(tok: PromptTokenizer, text: str, limit: int) -> tuple[int, tuple[int, ...]]:
+def _hash_text(tok: PromptTokenizer, text: str, seed: int,
+               limit: int) -> tuple[int, tuple[int, ...]]:
     ids = tok.encode(text)
-    return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, limit=limit))
+    return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, seed, limit))
 
 
-def _hash_chat(tok: PromptTokenizer, messages: list[tuple[str, str]],
+def _hash_chat(tok: PromptTokenizer, messages: list[tuple[str, str]], seed: int,
                limit: int) -> tuple[int, tuple[int, ...]]:
     ids = tok.render_chat(messages)
-    return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, limit=limit))
+    return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, seed, limit))

@@ -116,6 +116,27 @@ async def test_hashes_from_token_ids_and_sim_text() -> None:
     loc.close()
 
 
+async def test_an_adapters_prefix_is_its_own() -> None:
+    """The same prompt under two LoRA adapters and the base model hashes to three disjoint
+    chains (the engine keys adapter blocks apart), so a node that served it under one adapter
+    is no holder for the others."""
+    loc = PrefixLocality("auto", PrefixIndexes(), clock=lambda: 0.0,
+                         engine_of=lambda model: "sim")
+    ids = inference_pb2.TokenIds(ids=list(range(160)))
+    chains = {}
+    for adapter in ("", "alpha", "beta"):
+        req = inference_pb2.GenerateRequest(model="m", token_ids=ids, adapter=adapter)
+        n, chains[adapter] = await loc.hashes(req, "m")
+        assert n == 160 and len(chains[adapter]) == 10
+    assert chains[""] == tuple(A)
+    assert len(set(chains[""]) | set(chains["alpha"]) | set(chains["beta"])) == 30
+    loc.routed(RequestInfo("m", 160, prefix_hashes=chains["alpha"]), "lv")
+    assert dict(loc.annotate(RequestInfo("m", 160, prefix_hashes=chains["alpha"]))
+                .cached_tokens) == {"lv": 160}
+    assert loc.annotate(RequestInfo("m", 160, prefix_hashes=chains["beta"])).cached_tokens == {}
+    loc.close()
+
+
 def test_sampled_decisions_include_the_holders() -> None:
     import random
 
