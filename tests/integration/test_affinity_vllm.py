@@ -81,6 +81,11 @@ async def wait_fleet(router: str, predicate, timeout_s: float = 60.0) -> cpb.Get
             await asyncio.sleep(0.1)
 
 
+def idle(fleet: cpb.GetFleetResponse) -> bool:
+    return all(n.load.num_running == 0 and n.load.num_waiting == 0 and n.router_in_flight == 0
+               for n in fleet.nodes)
+
+
 def loaded(fleet: cpb.GetFleetResponse) -> dict[str, set[str]]:
     return {n.node_id: set(n.load.loaded_adapters) for n in fleet.nodes}
 
@@ -104,9 +109,14 @@ async def test_adapter_request_goes_where_the_adapter_is_loaded(mesh) -> None:
         listed = await client.list_models(timeout=30)
         assert set(listed.models[0].adapters) == {"alpha", "beta"}
         for _ in range(4):
+            # each request on an idle fleet: a report that still shows the last request
+            # running (the slowed simulated node reports a long step) would weigh load, not
+            # the adapter, in the choice
+            await wait_fleet(router, idle)
             node, resp = await served_by(client, build_request(
                 PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True, adapter="alpha"))
             assert node == "lv" and resp.usage.completion_tokens == 8
+            await wait_fleet(router, idle)
             node, _ = await served_by(client, build_request(PROMPT, max_tokens=4,
                                                             adapter="beta"))
             assert node == "ls"
