@@ -102,6 +102,8 @@ class RouterServer:
             dict(t.split("=", 1) for t in config.prefix_tokenizers),
             engine_of=self._engine_of)
         self.registry.add_removal_listener(lambda e: self.locality.node_left(e.node_id))
+        # a model's prefix tokenizer loads when the model first registers, not on a request
+        self.registry.add_listener(self.locality.models_changed)
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
                                      default_filters(config.kv_hard_threshold),
                                      rng or random.Random(), clock, sessions=self.sessions,

@@ -8,6 +8,10 @@
   tokenizer path; simulated nodes get ``sim`` without configuration), on a worker thread for
   a long prompt so the event loop never waits. No tokenizer: no hashes (locality plays no
   part for that request).
+- ``models_changed(models)``: the registry's change listener (wired in ``app``): a model the
+  router meets for the first time has its tokenizer loaded there and then, on the worker
+  thread, so the first requests for it do not wait for that load (an HF tokenizer of a
+  150k-token vocabulary takes seconds to load; requests arriving during the load wait for it).
 - ``annotate(info)``: the request's ``cached_tokens`` per node from the model's
   ``PrefixIndex``: what the expected-wait scorer subtracts from the prefill each node would
   still do.
@@ -115,6 +119,27 @@ class PrefixLocality:
     def enabled(self) -> bool:
         return self.mode != "off"
 
+    # --- membership --------------------------------------------------------------------
+
+    def models_changed(self, models: frozenset[str]) -> None:
+        """Starts the tokenizer load of each model in ``models`` not loaded or loading yet
+        (the registry calls this on every membership change, heartbeats included: a set
+        lookup per model when there is nothing to do). Without a running event loop (a
+        registry driven synchronously) nothing starts: the first request loads it then."""
+        if not self.enabled:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for model in models:
+            if model not in self._tokenizers and model not in self._loading:
+                self._start_load(model)
+
+    def tokenizer_ready(self, model: str) -> bool:
+        """Whether the model's tokenizer load has finished (with a tokenizer or none)."""
+        return model in self._tokenizers
+
     # --- requests ----------------------------------------------------------------------
 
     async def _tokenizer(self, model: str) -> PromptTokenizer | None:
@@ -125,13 +150,15 @@ class PrefixLocality:
         requests would wait N loads)."""
         if model in self._tokenizers:
             return self._tokenizers[model]
-        pending = self._loading.get(model)
-        if pending is None:
-            pending = asyncio.ensure_future(self._load(model))
-            self._loading[model] = pending
-            pending.add_done_callback(lambda _f: self._loading.pop(model, None))
+        pending = self._loading.get(model) or self._start_load(model)
         # shielded: one waiter's cancellation must not cancel the load the others wait for
         return await asyncio.shield(pending)
+
+    def _start_load(self, model: str) -> asyncio.Future[PromptTokenizer | None]:
+        pending = asyncio.ensure_future(self._load(model))
+        self._loading[model] = pending
+        pending.add_done_callback(lambda _f: self._loading.pop(model, None))
+        return pending
 
     async def _load(self, model: str) -> PromptTokenizer | None:
         spec = self._specs.get(model, "")
