@@ -6,6 +6,7 @@ processes, same router, same load generator) to check the logic before device ti
 
   python -m gpumesh_bench.gpu run --phases p05,share,unequal --out DIR [--engine vllm|sim]
   python -m gpumesh_bench.gpu report DIR/results.json[.gz]... --md OUT.md --png OUT.png
+      [--from-round N]   (every table: the main phases, the front doors, cache-aware routing)
 
 Phases (each starts its own nodes and routers and stops them, GPUs freed, before the next):
 
@@ -54,6 +55,11 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
   ``doors``. ``uneq05``: two nodes on one GPU, one with a quarter of the other's KV, under
   least_request, weighted least-load and nginx least_conn. Device side:
   ``kit/run_doors.sh`` (packs: ``kit/pack_doors.sh``); tables: ``doorsreport``.
+- ``prefix05`` / ``prefix7``: cache-aware routing on two engines of the shape (0.5B, 7B)
+  sharing GPU 0 with prefix caching on: gpumesh least_request, precise and approximate
+  locality and SMG ``cache_aware`` over the same nodes, interleaved over ``--rounds`` on a
+  multi-tenant shared-prefix workload, every bench's prompts salted apart; see ``prefix``;
+  tables: ``prefixreport``.
 - ``msg05`` / ``msg7``: the node's stream-message budget on and off on the same nodes,
   interleaved: requests with the node's default interval (the budget widens it under load)
   vs requests asking for the base 20 ms themselves (kept as asked: the old fixed interval);

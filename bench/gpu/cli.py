@@ -36,7 +36,7 @@ from gpumesh_bench.gpu.phases import (
     phase_unequal,
 )
 from gpumesh_bench.gpu.plot import plot
-from gpumesh_bench.gpu.prefix import PrefixWorkload, phase_prefix, prefix_need
+from gpumesh_bench.gpu.prefix import PREFIX_PHASES, PrefixWorkload, phase_prefix, prefix_need
 from gpumesh_bench.gpu.prefixreport import prefix_markdown
 from gpumesh_bench.gpu.reference import phase_eng, phase_raw
 from gpumesh_bench.gpu.report import cmd_report, report_markdown
@@ -126,7 +126,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             "dp7": 330, "eng05": 160, "eng7": 200, "msg05": 300, "msg7": 400,
             "fe05": 300, "fe7": 420,
             **{ph: doors_need(ph) for ph in ("doors05", "doors7", "uneq05")},
-            "prefix05": prefix_need(env),
+            **{ph: prefix_need(env, ph) for ph in PREFIX_PHASES},
             # the node's start and one round (the phase stops before a round that won't fit)
             **{ph: vsraw_need(ph, env) for ph in VSRAW_START_S}}
     failed = []
@@ -178,9 +178,9 @@ def cmd_run(a: argparse.Namespace) -> int:
                                            engines=door_engines),
              "uneq05": lambda: phase_uneq(env, rounds=a.rounds,
                                            concurrency=a.door_concurrency or UNEQ_CONCURRENCY),
-             "prefix05": lambda: phase_prefix(env, rounds=a.rounds, work=PrefixWorkload(
+             **{pp: (lambda pp=pp: phase_prefix(env, pp, rounds=a.rounds, work=PrefixWorkload(
                  tenants=a.prefix_tenants, system_words=a.prefix_system_words,
-                 concurrency=a.prefix_concurrency)),
+                 concurrency=a.prefix_concurrency))) for pp in PREFIX_PHASES},
              "vsraw05": lambda: phase_vsraw(env, "0.5b", "vsraw05", rounds=a.rounds),
              "vsraw7": lambda: phase_vsraw(env, "7b", "vsraw7", rounds=a.rounds),
              "vsrawdp05": lambda: phase_vsraw(env, "0.5b", "vsrawdp05", rounds=a.rounds,
@@ -282,11 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--door-concurrency", type=int, default=0,
                    help="doors05/doors7/uneq05: concurrency of every door (0: the phase's default)")
     r.add_argument("--prefix-tenants", type=int, default=PrefixWorkload.tenants,
-                   help="prefix05: tenants of the shared-prefix workload")
+                   help="prefix05/prefix7: tenants of the shared-prefix workload")
     r.add_argument("--prefix-system-words", type=int, default=PrefixWorkload.system_words,
-                   help="prefix05: tokens of each tenant's system prompt")
+                   help="prefix05/prefix7: tokens of each tenant's system prompt")
     r.add_argument("--prefix-concurrency", type=int, default=PrefixWorkload.concurrency,
-                   help="prefix05: closed-loop concurrency of every balancer (each node's KV "
+                   help="prefix05/prefix7: closed-loop concurrency of every balancer (each node's KV "
                         "is sized from it and the workload: gpu.prefix.PrefixWorkload)")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
@@ -295,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("files", nargs="+")
     rep.add_argument("--md", default="")
     rep.add_argument("--png", default="")
+    rep.add_argument("--from-round", type=int, default=0,
+                     help="front-door and cache-aware tables: leave each run's rounds before "
+                          "this one out (warm rounds only)")
     rep.set_defaults(func=cmd_report)
     a = p.parse_args(argv)
     return int(a.func(a))

@@ -13,7 +13,9 @@ balancers (``uneq05``).
 
 Every engine is a vLLM engine built from the same ``AsyncEngineArgs`` (the node's
 ``engine_kwargs``; ``serve_args`` turns them into ``vllm serve`` flags) at ``DOOR_GPU_MEM`` of
-the GPU's memory each, six on one GPU, only the benched door's engines busy at a time. Each
+the GPU's memory each, with the same scheduler limits stated explicitly (``SCHEDULER``: vLLM
+otherwise picks them by how it was started, a bare ``AsyncLLM`` lower than ``vllm serve`` and
+the node; every record carries them as ``scheduler``), six on one GPU, only the benched door's engines busy at a time. Each
 round benches, for one engine (A / S1 / E1) and for two engines sharing the GPU (A+B / S1+S2
 / E1+E2), every door at the same concurrency; the door order reverses every round. A door that
 cannot be started is left out and said so (``meta["doors_failed"]``); the rest still run.
@@ -37,6 +39,8 @@ from gpumesh_bench.gpu.group import Group
 
 DOOR_GPU_MEM = 0.15          # six engines on one GPU (0.90 in all)
 DOOR_CONCURRENCY = {"0.5b": 128, "7b": 128}
+# vLLM 0.26's `vllm serve` defaults on a GPU of 70 GiB or more; set for every door's engines
+SCHEDULER: dict[str, int] = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
 DOORS = ("bare", "gpumesh", "nginx", "smg")
 DOOR_LABEL = {"bare": "bare AsyncLLM", "gpumesh": "gpumesh router", "nginx": "vllm serve + nginx",
               "smg": "SMG (gRPC)"}
@@ -56,7 +60,7 @@ def _engine_kwargs(env: Env, shape: str, mem: float, blocks: int = 0) -> dict[st
         model=str(model), served_name=SERVED[shape], tokenizer=str(model / "tokenizer"),
         dtype="bfloat16", max_model_len=env.max_model_len, gpu_memory_utilization=mem,
         load_format="dummy", num_gpu_blocks_override=blocks or None,
-        extra={"enable_prefix_caching": False, "seed": 0, **env.engine_args}))
+        extra={"enable_prefix_caching": False, "seed": 0, **SCHEDULER, **env.engine_args}))
 
 
 def _serve(env: Env, shape: str, name: str, mem: float) -> VllmServe:
@@ -79,7 +83,7 @@ def _bare(env: Env, shape: str, name: str, mem: float) -> BareEngine:
                 "--served-name", SERVED[shape], "--gpu-mem", str(mem),
                 "--max-model-len", str(env.max_model_len),
                 "--engine-args", json.dumps({"enable_prefix_caching": False, "seed": 0,
-                                             **env.engine_args})]
+                                             **SCHEDULER, **env.engine_args})]
     else:
         args = ["--engine", "sim", "--shape", shape, "--time-scale", str(env.sim_time_scale)]
     return BareEngine(name, args, env.logs)
@@ -107,6 +111,8 @@ def phase_doors(env: Env, shape: str, phase: str, rounds: int = 3,
         routers.append(GpuRouterSpec("r2", members=(a, b)))
     served = SERVED[shape]
     extra: list[Any] = []
+    saved = env.engine_args
+    env.engine_args = {**SCHEDULER, **saved}   # the nodes' too (node_toml's [engine_args])
     with Group(env, nodes, routers) as g:
         try:
             t = time.monotonic()
@@ -192,6 +198,7 @@ def phase_doors(env: Env, shape: str, phase: str, rounds: int = 3,
             _rounds(env, phase, shape, c, order, avail, rounds, mem, engines)
         finally:
             stop_all(reversed(extra))
+            env.engine_args = saved
 
 
 def _rounds(env: Env, phase: str, shape: str, c: int, order: list[str],
@@ -219,7 +226,9 @@ def _rounds(env: Env, phase: str, shape: str, c: int, order: list[str],
                     continue
                 rec.update(phase=phase, shape=shape, engines=n, round=k, door_key=d,
                            setup=f"{DOOR_LABEL[d]}, {n} engine{'s' if n > 1 else ''} #{k}",
-                           gpu_mem=mem, call=env.call, engine=env.engine, started=time.time())
+                           gpu_mem=mem, call=env.call, engine=env.engine, started=time.time(),
+                           scheduler={**SCHEDULER, **{k: v for k, v in env.engine_args.items()
+                                                      if k in SCHEDULER}})
                 env.records.append(rec)
                 env.save()
         per_round = time.monotonic() - t

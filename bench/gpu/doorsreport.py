@@ -1,21 +1,22 @@
 """Markdown of the front-door phases' records (``doors``): per shape and engine count, each door's
-median over rounds with its spread, and gpumesh's ratio to it paired round by round; the unequal
-pair (``uneq05``) per balancer, with each node's share of the completed requests.
+median over rounds with its range, and gpumesh's ratio to it paired within the same round of the
+same harness run (``records.pair_key``), by C ÷ p50 and by completions in the window; the
+unequal pair (``uneq05``) per balancer, with each node's share of the completed requests.
 
-  python -m gpumesh_bench.gpu.doorsreport results.json[.gz]... [--md OUT.md]
+  python -m gpumesh_bench.gpu.doorsreport results.json[.gz]... [--md OUT.md] [--from-round N]
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import math
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from gpumesh_bench.gpu.records import load_results, pair_key
 
 GPUMESH = "gpumesh"
 
@@ -57,17 +58,15 @@ def cpu_us_per_token(r: dict[str, Any]) -> float:
 
 def door_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per door of one (phase, engines): medians over rounds and gpumesh's paired
-    ratios (gpumesh QPS / door QPS and gpumesh p50 / door p50 of the same round)."""
+    ratios (gpumesh / door of the same round of the same run: QPS by C ÷ p50, completions in
+    the window, p50 latency)."""
     by_door: dict[str, list[dict[str, Any]]] = {}
     for r in recs:
         by_door.setdefault(r["door_key"], []).append(r)
-    ours = {r["round"]: r for r in by_door.get(GPUMESH, [])}
+    ours = {pair_key(r): r for r in by_door.get(GPUMESH, [])}
     rows = []
     for d, rs in by_door.items():
-        qps_ratio = [loop_qps(ours[r["round"]]) / loop_qps(r) for r in rs
-                     if r["round"] in ours and loop_qps(r) > 0]
-        p50_ratio = [ours[r["round"]]["lat_p50"] / r["lat_p50"] for r in rs
-                     if r["round"] in ours and r["lat_p50"]]
+        paired = [(ours[pair_key(r)], r) for r in rs if pair_key(r) in ours]
         rows.append({
             "door": d, "label": rs[0]["door"], "rounds": len(rs),
             "qps": [loop_qps(r) for r in rs], "qps_med": _med([loop_qps(r) for r in rs]),
@@ -76,7 +75,10 @@ def door_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "lat50": _med([r["lat_p50"] for r in rs]), "lat99": _med([r["lat_p99"] for r in rs]),
             "cpu_tok": [cpu_us_per_token(r) for r in rs],
             "cores": _med([r.get("cpu", {}).get("door front", math.nan) for r in rs]),
-            "qps_ratio": qps_ratio, "p50_ratio": p50_ratio})
+            "qps_ratio": [loop_qps(o) / loop_qps(r) for o, r in paired if loop_qps(r) > 0],
+            "win_ratio": [o["done_qps"] / r["done_qps"] for o, r in paired if r.get("done_qps")],
+            "p50_ratio": [o["lat_p50"] / r["lat_p50"] for o, r in paired if r["lat_p50"]],
+            "p99_ratio": [o["lat_p99"] / r["lat_p99"] for o, r in paired if r.get("lat_p99")]})
     order = ["bare", GPUMESH, "nginx", "smg"]
     return sorted(rows, key=lambda x: order.index(x["door"]) if x["door"] in order else 9)
 
@@ -84,7 +86,8 @@ def door_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def doors_table(recs: list[dict[str, Any]]) -> str:
     out = ["| front door | QPS = C ÷ p50 latency | completions/s in the window | TTFT p50 / p99 ms | "
            "latency p50 / p99 ms | front-door CPU µs per output token | front-door cores | "
-           "gpumesh QPS ÷ this | gpumesh p50 ÷ this | rounds |",
+           "gpumesh ÷ this: C ÷ p50 / completions | gpumesh ÷ this: latency p50 / p99 "
+           "| rounds |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for x in door_rows(recs):
         mine = x["door"] == GPUMESH
@@ -92,8 +95,10 @@ def doors_table(recs: list[dict[str, Any]]) -> str:
             f"| {x['label']} | {_spread(x['qps'])} | {_spread(x['win_qps'])} | "
             f"{_ms(x['ttft50'])} / {_ms(x['ttft99'])} | "
             f"{_ms(x['lat50'])} / {_ms(x['lat99'])} | {_spread(x['cpu_tok'], 0)} | "
-            f"{x['cores']:.2f} | {'—' if mine else _spread(x['qps_ratio'], 2)} | "
-            f"{'—' if mine else _spread(x['p50_ratio'], 2)} | {x['rounds']} |")
+            f"{x['cores']:.2f} | "
+            f"{'—' if mine else _spread(x['qps_ratio'], 2) + ' / ' + _spread(x['win_ratio'], 2)} | "
+            f"{'—' if mine else _spread(x['p50_ratio'], 2) + ' / ' + _spread(x['p99_ratio'], 2)} | "
+            f"{x['rounds']} |")
     return "\n".join(out)
 
 
@@ -120,9 +125,11 @@ def uneq_table(recs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def doors_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The front-door sections of a results document ("" when it has none)."""
-    recs = [r for r in records if "door" in r]
+def doors_markdown(records: list[dict[str, Any]], meta: dict[str, Any],
+                   from_round: int = 0) -> str:
+    """The front-door sections of a results document ("" when it has none); rounds before
+    ``from_round`` of each run left out."""
+    recs = [r for r in records if "door" in r and r.get("round", 0) >= from_round]
     if not recs:
         return ""
     parts = ["\n## Front doors\n"]
@@ -130,8 +137,12 @@ def doors_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for n in (1, 2):
             rs = [r for r in recs if r["phase"] == phase and r.get("engines") == n]
             if rs:
+                sched = rs[0].get("scheduler") or {}
+                limits = (f"; every engine max_num_seqs {sched.get('max_num_seqs')}, "
+                          f"max_num_batched_tokens {sched.get('max_num_batched_tokens')}"
+                          if sched else "")
                 parts.append(f"### {phase}: {rs[0]['shape']}, {n} engine{'s' if n > 1 else ''} "
-                             f"on one GPU, concurrency {rs[0]['concurrency']}\n")
+                             f"on one GPU, concurrency {rs[0]['concurrency']}{limits}\n")
                 parts.append(doors_table(rs) + "\n")
     un = [r for r in recs if r["phase"].startswith("uneq")]
     if un:
@@ -144,27 +155,16 @@ def doors_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def load(path: str) -> dict[str, Any]:
-    p = Path(path)
-    raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
-    return json.loads(raw)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpumesh_bench.gpu.doorsreport",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+")
     ap.add_argument("--md", default="")
+    ap.add_argument("--from-round", type=int, default=0)
     a = ap.parse_args(argv)
-    records: list[dict[str, Any]] = []
-    meta: dict[str, Any] = {}
-    for f in a.files:
-        doc = load(f)
-        records += doc.get("records", [])
-        for k, v in doc.get("meta", {}).get("doors_failed", {}).items():
-            meta.setdefault("doors_failed", {})[k] = v
-    md = doors_markdown(records, meta)
+    records, meta = load_results(a.files)
+    md = doors_markdown(records, {"doors_failed": meta.get("doors_failed", {})}, a.from_round)
     if a.md:
         Path(a.md).write_text(md)
     print(md)

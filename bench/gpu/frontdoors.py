@@ -132,7 +132,9 @@ def serve_args(kw: dict[str, Any]) -> list[str]:
              "gpu_memory_utilization": "--gpu-memory-utilization",
              "load_format": "--load-format", "num_gpu_blocks_override": "--num-gpu-blocks-override",
              "seed": "--seed", "stream_interval": "--stream-interval",
-             "tensor_parallel_size": "--tensor-parallel-size"}
+             "tensor_parallel_size": "--tensor-parallel-size",
+             "max_num_seqs": "--max-num-seqs",
+             "max_num_batched_tokens": "--max-num-batched-tokens"}
     for k, f in flags.items():
         if kw.get(k) is not None:
             out += [f, str(kw[k])]

@@ -1,6 +1,8 @@
-"""``prefix05``: cache-aware routing on real engines. Two 0.5B nodes share GPU 0 with vLLM's
-prefix caching and KV events on (heartbeats every 250 ms); four balancers over the same two
-nodes, interleaved over rounds (order reversed every round):
+"""``prefix05`` / ``prefix7``: cache-aware routing on real engines. Two nodes of one shape
+(``PREFIX_PHASES``: 0.5B or 7B) share GPU 0 with vLLM's prefix caching and KV events on
+(heartbeats every 250 ms) and the scheduler limits of ``doors.SCHEDULER`` (in every record as
+``scheduler``); four balancers over the same two nodes, interleaved over rounds (order
+reversed every round):
 
 - ``least_request``: gpumesh, fewest in flight, no locality;
 - ``precise``: gpumesh weighted least-load, prefix locality from the nodes' KV events;
@@ -11,8 +13,13 @@ nodes, interleaved over rounds (order reversed every round):
   whether the nodes' ``SubscribeKvEvents`` carried block events during the bench.
 
 Session affinity is off in every gpumesh router (``affinity_weight`` 0), so locality alone
-places requests; the routers hash prompts with the model's own tokenizer and run one process
-each (approximate mode's record of what went where is per process), whatever ``--workers``.
+places requests; the routers hash prompts with the model's own tokenizer (loaded when the
+nodes register) and run one process each (approximate mode's record of what went where is per
+process), whatever ``--workers``.
+
+Every bench spells its prompts with a salt of its own (``prefixload``): system prompts and
+conversations alike, so no bench finds in the engines' caches, or in a router's or SMG's
+record, anything an earlier bench left; each starts cold and warms up inside its warm-up.
 
 Workload (``prefixload``, ``gpumesh_bench.tenants``): ``PrefixWorkload.tenants`` tenants, each
 a ``system_words``-token system prompt, multi-turn conversations, ``max_tokens`` output
@@ -20,8 +27,9 @@ tokens (``ignore_eos``), in a closed loop at ``concurrency``. Each node's KV cac
 (``num_gpu_blocks_override``, ``kv_blocks``) holds its running requests' tokens plus about a
 quarter of all tenants' system prompts, so where a tenant's requests go decides whether its
 prefix is found. Per bench: TTFT p50/p90/p99, latency p50/p99, completions/s, errors, each
-node's share, and each node's prefix-cache hit rate (vLLM's, over its last requests, from the
-routers' fleet view right after the bench).
+node's share, each node's prefix-cache hit rate (vLLM's, over its last requests, from the
+routers' fleet view right after the bench), and when the first request completed
+(``first_done_s``, from the load's start: a stall shows there).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gpumesh_bench.gpu.doors import SCHEDULER
 from gpumesh_bench.gpu.env import SERVED, Env, GpuNodeSpec, GpuRouterSpec
 from gpumesh_bench.gpu.frontdoors import Smg, stop_all
 from gpumesh_bench.gpu.group import Group, fleet_once
@@ -49,7 +58,9 @@ _ROUTERS = {"least_request": ("least_request", "off"),
             "approximate": ("weighted_least_load", "approximate")}
 NODES = ("pa", "pb")
 GPU_MEM = 0.42
-ENGINE_START_S = 75.0    # one 0.5B node's start on the GPU (the two start one after the other)
+PREFIX_PHASES = {"prefix05": "0.5b", "prefix7": "7b"}   # phase -> model shape
+# one node's start on the GPU, by shape (the two start one after the other)
+ENGINE_START_S = {"0.5b": 75.0, "7b": 110.0}
 
 
 @dataclass(frozen=True)
@@ -81,12 +92,12 @@ class PrefixWorkload:
         return math.ceil((prefixes / 4 + math.ceil(self.concurrency / 2) * request) / 16)
 
 
-def _router_specs(env: Env, setups: list[str]) -> list[GpuRouterSpec]:
+def _router_specs(env: Env, setups: list[str], shape: str) -> list[GpuRouterSpec]:
     """One router per gpumesh setup, named ``p-<setup>``, over both nodes."""
     base = {"GPUMESH_ROUTER_AFFINITY_WEIGHT": "0"}
     if env.engine == "vllm":   # the dummy model's tokenizer (simulated nodes need none)
         base["GPUMESH_ROUTER_PREFIX_TOKENIZERS"] = (
-            f"{SERVED['0.5b']}={env.models['0.5b'] / 'tokenizer'}")
+            f"{SERVED[shape]}={env.models[shape] / 'tokenizer'}")
     return [GpuRouterSpec(_rname(k), _ROUTERS[k][0], NODES,
                           env={**base, "GPUMESH_ROUTER_PREFIX_LOCALITY": _ROUTERS[k][1]})
             for k in setups]
@@ -177,10 +188,10 @@ def _metrics(res: list[Any], warmup_s: float, window_s: float) -> dict[str, Any]
     return m
 
 
-def prefix_need(env: Env) -> float:
+def prefix_need(env: Env, phase: str = "prefix05") -> float:
     """Seconds the phase needs for its two node starts and one round (the cli's check)."""
     per = env.warmup_s + env.window_s + 8.0
-    start = 2 * ENGINE_START_S if env.engine == "vllm" else 30.0
+    start = 2 * ENGINE_START_S[PREFIX_PHASES[phase]] if env.engine == "vllm" else 30.0
     return start + len(PREFIX_SETUPS) * per + 10.0
 
 
@@ -188,22 +199,25 @@ def phase_prefix(env: Env, phase: str = "prefix05", rounds: int = 2,
                  work: PrefixWorkload | None = None,
                  setups: tuple[str, ...] = PREFIX_SETUPS) -> None:
     w = work or PrefixWorkload()
+    shape = PREFIX_PHASES[phase]
     blocks = w.kv_blocks()
     gp = [s for s in setups if s in _ROUTERS]
-    routers = _router_specs(env, gp)
+    routers = _router_specs(env, gp, shape)
     rnames = tuple(r.name for r in routers)
-    args = {"enable_prefix_caching": True}
-    nodes = [GpuNodeSpec(NODES[0], "0.5b", "0", GPU_MEM, blocks=blocks, routers=rnames,
+    args = {"enable_prefix_caching": True, **SCHEDULER}
+    nodes = [GpuNodeSpec(NODES[0], shape, "0", GPU_MEM, blocks=blocks, routers=rnames,
                          engine_args=args),
-             GpuNodeSpec(NODES[1], "0.5b", "0", GPU_MEM, blocks=blocks, routers=rnames,
+             GpuNodeSpec(NODES[1], shape, "0", GPU_MEM, blocks=blocks, routers=rnames,
                          engine_args=args, after=NODES[0])]
-    model = SERVED["0.5b"]
+    model = SERVED[shape]
     spell_vocab = "dummy" if env.engine == "vllm" else "sim"
     n_procs = max(1, min(env.procs, 4))
     extra: list[Any] = []
     workload = {**asdict(w), "kv_blocks": blocks, "kv_tokens": blocks * 16,
                 "system_prompt_tokens_all": w.tenants * (w.system_words + 3),
-                "spelling": spell_vocab, "procs": n_procs, "router_workers": 1}
+                "spelling": spell_vocab, "procs": n_procs, "router_workers": 1,
+                "scheduler": {**SCHEDULER, **{k: v for k, v in env.engine_args.items()
+                                              if k in SCHEDULER}}}
     saved, saved_workers = dict(env.node_options), env.workers
     # one process per router: approximate mode's record of what went where is per process
     env.workers = 1
@@ -211,7 +225,7 @@ def phase_prefix(env: Env, phase: str = "prefix05", rounds: int = 2,
         # a simulated node reports its ``model`` as the model's path to SMG, which loads the
         # tokenizer from there (the served name stays the GPU nodes'); SMG's token ids of the
         # simulator's spelling are all one id, so a dry run's SMG figures are plumbing only
-        env.node_options = {**saved, "model": str(env.models["0.5b"])}
+        env.node_options = {**saved, "model": str(env.models[shape])}
     if w.max_len() > env.max_model_len:
         env.node_options = {**env.node_options, "max_model_len": -(-w.max_len() // 256) * 256}
     with Group(env, nodes, routers) as g:
@@ -228,10 +242,10 @@ def phase_prefix(env: Env, phase: str = "prefix05", rounds: int = 2,
             if "smg" in setups:
                 try:
                     sm = Smg(f"{phase}-cache-aware", [g.addr[n] for n in NODES],
-                             env.models["0.5b"], env.logs, policy="cache_aware",
+                             env.models[shape], env.logs, policy="cache_aware",
                              # the tokenizer from the model folder, whatever path a node
                              # reports (a simulated node reports its served name)
-                             flags=("--tokenizer-path", str(env.models["0.5b"])))
+                             flags=("--tokenizer-path", str(env.models[shape])))
                     extra.append(sm)
                     sm.wait_ready()
                     cmds["smg"] = [sm.command()]
@@ -244,14 +258,14 @@ def phase_prefix(env: Env, phase: str = "prefix05", rounds: int = 2,
             env.meta.setdefault("commands", {})[phase] = cmds
             order = [s for s in setups if s in doors]
             view = g.addr[rnames[0]] if rnames else ""
-            _rounds(env, phase, w, order, doors, worker_nodes, view, model, spell_vocab,
-                    n_procs, rounds, workload, g.addr[NODES[0]])
+            _rounds(env, phase, shape, w, order, doors, worker_nodes, view, model,
+                    spell_vocab, n_procs, rounds, workload, g.addr[NODES[0]])
         finally:
             stop_all(reversed(extra))
             env.node_options, env.workers = saved, saved_workers
 
 
-def _rounds(env: Env, phase: str, w: PrefixWorkload, order: list[str],
+def _rounds(env: Env, phase: str, shape: str, w: PrefixWorkload, order: list[str],
             doors: dict[str, tuple[str, str]], worker_nodes: dict[str, str], view: str,
             model: str, vocab: str, n_procs: int, rounds: int, workload: dict[str, Any],
             node_a: str) -> None:
@@ -284,9 +298,11 @@ def _rounds(env: Env, phase: str, w: PrefixWorkload, order: list[str],
             nodes = _node_view(view) if view else {}
             m = _metrics(res, env.warmup_s, env.window_s)
             m["tenant_stickiness"] = tenant_stickiness(res, keys, env.warmup_s, dur)
+            done = [r.start_s + r.latency_s for r in res if r.status == "OK"]
+            m["first_done_s"] = round(min(done), 3) if done else math.nan
             rec: dict[str, Any] = {
                 "phase": phase, "prefix": s, "balancer": PREFIX_LABEL[s], "kind": kind,
-                "shape": "0.5b", "round": k, "position": i, "concurrency": w.concurrency,
+                "shape": shape, "round": k, "position": i, "concurrency": w.concurrency,
                 "warmup_s": env.warmup_s, "window_s": env.window_s, "workload": workload,
                 **m, "nodes": nodes, "salt": spell.salt, "call": env.call,
                 "engine": env.engine, "started": time.time()}
@@ -295,7 +311,8 @@ def _rounds(env: Env, phase: str, w: PrefixWorkload, order: list[str],
             env.records.append(rec)
             env.save()
             hits = " ".join(f"{n}:{v['prefix_hit_rate']:.2f}" for n, v in sorted(nodes.items()))
-            print(f"[prefix] {PREFIX_LABEL[s]:26} #{k} done_qps={m['done_qps']:7.1f} "
+            print(f"[prefix] {phase} {PREFIX_LABEL[s]:26} #{k} done_qps={m['done_qps']:7.1f} "
+                  f"first_done={m['first_done_s']:.1f}s "
                   f"ttft p50/p90/p99={m['ttft_p50']:.3f}/{m['ttft_p90']:.3f}/"
                   f"{m['ttft_p99']:.3f}s lat p50={m['lat_p50']:.3f}s errors={m['errors']} "
                   f"share={m['node_share']} stick={m['tenant_stickiness']:.2f} hit {hits}"

@@ -6,10 +6,11 @@ Spelling: every word of a tenant prompt becomes one token of the engine's tokeni
 dummy models split on whitespace and map ``<tN>`` to id N (any English word to ``<t0>``, which
 would make every prompt the same), so a word becomes ``<tN>`` with N from a CRC of the word;
 the simulator's tokenizer takes pieces of up to four characters, so there a word becomes its
-CRC in base 36 (at most four characters). The system prompt (``SpellSpec.system_words``
-words) is spelled the same in every bench; the conversation after it is salted per bench, so
-each balancer gets the same tenants, turns and lengths but conversation text no previous
-bench left in the caches.
+CRC in base 36 (at most four characters). Every word is salted per bench (``SpellSpec.salt``),
+system prompt and conversation alike, so each balancer gets the same tenants, turns and
+lengths but text no earlier bench left in the engines' prefix caches or in any balancer's
+record of them; within a bench a tenant's system prompt is one spelling, shared by its
+requests.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class SpellSpec:
     """How tenant prompts are spelled: ``vocab`` "dummy" (``<tN>``, vLLM's dummy models) or
     "sim" (base 36, the simulator); ``system_words``: words of a tenant's system prompt
     (``TenantSpec.system_words`` + the 3-word "tenant T system." header); ``salt``: per
-    bench, for the words after the system prompt."""
+    bench, for every word."""
 
     vocab: str
     system_words: int
@@ -62,10 +63,10 @@ def spell_word(word: str, vocab: str, salt: int) -> str:
 
 
 def spell(prompt: str, s: SpellSpec, memo: dict[tuple[int, str], str]) -> str:
-    """``prompt`` re-spelled: its first ``s.system_words`` words unsalted, the rest salted."""
+    """``prompt`` re-spelled, every word with the bench's salt."""
     out = []
-    for i, w in enumerate(prompt.split()):
-        salt = 0 if i < s.system_words else s.salt
+    for w in prompt.split():
+        salt = s.salt
         t = memo.get((salt, w))
         if t is None:
             t = memo[(salt, w)] = spell_word(w, s.vocab, salt)

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +29,34 @@ def _call(rec: dict[str, Any]) -> int | None:
     """The 1-based harness run that measured a record (``cmd_run`` records it); None for
     archived records from before it did."""
     return rec.get("call") or None
+
+
+def pair_key(rec: dict[str, Any]) -> tuple[int | None, int]:
+    """What two records of one interleaved phase are paired on: the same round of the same
+    harness run (``call``, made unique across files by ``load_results``)."""
+    return _call(rec), rec["round"]
+
+
+def load_results(files: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The records and the merged meta of results files (``.json`` or ``.json.gz``); a
+    record's ``call`` indexes the merged ``meta["calls"]``, so each file's calls are shifted
+    by the earlier files' (rounds of different runs never pair)."""
+    records: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    for f in files:
+        raw = Path(f).read_bytes()
+        doc = json.loads(gzip.decompress(raw) if f.endswith(".gz") else raw)
+        shift = len(meta.get("calls", []))
+        records += [{**r, "call": r["call"] + shift} if _call(r) and shift else r
+                    for r in doc.get("records", [])]
+        for k, v in doc.get("meta", {}).items():
+            if isinstance(v, dict):
+                meta.setdefault(k, {}).update(v)
+            elif isinstance(v, list):
+                meta.setdefault(k, []).extend(v)
+            else:
+                meta[k] = v
+    return records, meta
 
 
 def _call_tagger(records: list[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:

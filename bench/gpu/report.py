@@ -10,8 +10,6 @@ interleaved rounds (``pairs``); per-node heartbeat tables; cores by process grou
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from gpumesh_bench.gpu.records import (
     _workload_label,
     dedupe,
     fmt,
+    load_results,
 )
 
 
@@ -180,27 +179,18 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    records: list[dict[str, Any]] = []
-    meta: dict[str, Any] = {}
-    for f in a.files:
-        # the archived results in bench/results are gzipped (they travel with every run on a GPU machine)
-        raw = Path(f).read_bytes()
-        doc = json.loads(gzip.decompress(raw) if f.endswith(".gz") else raw)
-        # a record's call indexes the merged meta["calls"]: shift it by the earlier files' calls
-        shift = len(meta.get("calls", []))
-        records += [{**r, "call": r["call"] + shift} if _call(r) and shift else r
-                    for r in doc["records"]]
-        for k, v in doc.get("meta", {}).items():
-            if isinstance(v, dict):
-                meta.setdefault(k, {}).update(v)
-            elif isinstance(v, list):
-                meta.setdefault(k, []).extend(v)
-            else:
-                meta[k] = v
-    md = report_markdown(records, meta)
+    from gpumesh_bench.gpu.doorsreport import doors_markdown
+    from gpumesh_bench.gpu.prefixreport import prefix_markdown
+
+    records, meta = load_results(a.files)
+    # front-door and cache-aware records have tables of their own
+    rest = [r for r in records if "door" not in r and "prefix" not in r]
+    k = getattr(a, "from_round", 0)
+    md = ((report_markdown(rest, meta) if rest else "") + doors_markdown(records, meta, k)
+          + prefix_markdown(records, k))
     if a.md:
         Path(a.md).write_text(md)
-    if a.png:
-        plot(records, Path(a.png))
+    if a.png and rest:
+        plot(rest, Path(a.png))
     print(md)
     return 0

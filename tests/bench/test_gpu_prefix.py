@@ -16,19 +16,24 @@ from gpumesh_bench.gpu.prefixreport import prefix_markdown, prefix_table
 from gpumesh_bench.tenants import TenantSpec
 
 
-def test_spelling_keeps_system_prompts_and_salts_conversations() -> None:
+def test_spelling_salts_every_word_per_bench() -> None:
     from gpumesh.node.engines.sim.text import SimTokenizer
 
     spec = TenantSpec(tenants=3, system_words=30, turn_words=6, max_turns=3)
     a = list(zip(range(12), requests(spec, SpellSpec("sim", 33, 1), "m"), strict=False))
     b = list(zip(range(12), requests(spec, SpellSpec("sim", 33, 2), "m"), strict=False))
     tok = SimTokenizer()
+    systems: dict[str, set[str]] = {}
     for (_, x), (_, y) in zip(a, b, strict=True):
         wx, wy = (x.prompt_text or "").split(), (y.prompt_text or "").split()
         assert len(wx) == len(tok.encode(x.prompt_text or "")) == x.prompt_tokens  # 1 word = 1 token
-        assert wx[:33] == wy[:33]           # the tenant's system prompt: the same every bench
-        assert wx[33:] != wy[33:]           # the conversation: fresh text per salt
+        assert len(wx) == len(wy)
+        # no bench inherits another's cache: not even the system prompt's first block is shared
+        assert wx[:16] != wy[:16]
         assert x.routing_key == y.routing_key
+        systems.setdefault(x.routing_key.split("-")[0], set()).add(" ".join(wx[:33]))
+    # within a bench, a tenant's requests share one spelling of its system prompt
+    assert all(len(v) == 1 for v in systems.values()) and len(systems) > 1
     dummy = next(requests(spec, SpellSpec("dummy", 33, 1), "m")).prompt_text or ""
     assert all(w.startswith("<t") and w.endswith(">") and int(w[2:-1]) < 151643
                for w in dummy.split())
@@ -51,6 +56,36 @@ def _rec(setup: str, rnd: int, p90: float) -> dict:
             "node_share": {"pa": 60, "pb": 40},
             "nodes": {"pa": {"prefix_hit_rate": 0.8}, "pb": {"prefix_hit_rate": 0.6}},
             "workload": {"tenants": 48}}
+
+
+def test_report_pairs_within_the_same_round_of_the_same_run(tmp_path: Path) -> None:
+    """Two runs in two files, both with a round 0: each precise round is compared with the
+    least_request round of its own run, never of the other; the heading names the shape."""
+    import gzip
+
+    from gpumesh_bench.gpu import cli as gpu_cli
+    from gpumesh_bench.gpu.prefixreport import main as prefix_main
+
+    def doc(lr: float, pr: float) -> dict:
+        recs = [{**_rec("least_request", 0, lr), "call": 1, "shape": "7b"},
+                {**_rec("precise", 0, pr), "call": 1, "shape": "7b"}]
+        return {"records": recs, "meta": {"calls": [{"phases": "prefix7"}]}}
+
+    f1, f2 = tmp_path / "a.json.gz", tmp_path / "b.json"
+    f1.write_bytes(gzip.compress(json.dumps(doc(0.4, 0.1)).encode()))
+    f2.write_text(json.dumps(doc(0.1, 0.1)))
+    md = tmp_path / "p.md"
+    assert prefix_main([str(f1), str(f2), "--md", str(md)]) == 0
+    text = md.read_text()
+    row = next(x for x in text.splitlines() if x.startswith("| precise"))
+    assert "0.62 (0.25–1.00)" in row    # 0.1/0.4 and 0.1/0.1; pairing on round alone: 1 pair
+    assert "two 7B engines" in text and "2 runs" in text
+    # the package's report takes the same files (cache-aware records have their own table)
+    out = tmp_path / "all.md"
+    assert gpu_cli.main(["report", str(f1), str(f2), "--md", str(out)]) == 0
+    assert "0.62 (0.25–1.00)" in out.read_text()
+    # warm rounds only: round 0 left out leaves nothing to report
+    assert prefix_main([str(f1), "--from-round", "1"]) == 0
 
 
 def test_report_pairs_p90_ttft_round_by_round() -> None:
@@ -99,6 +134,8 @@ def test_prefix_phase_on_simulated_engines(tmp_path: Path) -> None:
         if r["kind"] == "grpc":
             assert r["errors"] == 0 and r["done_qps"] > 0
             assert set(r["node_share"]) <= {"pa", "pb"} and set(r["nodes"]) == {"pa", "pb"}
+            assert r["shape"] == "0.5b" and r["first_done_s"] < 1 + 3
+            assert r["workload"]["scheduler"]["max_num_batched_tokens"] > 0
     smg = [r for r in recs if r["prefix"] == "smg"]
     if smg:   # SMG found (.smg-venv or the kit): its cache state is named
         assert "smg_mode" in smg[0]
