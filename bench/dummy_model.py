@@ -11,9 +11,8 @@ The tokenizer is written twice, into ``out`` and ``out/tokenizer``: pass
 config.json says ``model_type: qwen2`` (a byte-level BPE with no merges, which tokenizes text
 to nothing); a folder without config.json gets the plain fast tokenizer.
 
-Source: ``../shared/gpu/make_model.py`` (the tested device recipe) and the 7B overrides of
-``../shared/gpu/seed_table.py``, so the mesh runs the very shapes the raw-vLLM reference
-figures were measured on. Needs only the ``tokenizers`` package; ~2 s.
+The shapes are the ones the raw-vLLM reference figures (``gpumesh_bench.gpu.records``) were
+measured on, so the mesh runs the very same engines. Needs only the ``tokenizers`` package; ~2 s.
 """
 
 from __future__ import annotations

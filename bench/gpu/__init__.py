@@ -1,7 +1,7 @@
 """GPU measurement of the mesh: vLLM CUDA nodes direct vs through the router vs raw vLLM.
 
-Driven by ``bench/gpu/kit/run_mesh_gpu.sh`` on a device machine (one ``run`` call per group of
-phases, the vLLM kit installed); also runs on CPU with ``--engine sim`` (simulated nodes, same
+Driven by ``bench/gpu/kit/run_mesh_gpu.sh`` on a GPU host (one invocation per group of
+phases, the vLLM kit of ``bench/gpu/kit`` installed); also runs on CPU with ``--engine sim`` (simulated nodes, same
 processes, same router, same load generator) to check the logic before device time is spent.
 
   python -m gpumesh_bench.gpu run --phases p05,share,unequal --out DIR [--engine vllm|sim]
@@ -10,10 +10,10 @@ processes, same router, same load generator) to check the logic before device ti
 
 Phases (each starts its own nodes and routers and stops them, GPUs freed, before the next):
 
-- ``raw``: the raw-vLLM reference tool (``--raw-tool``, shared/gpu/seed_table.py) in this
-  session, 0.5B, one GPU, concurrency 128 (the README's method, for an in-session ratio).
+- ``raw``: the raw-vLLM reference tool (``--raw-tool``: a script that runs raw vLLM in a
+  closed loop) in this run, 0.5B, one GPU, concurrency 128 (for an in-run ratio).
   ``raw7``: 7B at 256, one GPU, then (two GPUs) data parallel: two engines at once, 128 each
-  (seed_table.sh's method); ``rawdp05``: the same for 0.5B at 128.
+  (the reference's method); ``rawdp05``: the same for 0.5B at 128.
 - ``eng05`` / ``eng7``: the node's own engine without gRPC (``gpumesh bench engine-loop``:
   the node TOML a node of that shape gets here, engine built by the node's code, a closed loop
   on its ``generate`` in the same process) at the raw phases' concurrency: one GPU, then (two
@@ -66,7 +66,7 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
   one GPU direct at C, then (two GPUs) data parallel through the router at 2C, ``--rounds``
   times each.
 
-Workload: the raw reference's (``shared/gpu/seed_table.py``): a closed loop of C streams,
+Workload: the raw reference's: a closed loop of C streams,
 32 prompt tokens, 256 output tokens with ignore_eos, a 4 s warm-up then a 15 s window. QPS is
 computed as the reference computes it: requests that started in the window and finished
 inside it, divided by the window (this undercounts the completion rate by about latency /
@@ -90,5 +90,5 @@ Modules: ``env`` (settings, node/router specs, node TOML), ``group`` (a phase's 
 ``doors``, ``doorload``, ``frontdoors``, ``bare_engine`` and ``doorsreport`` (the front doors),
 ``samplers`` and ``measure`` (one bench), ``reference`` (raw vLLM, engine loop), ``phases``
 and ``vsraw`` (the phases), ``cli`` (``run``), ``records``, ``pairs``, ``report`` and ``plot``
-(the report); ``kit/`` holds the device machine's shell harness.
+(the report); ``kit/`` holds the GPU host's shell harness and the kit's builders.
 """

@@ -1,5 +1,5 @@
 """The GPU report's vocabulary: the raw-vLLM reference figures records are compared with
-(shared/gpu/README.md), and how a record is keyed (setup, workload, harness run)."""
+(raw vLLM 0.26.0 on H200s), and how a record is keyed (setup, workload, harness run)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from gpumesh_bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
 
-# Raw vLLM 0.26.0 on H200 (shared/gpu/README.md, seed_table.sh, 2026-11-29, nvidia-h200-x2):
+# Raw vLLM 0.26.0 on one and two H200s (a closed-loop AsyncLLM script, 2026-11-29):
 # (shape, setup) -> (QPS, p50 latency s, TTFT p50 s or None), input 32, output 256, ignore_eos.
 RAW_REFERENCE: dict[tuple[str, str], tuple[float, float, float | None]] = {
     ("0.5b", "1gpu"): (128.0, 0.92, None), ("0.5b", "dp2"): (161.0, 0.72, None),

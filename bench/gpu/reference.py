@@ -24,7 +24,7 @@ from gpumesh_bench.gpu.records import RAW_CONCURRENCY, fmt
 def phase_raw(env: Env, shape: str = "0.5b", dp: bool = False) -> None:
     """The raw-vLLM reference tool in this run at the reference's concurrency C: one
     engine on GPU 0; ``dp``: also two engines at once, C/2 each on GPUs 0 and 1 (the
-    reference's data-parallel method, shared/gpu/seed_table.sh), recorded as one row."""
+    reference's data-parallel method), recorded as one row."""
     if env.engine != "vllm" or not env.raw_tool:
         print("[gpu-bench] raw: skipped (needs --engine vllm and --raw-tool)", flush=True)
         return

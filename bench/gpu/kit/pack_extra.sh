@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# Here (network): pack the wheels of bench/gpu/kit/gpu-extra.txt for the device machine into
+# Here (network): pack the wheels of bench/gpu/kit/gpu-extra.txt for the GPU host into
 # .gpukit/extra/extra.tar.xz (git-ignored; ~5 MiB, grpcio's cygrpc is most of it).
 #
-# Why not prepare_kit.sh's EXTRA_REQ: the vLLM kit is 57.6 MiB and one `run` call carries
-# 64 MiB with the tree; with grpcio inside, the kit (62.7 MiB) fails that script's own 62 MiB
-# check although the call still fits. Packed apart, the kit stays the tested one and this pack
-# is rebuilt in seconds. bench/gpu/kit/run_mesh_gpu.sh unpacks it over /tmp/site after the kit.
-#   bash bench/gpu/kit/pack_extra.sh     then carry .gpukit/one .gpukit/tools .gpukit/extra
+# Packed apart from the vLLM kit (prepare_kit.sh's EXTRA_REQ would rebuild the kit): the kit
+# stays as built and this pack is rebuilt in seconds. bench/gpu/kit/run_mesh_gpu.sh unpacks it
+# over /tmp/site after the kit.
+#   bash bench/gpu/kit/pack_extra.sh     then ship .gpukit/one .gpukit/tools .gpukit/extra
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 cd "$ROOT"
 REQ=bench/gpu/kit/gpu-extra.txt
 K=.gpukit
 PY=${PY:-python3}
-git check-ignore -q $K/extra/x || { echo "ERROR: $K is not git-ignored (run prepare_kit.sh first)"; exit 1; }
+git check-ignore -q $K/extra/x || { echo "ERROR: $K is not git-ignored (run bench/gpu/kit/prepare_kit.sh first)"; exit 1; }
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform linux_x86_64 --platform manylinux2014_x86_64"
 for n in $(seq 5 39); do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
 mkdir -p $K/cache/extra $K/extra
@@ -25,9 +24,8 @@ $PY -m pip install -q --no-deps --no-index --no-compile $PLAT --find-links $K/ca
 test -f $S/grpc/__init__.py -a -f $S/smg_grpc_proto/__init__.py -a -f $S/pytest_asyncio/__init__.py
 find $S -name __pycache__ -type d -prune -exec rm -rf {} +
 rm -rf $S/bin
-# Room for the tree in the 64 MiB call: type stubs, licence texts and grpc's TLS root bundle
-# (read only when a TLS channel is made; every channel on the device machine is plaintext
-# loopback) stay here: -215 KB packed.
+# Smaller to ship: type stubs, licence texts and grpc's TLS root bundle (read only when a TLS
+# channel is made; every channel of the GPU bench is plaintext loopback) stay here: -215 KB.
 find $S \( -name '*.pyi' -o -name 'LICENSE*' \) -type f -delete
 rm -f $S/grpc/_cython/_credentials/roots.pem
 # smg_grpc_proto loads its generated modules lazily: only vLLM's (and common) are used here;

@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# Device side: the front-door phases in one `run` call (from the repo root).
+# On the GPU host: the front-door and cache-aware phases in one invocation (from the repo root).
 #
-#   bash bench/gpu/kit/run_doors.sh PHASES        e.g. doors05 | doors7 | uneq05,doors05
+#   BENCH_ARGS='--rounds 4 --warmup 4 --seconds 10' bash bench/gpu/kit/run_doors.sh PHASES
+#       PHASES e.g. doors05 | doors7 | uneq05 | prefix05 | prefix7 | prefix05,prefix7
 #
-# 1. the vLLM kit: installed from .gpukit/one when carried, else it must already be in /tmp/site
-#    (a machine still warm from a call that carried it: the kit and SMG do not fit one call);
-# 2. .gpukit/doors (vllm serve's deps, nginx) and, when carried, .gpukit/smg (SMG) unpacked over
-#    /tmp/site (bench/gpu/kit/pack_doors.sh builds both);
+# 1. the vLLM kit: installed from .gpukit/one when present, else it must already be in
+#    /tmp/site (an earlier run on this host installed it; /tmp/site/.kit-installed says so);
+# 2. .gpukit/doors (vllm serve's deps, nginx) and .gpukit/smg (SMG), when present, unpacked over
+#    /tmp/site (bench/gpu/kit/pack_doors.sh builds both; each is skipped when installed);
 # 3. bench/gpu/kit/run_mesh_gpu.sh PHASES with GPU_TEST=0 (the GPU test module is not run) and
-#    BENCH_ARGS (e.g. "--rounds 3 --warmup 3 --seconds 8"); results accumulate in
-#    /tmp/gpumesh-gpu/res while the machine stays warm, and each call copies them to $OUT.
-#
-#   run(command="set -o pipefail; BENCH_ARGS='--rounds 3' bash bench/gpu/kit/run_doors.sh doors05 2>&1 | tee $OUT/log",
-#       carry=[".gpukit/smg", ".gpukit/doors", ".gpukit/extra"], kind="nvidia-h200", timeout_s=600)
+#    BENCH_ARGS; results accumulate in /tmp/gpumesh-gpu/res across runs on the host, and each
+#    run copies them to $OUT (default /tmp/gpumesh-out).
 set -uo pipefail
 if [ ! -d .gpukit/one ] && ! grep -q '^site ' /tmp/site/.kit-installed 2>/dev/null; then
   echo "NO KIT: .gpukit/one not carried and /tmp/site has none (the machine was not warm)"; exit 3

@@ -1,37 +1,38 @@
 #!/usr/bin/env bash
-# Device side: the whole GPU measurement of the mesh in one `run` call (from the repo root).
+# On the GPU host: the whole GPU measurement of the mesh in one invocation (from the repo root).
 #
 #   bash bench/gpu/kit/run_mesh_gpu.sh [PHASES]        PHASES: comma list, default all
 #     raw,raw7,rawdp05,eng05,eng7,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7,
-#     msg05,msg7,fe05,fe7,vsraw05,vsraw7
+#     msg05,msg7,fe05,fe7,vsraw05,vsraw7,doors05,doors7,uneq05,prefix05,prefix7
 #     (see bench/gpu/__init__.py; eng05/eng7: the node's engine in a closed loop without gRPC;
 #     msg05/msg7: the node's stream-message budget on and off on the same nodes; fe05/fe7: one
 #     front-end process per node against several; vsraw05/vsraw7: the node and raw vLLM on the
 #     same GPU, interleaved rounds)
 #
-# 1. installs the vLLM kit (.gpukit/one, ../shared/gpu recipe slimmed by bench/gpu/kit/slim_kit.sh;
-#    skipped when this warm machine has it) and the extras (.gpukit/extra,
+# 1. installs the vLLM kit (.gpukit/one: bench/gpu/kit/prepare_kit.sh, slimmed by slim_kit.sh;
+#    skipped when this host's /tmp/site has it) and the extras (.gpukit/extra,
 #    bench/gpu/kit/pack_extra.sh) into /tmp/site;
 # 2. runs the GPU test module tests/gpu (pytest -m gpu) unless GPU_TEST=0;
 # 3. runs `python -m gpumesh_bench.gpu run --phases PHASES` (routers with --workers,
-#    load from gpumesh bench's multi-process generator), within BUDGET seconds in all;
-# 4. leaves at most 6 files in $OUT: log (copy of stdout), results.json, summary.md,
-#    plots.png, gpu_status_under_load.txt, logs.tgz (node/router/pytest/raw logs).
+#    load from gpumesh bench's multi-process generator), within BUDGET seconds in all
+#    (default 570);
+# 4. leaves in $OUT (default /tmp/gpumesh-out): log (copy of stdout), results.json,
+#    summary.md, plots.png, gpu_status_under_load.txt, logs.tgz (node/router/pytest/raw logs).
 #
-# One call carries the kit, the tools and the extras:
-#   run(command="set -o pipefail; bash bench/gpu/kit/run_mesh_gpu.sh raw,p05,share 2>&1 | tee $OUT/log",
-#       carry=[".gpukit/one", ".gpukit/tools", ".gpukit/extra"], kind="nvidia-h200-x2", timeout_s=600)
+# Ship the checkout with its .gpukit/ folder (one, tools, extra; doors and smg for the
+# front-door phases) to the GPU host, e.g. `rsync -a --exclude .venv ./ HOST:gpumesh/`, and run
+#   ssh HOST 'cd gpumesh && bash bench/gpu/kit/run_mesh_gpu.sh raw,p05 2>&1 | tee log'
 # ENGINE=sim runs the same phases on CPU with simulated nodes (no kit, no GPU) as a dry run:
 #   ENGINE=sim GPU_TEST=0 OUT=/tmp/o bash bench/gpu/kit/run_mesh_gpu.sh p05,share
-# A later call on the same warm machine adds its phases to the same results (RESULTS_DIR).
+# A later run on the same host adds its phases to the same results (RESULTS_DIR).
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpumesh-out}
 ENGINE=${ENGINE:-vllm}
 GPU_TEST=${GPU_TEST:-1}
-BUDGET=${BUDGET:-570}                 # seconds for this whole script; run's limit is 600
+BUDGET=${BUDGET:-570}                 # seconds for this whole script
 PHASES=${1:-raw,p05,share,unequal,tp05,p7,tp7}
-W=${RESULTS_DIR:-/tmp/gpumesh-gpu}    # survives between calls while the machine stays warm
+W=${RESULTS_DIR:-/tmp/gpumesh-gpu}    # results of every run on this host, appended
 mkdir -p "$OUT" "$W/logs"
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
@@ -50,14 +51,18 @@ if [ "$ENGINE" = vllm ]; then
   echo "== install ($(elapsed)s)"
   bash .gpukit/tools/kit_install.sh .gpukit/one > "$W/logs/install.log" 2>&1 \
     || { echo "KIT INSTALL FAILED"; cat "$W/logs/install.log"; exit 1; }
-  sum=$(sha256sum .gpukit/extra/extra.tar.xz | cut -c1-16)
-  if ! grep -qx "extra $sum" /tmp/site/.kit-installed; then
-    tar -C /tmp/site -xJf .gpukit/extra/extra.tar.xz || { echo "EXTRA INSTALL FAILED"; exit 1; }
-    echo "extra $sum" >> /tmp/site/.kit-installed
+  if [ -f .gpukit/extra/extra.tar.xz ]; then
+    sum=$(sha256sum .gpukit/extra/extra.tar.xz | cut -c1-16)
+    if ! grep -qx "extra $sum" /tmp/site/.kit-installed; then
+      tar -C /tmp/site -xJf .gpukit/extra/extra.tar.xz || { echo "EXTRA INSTALL FAILED"; exit 1; }
+      echo "extra $sum" >> /tmp/site/.kit-installed
+    fi
+  elif ! grep -q '^extra ' /tmp/site/.kit-installed; then
+    echo "NO EXTRAS: .gpukit/extra absent and /tmp/site has none (bench/gpu/kit/pack_extra.sh)"; exit 1
   fi
   tail -3 "$W/logs/install.log"
   # vLLM 0.26 imports flashinfer for its sampler unless told not to (the kit leaves it out);
-  # NVLink multicast stays off on multi-GPU machines (KINDS.md).
+  # NVLink multicast stays off on multi-GPU hosts (NCCL's NVLS and torch's symmetric memory).
   export PYTHONPATH=/tmp/site:$PY:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -91,8 +96,9 @@ fi
 
 left=$(( BUDGET - $(elapsed) - 15 ))
 echo "== bench phases $PHASES ($(elapsed)s, ${left}s left)"
+RAW_TOOL=${RAW_TOOL:-.gpukit/tools/seed_table.py}   # the raw-vLLM reference (raw* and vsraw* phases)
 timeout -k 10 $(( left > 30 ? left : 30 )) python3 -m gpumesh_bench.gpu run --phases "$PHASES" \
-  --engine "$ENGINE" --out "$W/res" --model-root $MODELS --raw-tool .gpukit/tools/seed_table.py --budget "$left" \
+  --engine "$ENGINE" --out "$W/res" --model-root $MODELS --raw-tool "$RAW_TOOL" --budget "$left" \
   ${BENCH_ARGS:-}
 echo "== bench rc=$? ($(elapsed)s)"
 

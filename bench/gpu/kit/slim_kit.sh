@@ -1,29 +1,26 @@
 #!/usr/bin/env bash
-# Here (no network needed): make the carried vLLM kit (.gpukit/one/site.tar.xz, built by
-# ../shared/gpu/prepare_kit.sh) small enough that the tree, the kit, the tools and the extras
-# (bench/gpu/kit/pack_extra.sh) fit one `run` call, then print the call's size.
+# Here (no network needed): make the vLLM kit (.gpukit/one/site.tar.xz, built by
+# bench/gpu/kit/prepare_kit.sh) smaller to ship, then print the size of what ships to the GPU
+# host (the tree, the kit, the tools and the extras of bench/gpu/kit/pack_extra.sh, as one tar).
 #
-# Why: a call carries 64 MiB. Measured here as one tar of what travels (~0.5-1 KB per file on
-# top of its bytes: a call was once refused while the bytes alone were ~100 KB under the
-# limit). With the kit as built (59.4 MiB), the extras (5.0 MiB) and the tree (1.3 MB in
-# ~150 files) the tar came to 67,112,960 bytes, 4 KB over. This drops mistral_common's two Tekken tokenizer
-# tables (34 MB unpacked, ~2.9 MB packed), read only by MistralTokenizer.v3(is_tekken=True),
-# i.e. never for the Qwen-shaped models the GPU bench serves, and pycountry's translations
-# (pycountry/locales, 22 MB unpacked: gettext catalogues, read only when a country name is
-# translated); nothing else in the kit changes.
-#   bash ../shared/gpu/prepare_kit.sh && bash bench/gpu/kit/slim_kit.sh && bash bench/gpu/kit/pack_extra.sh
+# This drops mistral_common's two Tekken tokenizer tables (34 MB unpacked, ~2.9 MB packed),
+# read only by MistralTokenizer.v3(is_tekken=True), i.e. never for the Qwen-shaped models the
+# GPU bench serves, and pycountry's translations (pycountry/locales, 22 MB unpacked: gettext
+# catalogues, read only when a country name is translated); nothing else in the kit changes.
+#   bash bench/gpu/kit/prepare_kit.sh && bash bench/gpu/kit/slim_kit.sh && bash bench/gpu/kit/pack_extra.sh
+# SHIP_LIMIT=BYTES (optional): fail when what ships is larger.
 # Idempotent (a slimmed kit is stamped in .gpukit/one/SLIM); ~7 min on 2 cores (xz -9e).
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 cd "$ROOT"
 K=.gpukit/one
-LIMIT=$((64 * 1024 * 1024))
-call_size() {  # the tree and the carried kit as one tar, the way a call's files travel
+LIMIT=${SHIP_LIMIT:-0}
+ship_size() {  # the tree and the kit as one tar
   { git ls-files; git ls-files -o --exclude-standard
     find .gpukit/one .gpukit/tools .gpukit/extra .gpukit/doors -type f 2>/dev/null || true; } \
     | tar -T - -cf - 2>/dev/null | wc -c
 }
-[ -f $K/site.tar.xz ] || { echo "no $K/site.tar.xz: run ../shared/gpu/prepare_kit.sh first"; exit 1; }
+[ -f $K/site.tar.xz ] || { echo "no $K/site.tar.xz: run bench/gpu/kit/prepare_kit.sh first"; exit 1; }
 sum=$(sha256sum $K/site.tar.xz | cut -c1-16)
 if [ -f $K/SLIM ] && [ "$(cat $K/SLIM)" = "$sum" ]; then
   echo "kit already slim ($sum)"
@@ -43,6 +40,6 @@ else
   sha256sum $K/site.tar.xz | cut -c1-16 > $K/SLIM
   echo "slim: $(stat -c %s $K/site.tar.xz) bytes"
 fi
-size=$(call_size)
-echo "one call carries $size of $LIMIT bytes ($(( (LIMIT - size) / 1024 )) KiB to spare)"
-[ "$size" -le "$LIMIT" ] || { echo "ERROR: over the call limit"; exit 1; }
+size=$(ship_size)
+echo "the tree and the kit: $size bytes"
+[ "$LIMIT" = 0 ] || [ "$size" -le "$LIMIT" ] || { echo "ERROR: over SHIP_LIMIT ($LIMIT bytes)"; exit 1; }
