@@ -45,7 +45,8 @@ def prefix_table(recs: list[dict[str, Any]]) -> str:
            "| completions/s | share " + " / ".join(nodes) + " | prefix hit rate "
            + " / ".join(nodes) + " | tenant on its main node | p90 TTFT ÷ least_request "
            "| p90 TTFT ÷ SMG | errors | rounds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s, rs in by.items():
+    order = ["least_request", "precise", "approximate", "smg"]
+    for s, rs in sorted(by.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 9):
         shares = []
         for r in rs:
             tot = sum(r.get("node_share", {}).values()) or 1
