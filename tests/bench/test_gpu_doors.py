@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumesh_bench.gpu.doors import SCHEDULER
 from gpumesh_bench.gpu.doorsreport import door_rows, doors_markdown
 from gpumesh_bench.gpu.frontdoors import nginx_binary, serve_args
 
@@ -29,6 +30,11 @@ def test_serve_args_carry_the_node_engine_arguments() -> None:
     assert json.loads(pairs["--compilation-config"]) == {"cudagraph_mode": "FULL"}
     assert "--no-enable-prefix-caching" in args and "--num-gpu-blocks-override" not in args
     assert "--enforce-eager" not in args
+    # the scheduler limits every door's engines get (doors.SCHEDULER) reach vllm serve too
+    flags = serve_args({**kw, **SCHEDULER})
+    for k, flag in (("max_num_batched_tokens", "--max-num-batched-tokens"),
+                    ("max_num_seqs", "--max-num-seqs")):
+        assert flags[flags.index(flag) + 1] == str(SCHEDULER[k])
 
 
 def _rec(door: str, rnd: int, qps: float, p50: float, engines: int = 1) -> dict:
@@ -52,6 +58,17 @@ def test_report_pairs_gpumesh_with_each_door_round_by_round() -> None:
     assert sorted(rows["nginx"]["win_qps"]) == [50, 60]
     md = doors_markdown(recs, {"doors_failed": {"doors05 smg": "RuntimeError: no SMG"}})
     assert "1 engine on one GPU" in md and "1.33 (0.67–2.00)" in md and "no SMG" in md
+
+
+def test_report_pairs_only_within_one_run() -> None:
+    """Round 0 of call 1 and round 0 of call 2 are different rounds: gpumesh's round of one
+    run is never divided by a door's round of another; completions and p99 ratios beside."""
+    recs = [{**_rec("gpumesh", 0, 100, 1.0), "call": 1}, {**_rec("nginx", 0, 50, 2.0), "call": 1},
+            {**_rec("gpumesh", 0, 60, 1.5), "call": 2}]
+    rows = {r["door"]: r for r in door_rows(recs)}
+    assert rows["nginx"]["qps_ratio"] == [2.0] and rows["nginx"]["win_ratio"] == [2.0]
+    assert rows["nginx"]["p99_ratio"] == [0.5]
+    assert "2.00 / 2.00" in doors_markdown(recs, {})
 
 
 @pytest.mark.slow
