@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# Here (network): pack what the front-door phases (doors05, doors7, uneq05) need on the device
-# machine beyond the vLLM kit and the extras, into git-ignored folders a `run` call carries:
+# Here (network): pack what the front-door and cache-aware phases (doors05, doors7, uneq05,
+# prefix05, prefix7) need on the GPU host beyond the vLLM kit and the extras, into git-ignored
+# folders that ship with the checkout:
 #
-#   .gpukit/doors/doors.tar.xz (~1 MiB): vLLM's OpenAI server's missing Python deps (wheels of
+#   .gpukit/doors/doors.tar.xz (~1.4 MB): vLLM's OpenAI server's missing Python deps (wheels of
 #       bench/gpu/kit/doors-requirements.txt, installed over /tmp/site) and nginx (Debian's
-#       nginx and libpcre2 packages, unpacked under ngx/, run from /tmp/ngx with its own lib/)
-#   .gpukit/smg/smg.tar.xz (~21 MiB): SMG's Python package with its Rust extension stripped of
+#       nginx and libpcre2 packages, unpacked under .ngx/, run with its own lib/)
+#   .gpukit/smg/smg.tar.xz (~21 MB): SMG's Python package with its Rust extension stripped of
 #       debug symbols (106 MB -> 75 MB; `python -m smg launch`; needs setproctitle, in the kit)
 #
-# The vLLM kit (57 MiB) and SMG (21 MiB) do not fit one 64 MiB call together: a call carries the
-# kit (installing it in /tmp/site, which stays while the machine is warm) and the next call,
-# made within the warm window, carries SMG (bench/gpu/kit/run_doors.sh checks the kit is there).
+# bench/gpu/kit/run_doors.sh unpacks both over /tmp/site (once per host, by checksum).
 #   bash bench/gpu/kit/pack_doors.sh          (SMG from .smg-venv, or SMG_WHEEL=path)
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
