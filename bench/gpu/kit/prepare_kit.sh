@@ -30,7 +30,7 @@ if [ -n "${EXTRA_REQ:-}" ]; then
 fi
 VLLM_VERSION=0.26.0
 WHL=vllm-$VLLM_VERSION-cp38-abi3-manylinux_2_28_x86_64.whl
-MAX_CARRY=${MAX_CARRY:-$((62 * 1024 * 1024))}   # largest payload folder accepted (bytes)
+MAX_KIT=${MAX_KIT:-$((62 * 1024 * 1024))}   # largest payload folder accepted (bytes)
 
 EXCL=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$EXCL")"
@@ -80,7 +80,7 @@ xz -6 -T0 -c $S/vllm/_C_stable_libtorch.abi3.so > $K/orig/C_orig.so.xz
 for d in $K/one $K/orig; do
   sz=$(du -sb $d | cut -f1)
   echo "$d: $sz bytes ($((sz / 1048576)) MiB)"
-  [ "$sz" -le $MAX_CARRY ] || { echo "ERROR: $d exceeds MAX_CARRY ($MAX_CARRY bytes)"; exit 1; }
+  [ "$sz" -le $MAX_KIT ] || { echo "ERROR: $d exceeds MAX_KIT ($MAX_KIT bytes)"; exit 1; }
 done
 echo "$stamp" > $K/one/STAMP
 ls -l $K/one $K/orig
