@@ -130,3 +130,111 @@ async def test_victim_restart_under_a_flood_of_garbage_for_its_id(secured):
 async def _fleet(s) -> cpb.GetFleetResponse:
     async with s.operator() as op:
         return await op.fleet(timeout=30)
+
+
+@pytest.mark.parametrize("cred", CREDS)
+@pytest.mark.parametrize("first", ["deregistration", "heartbeat", "kv_cache"])
+async def test_a_stream_must_begin_with_a_registration(secured, cred, first):
+    """Attack 6: a Deregistration (or anything but a Registration) as the first message is
+    refused, never OK; a stranger gets its credential's status before that."""
+    s = secured
+    msg = {"deregistration": cpb.NodeMessage(deregistration=cpb.Deregistration(reason="x")),
+           "heartbeat": heartbeat(10**6, draining=True, kv_cache_usage=0.99),
+           "kv_cache": cpb.NodeMessage(kv_cache=cpb.KvCacheUpdate(model="sim", stored=[1]))
+           }[first]
+    before = await state(s)
+    code = await _attack(s, cred, [msg])
+    want = expected(s.mode, cred, claims_live_id=False)
+    assert code == (S.FAILED_PRECONDITION if want == S.OK or cred == "member" else want)
+    assert_unchanged(before, await state(s))
+    await _victim_served(s)
+
+
+async def _open_silent(s, cred: str, n: int) -> list[HostileNode]:
+    out = []
+    for _ in range(n):
+        ch, md = s.attacker(cred)
+        out.append((ch, HostileNode(ch, md)))
+    return out
+
+
+async def _codes(streams, timeout_s: float) -> list[grpc.StatusCode]:
+    codes = await asyncio.gather(*(evil.code(timeout_s) for _, evil in streams))
+    for ch, evil in streams:
+        evil.close()
+        await ch.close()
+    return list(codes)
+
+
+async def test_streams_that_never_register_are_closed(secured):
+    """Attack 4: a hundred streams without credentials, and forty with a member's
+    credential, that never send anything. The strangers' end at once (after a second at
+    most); of the member's, 16 (the per-peer bound) stay until the first-message deadline
+    (one lease, 3 s here) and the rest are refused at once."""
+    s = secured
+    before = await state(s)
+    t0 = time.monotonic()
+    strangers = await _codes(await _open_silent(s, "none", 100), 10)
+    assert set(strangers) == {expected(s.mode, "none")}
+    assert time.monotonic() - t0 < 3.0
+    t0 = time.monotonic()
+    members = await _codes(await _open_silent(s, "member", 40), 10)
+    took = time.monotonic() - t0
+    assert sorted(members, key=str) == sorted([S.DEADLINE_EXCEEDED] * 16
+                                              + [S.RESOURCE_EXHAUSTED] * 24, key=str)
+    assert 2.5 < took < 6.0, took
+    assert_unchanged(before, await state(s))
+    await _victim_served(s)
+
+
+async def test_operator_key_on_a_connection_with_a_client_certificate(secured):
+    """Attack 5: an operator key is accepted on a connection that also carries a client
+    certificate (an operator certificate OR an operator key); a client key is not."""
+    from gpumesh.client import MeshClient
+    from tests.security.hostile import CLIENT_KEY, OPERATOR_KEY
+
+    s = secured
+    if s.mode == "token":
+        pytest.skip("no certificates in this mode")
+    tls = s._tls("client")
+    target = s.mesh.router_address if s.mode == "mtls" else s.mesh.node_router
+    async with MeshClient(target, tls=tls, api_key=OPERATOR_KEY) as op:
+        assert "good" in {n.node_id for n in (await op.fleet(timeout=30)).nodes}
+    for key, code in ((CLIENT_KEY, S.PERMISSION_DENIED), ("", S.PERMISSION_DENIED),
+                      ("made-up", S.UNAUTHENTICATED)):
+        async with MeshClient(target, tls=tls, api_key=key) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.fleet(timeout=30)
+            assert e.value.code() == code, key
+
+
+async def test_a_refused_node_logs_the_routers_status(secured, tmp_path):
+    """Attack 6: a real node the router refuses logs the router's status and reason (never
+    INTERNAL) on every attempt, and never joins."""
+    from tests.integration.procs import Proc
+    from tests.security.hostile import _tls_args
+
+    s = secured
+    cfg = tmp_path / "node.toml"
+    if s.mode == "token":
+        cfg.write_text('join_token = "not-the-token"\nreconnect_max_backoff_s = 0.3\n')
+        extra, want = [], S.UNAUTHENTICATED
+    else:   # node "intruder" holding node "other"'s certificate
+        cfg.write_text("reconnect_max_backoff_s = 0.3\n")
+        extra, want = _tls_args(s.certs, "other"), S.PERMISSION_DENIED
+    # debug logging: every attempt's outcome is in the log, not only the first refusal
+    proc = Proc("intruder", ["node", "--engine", "sim", "--model", "sim", "--port",
+                             str(free_port()), "--node-id", "intruder", "--router",
+                             s.mesh.node_router, "--config", str(cfg), *extra],
+                {"GPUMESH_LOG_LEVEL": "debug"})
+    try:
+        deadline = time.monotonic() + 60
+        while proc.tail(200000).count("refused this node") < 8:   # the first and 7 more
+            assert proc.alive() and time.monotonic() < deadline, proc.log()
+            await asyncio.sleep(0.2)
+        log = proc.tail(200000)
+        assert f"WARNING gpumesh.node.heartbeat: router {s.mesh.node_router} refused this node ({want.name})" in log
+        assert "INTERNAL" not in log and "broke" not in log
+        assert "intruder" not in {n.node_id for n in (await _fleet(s)).nodes}
+    finally:
+        proc.close()
