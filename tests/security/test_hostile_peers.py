@@ -238,3 +238,47 @@ async def test_a_refused_node_logs_the_routers_status(secured, tmp_path):
         assert "intruder" not in {n.node_id for n in (await _fleet(s)).nodes}
     finally:
         proc.close()
+
+
+async def test_the_router_verifies_the_node_certificate_it_dials(secured):
+    """Attack 3: a member (node "other", its own certificate) registers as backend an address
+    served with a client certificate (OU=client). The router's handshake there fails (it
+    requires OU=node and CN=other), so every request goes to the real node."""
+    from tests.integration.procs import node_proc
+    from tests.security.hostile import _tls_args
+    from tests.security.mesh import wait_running
+
+    s = secured
+    if s.mode == "token":
+        pytest.skip("no TLS towards nodes in this mode")
+    port = free_port()
+    evil = node_proc("evil", port, [], engine="sim", model="sim",
+                     extra=_tls_args(s.certs, "client"))
+    ch, md = s.attacker("member")
+    try:
+        await wait_running(evil, s.mesh.router)
+        member = HostileNode(ch, md)
+        await member.send(registration("other", f"127.0.0.1:{port}"))
+        hello = await member.read()
+        assert hello is not None and hello.WhichOneof("kind") == "hello"
+        stop = asyncio.Event()
+
+        async def beat() -> None:
+            seq = 0
+            while not stop.is_set():
+                seq += 1
+                await member.send(heartbeat(seq))
+                await asyncio.sleep(0.3)
+
+        task = asyncio.create_task(beat())
+        try:
+            fleet = await _fleet(s)
+            assert {n.node_id for n in fleet.nodes} == {"good", "other"}
+            await _victim_served(s, 12)
+        finally:
+            stop.set()
+            await task
+            member.close()
+    finally:
+        await ch.close()
+        evil.close()
