@@ -89,4 +89,11 @@ def request(data: bytes) -> None:
     assert s.max_tokens >= 1 and math.isfinite(s.temperature) and 0 < s.top_p <= 1
 
 
-TARGETS = {"ingest": ingest, "request": request}
+def control(data: bytes) -> None:
+    """fuzz/control.py: a Connect stream from any kind of caller through the real servicer."""
+    from fuzz.control import control as run
+
+    run(data)
+
+
+TARGETS = {"control": control, "ingest": ingest, "request": request}
