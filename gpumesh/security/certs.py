@@ -11,8 +11,8 @@ Layout written into DIR (keys mode 0600)::
 
 Every certificate carries subjectAltNames for ``localhost``, 127.0.0.1, ::1, each ``--host``
 and ``<CN>.<OU>.gpumesh`` (``tls.certificate_name``: what a router verifies when it dials a
-node, so a node's certificate must be issued by this version), and serves both as a server and as a client certificate (TLS on a node's own port
-and mTLS towards a router). The OU is the role the router checks: only OU=node may register,
+node), and serves both as a server and as a client certificate (TLS on a node's own port and
+mTLS towards a router). The OU is the role the router checks: only OU=node may register,
 only OU=operator may use the operator API, only OU=router may call a node directly when
 nodes require it (docs/security.md). An existing CA in DIR is reused, so adding a node later
 signs it with the same CA.

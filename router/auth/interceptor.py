@@ -10,8 +10,8 @@ Method classes (docs/security.md, "Who can do what"):
   metrics; the key itself is never logged.
 - Router (GetFleet, Pick): an operator: a certificate with OU=operator, or an operator key.
   Open when the router has neither API keys nor required client certificates.
-- ControlPlane.Connect: membership, checked when the stream opens and per Registration by the servicer
-  (``router.auth.membership``) since it needs the node id.
+- ControlPlane.Connect: membership, checked by the servicer when the stream opens and on
+  each Registration's node id (``router.auth.membership``).
 - Health: open (probes).
 Every rejection is logged (at most once per second per kind) and counted (``AuthCounters``).
 """

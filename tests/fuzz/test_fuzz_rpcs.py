@@ -7,6 +7,7 @@ afterwards. Bounded: a few hundred examples in all, no deadline per example."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -167,9 +168,19 @@ def node_messages(draw) -> cpb.NodeMessage:
     return cpb.NodeMessage(deregistration=cpb.Deregistration(reason=draw(text)))
 
 
+_VALID_IDS = itertools.count()
+
+
 @FUZZ
-@given(messages=st.lists(node_messages(), min_size=1, max_size=6))
-def test_control_plane_message_sequences(fuzz_mesh, messages):
+@given(messages=st.lists(node_messages(), min_size=1, max_size=6), registered=st.booleans())
+def test_control_plane_message_sequences(fuzz_mesh, messages, registered):
+    """``registered``: the sequence follows a valid Registration (of a made-up node, a new id
+    each time: one that sent garbage stays quarantined), so what comes after it reaches
+    validation, the registry and the prefix index."""
+    if registered:
+        messages = [cpb.NodeMessage(registration=cpb.Registration(
+            node_id=f"fz-valid-{next(_VALID_IDS)}", address="127.0.0.1:1", incarnation="fz", engine="sim",
+            models=[cpb.ServedModel(name="fz-model")])), *messages]
     stub = cpb_grpc.ControlPlaneStub(fuzz_mesh.router_channel)
     call = stub.Connect(iter(messages), timeout=10)
     code = _status(lambda: _drain_stream(call))
