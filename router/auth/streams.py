@@ -24,8 +24,8 @@ import grpc
 
 from gpumesh.router.auth.interceptor import AuthCounters
 
-MAX_UNREGISTERED_PER_PEER = 16
-MAX_UNREGISTERED = 256
+MAX_UNREGISTERED_PER_PEER = 64   # a host may run many nodes that (re)connect at once
+MAX_UNREGISTERED = 1024
 MAX_REFUSING = 256
 REFUSAL_WAIT_S = 1.0
 
