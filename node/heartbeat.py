@@ -250,8 +250,9 @@ class HeartbeatClient:
             await asyncio.sleep(delay)
 
     def _log_end(self, addr: str, exc: grpc.aio.AioRpcError) -> None:
-        """A router's refusal (its status and reason) at WARNING, once per distinct refusal
-        and at most every ``REFUSAL_LOG_S`` while it repeats; a broken stream at DEBUG."""
+        """A router's refusal (its status and reason) at WARNING when its status changes and
+        at most every ``REFUSAL_LOG_S`` while it repeats (a reason may change each time: "…
+        quarantined for 12s more"); a broken stream at DEBUG."""
         code = exc.code()
         if code not in REFUSALS:
             log.debug("heartbeat stream to %s broke: %s", addr, code)
@@ -259,7 +260,7 @@ class HeartbeatClient:
         details = (exc.details() or "")[:512]
         now = time.monotonic()
         last = self._refused.get(addr)
-        if last is None or last[:2] != (code, details) or now - last[2] >= REFUSAL_LOG_S:
+        if last is None or last[0] != code or now - last[2] >= REFUSAL_LOG_S:
             self._refused[addr] = (code, details, now)
             log.warning("router %s refused this node (%s): %s", addr, code.name, details)
         else:
