@@ -1,7 +1,15 @@
 """Hostile peers against a real router and a real simulated node, in each security mode
-(tests/security/hostile.py): every attack ends with its exact status, and nothing the
-router keeps changes (fleet, quarantine, accounts), and the victim's traffic still goes to
-the victim."""
+(tests/security/hostile.py): every attack ends with its exact status, nothing the router
+keeps changes (fleet, quarantine, the node's accounts), and the victim's traffic still goes
+to the victim.
+
+Attacks: garbage registrations for the victim's id and for made-up ids, from a stranger and
+from another member; a flood of them while the victim restarts; a Deregistration, Heartbeat
+or KvCacheUpdate as the first message; streams that never register; an operator key next to
+a client certificate; a real node the router refuses (its log); a member advertising an
+address served by a client certificate; Generate and the operator API without credentials;
+a member poisoning its own heartbeats (quarantined itself, nobody else). The duplicate
+request id is in test_duplicate_request_id.py."""
 
 from __future__ import annotations
 
@@ -286,3 +294,49 @@ async def test_the_router_verifies_the_node_certificate_it_dials(secured):
     finally:
         await ch.close()
         evil.close()
+
+
+async def test_calls_without_a_credential_change_nothing(secured):
+    """Generate without an API key, and the operator API without an operator credential:
+    UNAUTHENTICATED (UNAVAILABLE where client certificates are required and it has none);
+    no account is charged, the fleet is unchanged."""
+    from gpumesh.client import MeshClient, build_request
+    from gpumesh.security.client import ClientTls
+
+    s = secured
+    before = await state(s)
+    tls = None if s.mode == "token" else ClientTls(str(s.certs / "ca.pem"))
+    want = S.UNAVAILABLE if s.mode == "mtls" else S.UNAUTHENTICATED
+    async with MeshClient(s.mesh.router_address, tls=tls) as anon:
+        for call in (lambda: anon.generate(build_request("hi", model="sim", max_tokens=4),
+                                           timeout=30),
+                     lambda: anon.fleet(timeout=30)):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call()
+            assert e.value.code() == want
+    assert_unchanged(before, await state(s))
+    await _victim_served(s)
+
+
+async def test_a_member_that_sends_garbage_quarantines_only_itself(secured):
+    """A member (node "other"'s certificate, or the join token under a made-up id) that
+    registers and then sends a poisoned heartbeat: INVALID_ARGUMENT, and the quarantine
+    holds its own id only; the victim is untouched."""
+    s = secured
+    own = "ghost" if s.mode == "token" else "other"
+    ch, md = s.attacker("member")
+    async with ch:
+        evil = HostileNode(ch, md)
+        await evil.send(registration(own, f"127.0.0.1:{free_port()}"))
+        hello = await evil.read()
+        assert hello is not None and hello.WhichOneof("kind") == "hello"
+        await evil.send(heartbeat(1, kv_cache_usage=float("nan")))
+        assert await evil.read() is None
+        assert await evil.code() == S.INVALID_ARGUMENT
+        evil.close()
+    fleet = await _fleet(s)
+    states = {n.node_id: n.state for n in fleet.nodes}
+    assert states.keys() == {"good", own} and states[own] == cpb.NODE_STATE_QUARANTINED
+    assert states["good"] in (cpb.NODE_STATE_HEALTHY, cpb.NODE_STATE_STALE)   # a late report
+    await _victim_served(s)
+    # (last in this module: the quarantine entry would otherwise lapse under a later test)
