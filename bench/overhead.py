@@ -21,6 +21,9 @@ Parts (``--parts``, default all):
 - ``decision``: the routing decision alone per policy and fleet size (``microbench``).
 - ``tls``: router CPU per 32-token stream with TLS on every hop vs plaintext, side by side
   (``tls_overhead``).
+- ``security`` (not in the default; needs ``--baseline-pkgs``): router CPU per 32-token
+  stream with the hostile-peer checks against the same router without them, side by side
+  (``security_overhead``).
 - ``prefix`` (not in the default): the decision with prefix locality, the index holding
   ``--prefix-blocks`` entries, and the index's memory (``prefix_decision``).
 """
@@ -228,6 +231,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decision-iters", type=int, default=3000)
     p.add_argument("--prefix-blocks", type=int, default=1_000_000,
                    help="part prefix: (node, block) entries in the prefix index")
+    p.add_argument("--baseline-pkgs", default="",
+                   help="part security: a folder with the gpumesh package to compare against")
     p.add_argument("--out", default="bench-results/overhead")
 
 
@@ -268,6 +273,14 @@ def main(a: argparse.Namespace) -> int:
             if pin:
                 _pin_self({1})
             result["tls"] = tls_overhead.run(a, out, pin)
+            _pin_self(set(range(os.cpu_count() or 1)))
+            write_json(out / "overhead.json", result)
+        if "security" in parts:
+            from gpumesh_bench import security_overhead
+
+            if pin:
+                _pin_self({1})
+            result["security"] = security_overhead.run(a, out, pin)
             _pin_self(set(range(os.cpu_count() or 1)))
             write_json(out / "overhead.json", result)
         if "decision" in parts:
@@ -360,6 +373,10 @@ def markdown(r: dict[str, Any]) -> str:
         from gpumesh_bench import tls_overhead
 
         lines.append(tls_overhead.markdown(r["tls"]))
+    if "security" in r:
+        from gpumesh_bench import security_overhead
+
+        lines.append(security_overhead.markdown(r["security"]))
     if "decision" in r:
         from gpumesh_bench import microbench
 

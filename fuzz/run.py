@@ -2,6 +2,7 @@
 
     python fuzz/run.py ingest fuzz/corpus/ingest -max_total_time=60
     python fuzz/run.py request fuzz/corpus/request -max_total_time=60
+    python fuzz/run.py control fuzz/corpus/control -max_total_time=60
 
 The corpus folder is read first and new interesting inputs are written into it; commit what
 it adds. Arguments after the target name go to libFuzzer (``-help=1`` lists them).

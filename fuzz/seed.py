@@ -40,12 +40,24 @@ def seeds() -> dict[str, list[bytes]]:
         num_running=1, kv_cache_usage=0.9, decode_step_s=0.0)))
     dereg = cpb.NodeMessage(deregistration=cpb.Deregistration(reason="bye"))
     ingest = [frame(reg), frame(reg, hb), frame(reg, hb, hb2), frame(reg, hb, dereg)]
+    # the control target: first byte = the caller (fuzz/control.py CALLERS), then messages
+    # in every order, KV-cache updates included
+    reg_n1 = cpb.NodeMessage(registration=cpb.Registration(
+        node_id="n1", address="127.0.0.1:50051", incarnation="i1", engine="sim",
+        models=[cpb.ServedModel(name="m", capacity_weight=1.0)]))
+    kv = cpb.NodeMessage(kv_cache=cpb.KvCacheUpdate(model="m", seq=1, stored=[1, 2, 3]))
+    kv2 = cpb.NodeMessage(kv_cache=cpb.KvCacheUpdate(model="m", seq=3, removed=[2]))
+    sequences = [(reg_n1,), (reg_n1, hb, kv, hb2, kv2, dereg), (dereg, reg_n1),
+                 (kv, reg_n1, hb), (hb, reg_n1), (reg_n1, reg_n1, hb, dereg, hb),
+                 (reg, hb, kv), (reg_n1, kv2, kv, hb2, hb)]
+    control = [bytes([caller]) + frame(*seq) for caller in range(6) for seq in sequences]
     reqs = [pb.GenerateRequest(model="m", text="hello", sampling=pb.SamplingParams(
                 max_tokens=8, temperature=0.5, top_p=0.9, stop=["x"])),
             pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3])),
             pb.GenerateRequest(chat=pb.ChatMessages(messages=[
                 pb.ChatMessage(role="user", content="hi")]))]
-    return {"ingest": ingest, "request": [r.SerializeToString() for r in reqs]}
+    return {"control": control, "ingest": ingest,
+            "request": [r.SerializeToString() for r in reqs]}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import math
 
 from google.protobuf.message import DecodeError
 
+from fuzz.control import control
+
 from gpumesh.node.api.inference import _sampling
 from gpumesh.node.errors import RequestError
 from gpumesh.router.api.intake import estimate_prompt_tokens
@@ -89,4 +91,4 @@ def request(data: bytes) -> None:
     assert s.max_tokens >= 1 and math.isfinite(s.temperature) and 0 < s.top_p <= 1
 
 
-TARGETS = {"ingest": ingest, "request": request}
+TARGETS = {"control": control, "ingest": ingest, "request": request}   # control: fuzz/control.py

@@ -30,6 +30,10 @@ def unavailable(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.UNAVAILABLE, message)
 
 
+def already_exists(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.ALREADY_EXISTS, message)
+
+
 def permission_denied(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.PERMISSION_DENIED, message)
 

@@ -3,7 +3,9 @@
 One task per router address keeps a stream open: Registration first, then a Heartbeat every
 ``busy_interval_s`` while the node has work (in flight, running or waiting), one at the first
 check after it went idle, and every ``idle_interval_s`` otherwise. A broken stream is retried
-with jittered exponential backoff; the node keeps serving direct clients meanwhile. A
+with jittered exponential backoff; the node keeps serving direct clients meanwhile. Nothing
+follows the Registration until the router's hello: a router that refuses the node ends the
+stream first, and its status and reason are logged at WARNING (``REFUSALS``). A
 router's RouterHello may list peer processes (multi-worker routers): the node opens a stream
 to each of them too. A DrainOrder from any router starts the node's drain, an UndrainOrder
 ends an operator's drain. ``wake()`` sends the next heartbeat at once (used when draining
@@ -29,6 +31,15 @@ from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 
 log = logging.getLogger(__name__)
+
+# A router's answers that refuse this node (logged at WARNING with the router's reason).
+REFUSALS = frozenset({
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+})
+REFUSAL_LOG_S = 30.0
 
 
 class HeartbeatClient:
@@ -66,6 +77,7 @@ class HeartbeatClient:
         self._server_names: dict[str, str] = {}   # discovered address -> its DNS name
         # prefix-cache block events, one subscription per stream (gpumesh.node.cache)
         self._kv = tuple(kv_publishers)
+        self._refused: dict[str, tuple[grpc.StatusCode, str, float]] = {}  # last, per router
 
     def start(self) -> None:
         for addr in self._seeds:
@@ -113,9 +125,19 @@ class HeartbeatClient:
             seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=self._load(),
             router_ids=self.router_ids()))
 
-    async def _messages(self, stop: asyncio.Event,
-                        kv: Sequence[KvSubscription] = ()) -> AsyncIterator[cpb.NodeMessage]:
+    async def _messages(self, stop: asyncio.Event, kv: Sequence[KvSubscription] = (),
+                        hello: asyncio.Event | None = None) -> AsyncIterator[cpb.NodeMessage]:
         yield cpb.NodeMessage(registration=self._registration())
+        if hello is not None:
+            # Nothing more until the router accepted the registration (its hello): a router
+            # that refuses ends the stream meanwhile, and the node sees the router's status
+            # (gRPC's client reports INTERNAL for a call ended while it was still writing).
+            waits = {asyncio.ensure_future(hello.wait()), asyncio.ensure_future(stop.wait())}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for t in waits:
+                t.cancel()
+            if not hello.is_set():
+                return
         last_sent = -1e9
         was_busy = False
         loop = asyncio.get_running_loop()
@@ -162,13 +184,14 @@ class HeartbeatClient:
             stop = asyncio.Event()
             self._stops[addr] = stop
             subs = {p.model: p.subscribe() for p in self._kv}
+            hello = asyncio.Event()
             try:
                 async with (grpc.aio.secure_channel(addr, self.credentials(),
                                                     options=self.channel_options(addr))
                             if self.credentials is not None
                             else grpc.aio.insecure_channel(addr)) as channel:
                     stub = cpb_grpc.ControlPlaneStub(channel)
-                    call = stub.Connect(self._messages(stop, tuple(subs.values())),
+                    call = stub.Connect(self._messages(stop, tuple(subs.values()), hello),
                                         metadata=self.metadata)
                     async for msg in call:
                         kind = msg.WhichOneof("kind")
@@ -177,6 +200,8 @@ class HeartbeatClient:
                                 log.info("heartbeat stream to %s up (router %s)", addr,
                                          msg.hello.router_id)
                             self.connected[addr] = msg.hello.router_id
+                            hello.set()
+                            self._refused.pop(addr, None)
                             backoff = 0.1
                             peers = tuple(msg.hello.peer_addresses)
                             for peer in peers:
@@ -199,7 +224,7 @@ class HeartbeatClient:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                log.debug("heartbeat stream to %s broke: %s", addr, exc.code())
+                self._log_end(addr, exc)
             except Exception:
                 log.warning("heartbeat stream to %s failed", addr, exc_info=True)
             finally:
@@ -223,6 +248,23 @@ class HeartbeatClient:
             delay = backoff * (0.5 + self._rng.random())
             backoff = min(self._max_backoff, backoff * 2)
             await asyncio.sleep(delay)
+
+    def _log_end(self, addr: str, exc: grpc.aio.AioRpcError) -> None:
+        """A router's refusal (its status and reason) at WARNING when its status changes and
+        at most every ``REFUSAL_LOG_S`` while it repeats (a reason may change each time: "…
+        quarantined for 12s more"); a broken stream at DEBUG."""
+        code = exc.code()
+        if code not in REFUSALS:
+            log.debug("heartbeat stream to %s broke: %s", addr, code)
+            return
+        details = (exc.details() or "")[:512]
+        now = time.monotonic()
+        last = self._refused.get(addr)
+        if last is None or last[0] != code or now - last[2] >= REFUSAL_LOG_S:
+            self._refused[addr] = (code, details, now)
+            log.warning("router %s refused this node (%s): %s", addr, code.name, details)
+        else:
+            log.debug("router %s refused this node again (%s)", addr, code.name)
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Deregisters from every router (best effort, bounded), then stops."""

@@ -24,7 +24,7 @@ NOT_ADMITTED_CODES = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.ALREADY_EXISTS,
 })
 
 
@@ -54,6 +54,14 @@ def fleet_rebuilding(model: str, age_s: float, retry_after_s: float) -> RouterEr
                        f"model {model!r} is not known yet: this router started {age_s:.1f}s ago "
                        f"and its nodes are still registering; retry shortly",
                        retry_after_s=retry_after_s)
+
+
+def duplicate_request_id(request_id: str) -> RouterError:
+    """A client's request id that one of its requests in flight on this router already
+    uses: the client's mistake, never an engine error."""
+    return RouterError(grpc.StatusCode.ALREADY_EXISTS,
+                       f"request id {request_id[:128]!r} is already in flight: use a unique id "
+                       "per request, or none (the node then makes one)")
 
 
 def model_required(served: Iterable[str]) -> RouterError:

@@ -9,9 +9,10 @@ Layout written into DIR (keys mode 0600)::
     client.pem client.key              CN = client,    OU = client
     operator.pem operator.key          CN = operator,  OU = operator
 
-Every certificate carries subjectAltNames for ``localhost``, 127.0.0.1, ::1 and each
-``--host``, and serves both as a server and as a client certificate (TLS on a node's own port
-and mTLS towards a router). The OU is the role the router checks: only OU=node may register,
+Every certificate carries subjectAltNames for ``localhost``, 127.0.0.1, ::1, each ``--host``
+and ``<CN>.<OU>.gpumesh`` (``tls.certificate_name``: what a router verifies when it dials a
+node), and serves both as a server and as a client certificate (TLS on a node's own port and
+mTLS towards a router). The OU is the role the router checks: only OU=node may register,
 only OU=operator may use the operator API, only OU=router may call a node directly when
 nodes require it (docs/security.md). An existing CA in DIR is reused, so adding a node later
 signs it with the same CA.
@@ -30,6 +31,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from gpumesh.security.tls import certificate_name
 
 ROLES = ("router", "node", "client", "operator")
 ORG = "gpumesh"
@@ -98,7 +101,9 @@ def issue(directory: Path, stem: str, common_name: str, role: str,
     ca_cert, ca_key = ensure_ca(directory)
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or (dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5))
-    sans: list[x509.GeneralName] = [x509.DNSName("localhost")]
+    # the name a router verifies when it dials this certificate's node (tls.certificate_name)
+    sans: list[x509.GeneralName] = [x509.DNSName("localhost"),
+                                    x509.DNSName(certificate_name(common_name, role))]
     ips = {"127.0.0.1", "::1"}
     for h in hosts:
         try:

@@ -20,6 +20,7 @@ import functools
 import ipaddress
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +29,24 @@ log = logging.getLogger(__name__)
 
 # Metadata a node without a certificate sends on its Connect stream (router.auth.membership).
 JOIN_TOKEN_HEADER = "x-gpumesh-join-token"
+
+
+_PLAIN_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def certificate_name(common_name: str, role: str) -> str:
+    """The DNS name that binds a certificate to its CN and role: ``gpumesh certs`` puts it in
+    every certificate's subject alternative names, and a router dialling node ``X`` over TLS
+    verifies the name ``certificate_name(X, "node")`` instead of the address's host, so only
+    node X's certificate (OU=node, CN=X) completes the handshake. ``X.node.gpumesh`` for a
+    lower-case DNS label; other ids are hex-encoded (``<hex>.hex.node.gpumesh``, which no
+    plain label gives, since node ids hold no '.')."""
+    if _PLAIN_LABEL.fullmatch(common_name):
+        label = common_name
+    else:
+        h = common_name.encode().hex()
+        label = ".".join([h[i:i + 60] for i in range(0, len(h), 60)] + ["hex"])
+    return f"{label}.{role}.gpumesh"
 
 
 class PlaintextRefused(RuntimeError):

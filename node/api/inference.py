@@ -210,6 +210,7 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
         # (gpumesh.node.cache) where the node knows it
         cached = self._state.cached_prefix_tokens
         prefill = len(req.prompt_token_ids) - (cached(req.prompt_token_ids) if cached else 0)
+        self._state.claim_request_id(req.request_id)   # ALREADY_EXISTS for an id in flight
         admission: Admission = self._state.ledger.admit(prep.router_id, prefill,
                                                         prep.charged_tokens)
         finished = False
@@ -235,6 +236,7 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
                     await self._engine.abort(req.request_id)
                 except Exception:
                     log.debug("abort of %s failed", req.request_id, exc_info=True)
+            self._state.request_ids.discard(req.request_id)
 
     def _trailing(self, context: grpc.aio.ServicerContext,
                   trace: Trace = NOOP) -> None:

@@ -1,12 +1,20 @@
 """``RouterControlPlaneServicer``: the ControlPlane Connect stream, one per (node, router
 process). Membership lives as long as the stream: registration, heartbeats, leave.
 
-The first message must be a Registration (node_id, address and models required); each
-heartbeat is acknowledged with its seq. Every registration and heartbeat is validated
-(``router.fleet.validation``) before the registry sees it: a node that sends garbage is
-removed, quarantined with the reason (``router.fleet.quarantine``; GetFleet lists it) and its
-stream ends with INVALID_ARGUMENT. Heartbeats beyond ``node_max_heartbeats_per_s`` are dropped. When the router stops, open streams end and nodes
-reconnect elsewhere or later.
+Who before what (docs/security.md): the caller's credential is checked when the stream opens,
+before any message is read (``router.auth.membership.authenticate``); a Registration's node
+id is checked against that credential, against a live holder (ALREADY_EXISTS) and against
+the quarantine before anything else of it is validated or recorded. So a stranger's stream
+ends with UNAUTHENTICATED or PERMISSION_DENIED whatever it says, and changes nothing.
+
+The first message must be a Registration (node_id, address and models required), within one
+lease (DEADLINE_EXCEEDED otherwise); streams yet to register are bounded per peer and in total
+(``router.auth.streams``). Each heartbeat is acknowledged with its seq. Every registration and
+heartbeat is validated (``router.fleet.validation``) before the registry sees it: a member
+that sends garbage is removed, quarantined under its (authenticated) id with the reason
+(``router.fleet.quarantine``; GetFleet lists it) and its stream ends with INVALID_ARGUMENT.
+Heartbeats beyond ``node_max_heartbeats_per_s`` are dropped. When the router stops, open
+streams end and nodes reconnect elsewhere or later.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from gpumesh.router.fleet.validation import (
     valid_registration,
 )
 from gpumesh.router.auth.interceptor import AuthCounters
-from gpumesh.router.auth.membership import MembershipError, check_node
+from gpumesh.router.auth.membership import Member, MembershipError, authenticate, authorize
+from gpumesh.router.auth.streams import UnregisteredStreams, peer_host as _peer_host
 from gpumesh.security.guard import is_unparseable
 from gpumesh.security.tls import peer_identity
 from gpumesh.v1 import control_pb2, control_pb2_grpc
@@ -56,6 +65,7 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
         self.auth_counters = AuthCounters()   # app.py shares the router's
         self.orders = NodeOrders()   # the operator API's drain/undrain orders, per stream
         self._ids = itertools.count(1)
+        self._unregistered = UnregisteredStreams()   # streams yet to register, bounded
         self.closing = asyncio.Event()
 
     def _hello(self) -> control_pb2.RouterMessage:
@@ -65,16 +75,33 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
             lease_ttl_ms=int(self.config.lease_ttl_s * 1000)))
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        # Who before what: the caller is authenticated before its first message is read, so
+        # a stranger's stream ends here whatever it would have said.
+        member = await self._authenticate(context)
+        peer = _peer_host(context.peer())
+        if not await self._unregistered.enter(peer, context, self.auth_counters):
+            return
         stream_id = next(self._ids)
         node_id = ""
+        unregistered = True
         closing = asyncio.ensure_future(self.closing.wait())
         outbox = self.orders.open(stream_id)
         try:
+            # The first message must come within one lease (a node sends its Registration at
+            # once); an idle stranger's stream does not stay open.
+            read = asyncio.ensure_future(context.read())
+            done, _ = await asyncio.wait({read, closing}, timeout=self.config.lease_ttl_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                read.cancel()
+                if closing in done:
+                    return
+                self.auth_counters.reject("node", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          "no Registration within the lease", context.peer())
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the first message (a Registration) must come within "
+                                    f"{self.config.lease_ttl_s:g}s")
             while True:
-                read = asyncio.ensure_future(context.read())
-                if not await wait_read(read, closing, outbox, context):
-                    read.cancel()
-                    return   # router shutting down: the node reconnects elsewhere/later
                 msg = read.result()
                 if msg is grpc.aio.EOF:
                     return
@@ -82,67 +109,79 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         "NodeMessage could not be parsed")
                 kind = msg.WhichOneof("kind")
+                if not node_id and kind != "registration":
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        "the first message must be a Registration")
                 if kind == "registration":
+                    claimed = msg.registration.node_id
+                    await self._admit(member, claimed, stream_id, context)
                     try:
                         reg = valid_registration(msg.registration, self.limits)
                     except InvalidNodeInput as exc:
-                        await self._reject(context, msg.registration.node_id,
-                                           msg.registration.address, node_id, stream_id, exc)
-                    held = self.quarantine.active(reg.node_id)
-                    if held is not None:
-                        await context.abort(
-                            grpc.StatusCode.FAILED_PRECONDITION,
-                            f"node {reg.node_id} is quarantined for "
-                            f"{held.until - self.quarantine.clock():.0f}s more: {held.reason}")
-                    await self._admit(reg.node_id, stream_id, context)
+                        await self._reject(context, claimed, msg.registration.address,
+                                           node_id, stream_id, exc)
                     rate = HeartbeatRate(self.config.node_max_heartbeats_per_s)
                     if node_id and node_id != reg.node_id:
                         self.registry.stream_closed(node_id, stream_id)
                     node_id = reg.node_id
+                    if unregistered:
+                        unregistered = False
+                        self._unregistered.leave(peer)
                     self.registry.register(reg, stream_id)
                     await context.write(self._hello())
                 elif kind == "heartbeat":
-                    if not node_id:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                            "the first message must be a Registration")
                     hb = msg.heartbeat
                     if not rate.allow():
                         self.heartbeats_dropped += 1
-                        continue   # over the node's heartbeat rate: dropped unapplied
-                    try:
-                        load = valid_heartbeat(hb, self.limits)
-                    except InvalidNodeInput as exc:
-                        await self._reject(context, node_id, reg.address, node_id, stream_id,
-                                           exc)
-                    if self.registry.entry(node_id) is None:
-                        # Dropped meanwhile (its other stream to this router closed, or the lease
-                        # lapsed) but this stream is alive: soft state re-admits it.
-                        self.registry.register(reg, stream_id)
-                    self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms, load,
-                                            tuple(r[:256] for r in hb.router_ids[:64]))
-                    await context.write(control_pb2.RouterMessage(
-                        ack=control_pb2.HeartbeatAck(seq=hb.seq)))
+                    else:
+                        try:
+                            load = valid_heartbeat(hb, self.limits)
+                        except InvalidNodeInput as exc:
+                            await self._reject(context, node_id, reg.address, node_id,
+                                               stream_id, exc)
+                        if self.registry.entry(node_id) is None:
+                            # Dropped meanwhile (its other stream to this router closed, or
+                            # the lease lapsed) but this stream is alive: soft state
+                            # re-admits it.
+                            self.registry.register(reg, stream_id)
+                        self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms,
+                                                load, tuple(r[:256] for r in hb.router_ids[:64]))
+                        await context.write(control_pb2.RouterMessage(
+                            ack=control_pb2.HeartbeatAck(seq=hb.seq)))
                 elif kind == "kv_cache":
-                    await self._kv_cache(msg.kv_cache, node_id, reg if node_id else None,
-                                         context)
+                    await self._kv_cache(msg.kv_cache, node_id, reg, context)
                 elif kind == "deregistration":
-                    if node_id:
-                        self.registry.deregister(node_id, stream_id,
-                                                 msg.deregistration.reason[:256])
+                    self.registry.deregister(node_id, stream_id,
+                                             msg.deregistration.reason[:256])
                     node_id = ""
                     return
+                read = asyncio.ensure_future(context.read())
+                if not await wait_read(read, closing, outbox, context):
+                    read.cancel()
+                    return   # router shutting down: the node reconnects elsewhere/later
         finally:
             closing.cancel()
             self.orders.close(stream_id)
+            if unregistered:
+                self._unregistered.leave(peer)
             if node_id:
                 self.registry.stream_closed(node_id, stream_id)
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Member:
+        """The caller's membership credential (router.auth.membership); a stranger's stream
+        is counted, logged and ended here."""
+        try:
+            return authenticate(peer_identity(context), context.invocation_metadata() or (),
+                                join_token=self.config.join_token,
+                                tls=bool(self.config.tls_cert_file))
+        except MembershipError as exc:
+            self.auth_counters.reject("node", exc.code, exc.message, context.peer())
+            await self._unregistered.refuse(context, exc.code, exc.message)
+            raise   # unreachable: refuse aborts
 
     async def _kv_cache(self, update: control_pb2.KvCacheUpdate, node_id: str, reg: object,
                         context: grpc.aio.ServicerContext) -> None:
         """A node's prefix-cache update into the index; a gap asks the node for a snapshot."""
-        if not node_id:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "the first message must be a Registration")
         if len(update.stored) > KV_UPDATE_MAX_HASHES or len(update.removed) > KV_UPDATE_MAX_HASHES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"KvCacheUpdate carries more than {KV_UPDATE_MAX_HASHES} hashes")
@@ -154,23 +193,29 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
             await context.write(control_pb2.RouterMessage(
                 kv_snapshot=control_pb2.KvSnapshotRequest(model=gap)))
 
-    async def _admit(self, node_id: str, stream_id: int,
+    async def _admit(self, member: Member, node_id: str, stream_id: int,
                      context: grpc.aio.ServicerContext) -> None:
-        """Membership (router.auth.membership): the caller proves it may hold ``node_id``,
-        and no other live stream holds it (ALREADY_EXISTS). Rejections are counted, logged
-        and end the stream."""
+        """Before anything of a Registration but its node id is looked at: the caller may
+        hold ``node_id`` (router.auth.membership), no other live stream holds it
+        (ALREADY_EXISTS), and it is not quarantined (FAILED_PRECONDITION). Refusals are
+        counted, logged and end the stream; none of them records anything."""
         try:
-            check_node(node_id, peer_identity(context), context.invocation_metadata() or (),
-                       join_token=self.config.join_token, tls=bool(self.config.tls_cert_file))
+            authorize(member, node_id)
             holder = self.registry.entry(node_id)
             if (holder is not None and holder.stream_id != stream_id
                     and self.registry.clock() - holder.last_seen <= self.registry.lease_ttl_s):
                 raise MembershipError(grpc.StatusCode.ALREADY_EXISTS,
-                                      f"node id {node_id!r} is held by a live stream")
+                                      f"node id {node_id[:64]!r} is held by a live stream")
         except MembershipError as exc:
             self.auth_counters.reject("node", exc.code, f"{node_id[:64]!r}: {exc.message}",
                                       context.peer())
             await context.abort(exc.code, exc.message)
+        held = self.quarantine.active(node_id)
+        if held is not None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {node_id[:64]!r} is quarantined for "
+                f"{held.until - self.quarantine.clock():.0f}s more: {held.reason}")
 
     async def _reject(self, context: grpc.aio.ServicerContext, claimed_id: str, address: str,
                       registered_id: str, stream_id: int, exc: InvalidNodeInput) -> None:

@@ -42,6 +42,7 @@ class RouterInferenceServicer:
         self.dispatcher = dispatcher
         self.clock = clock
         self.in_flight = 0
+        self.request_ids: set[str] = set()   # clients' request ids in flight here
         self.closing = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -52,11 +53,12 @@ class RouterInferenceServicer:
             info, deadline = self._route(req, context)
             info = await intake.with_prefix(req, info, self.dispatcher.locality)
             trace.routed(req, info.model, info.prompt_tokens)
-            async with contextlib.aclosing(self.dispatcher.stream(
-                    raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
-                async for chunk in chunks:
-                    trace.chunk()
-                    await context.write(chunk)
+            with self._request_id(req.request_id):
+                async with contextlib.aclosing(self.dispatcher.stream(
+                        raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
+                    async for chunk in chunks:
+                        trace.chunk()
+                        await context.write(chunk)
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async with self._call("Generate", context) as (record, trace):
@@ -64,8 +66,9 @@ class RouterInferenceServicer:
             info, deadline = self._route(req, context)
             info = await intake.with_prefix(req, info, self.dispatcher.locality)
             trace.routed(req, info.model, info.prompt_tokens)
-            response = await self.dispatcher.unary(raw, info, deadline, record,
-                                                   on_attempt=trace.on_attempt)
+            with self._request_id(req.request_id):
+                response = await self.dispatcher.unary(raw, info, deadline, record,
+                                                       on_attempt=trace.on_attempt)
             trace.chunk()
         return response
 
@@ -79,6 +82,21 @@ class RouterInferenceServicer:
         if self.closing:
             raise errors.RouterError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
         return intake.request_info(req, self.config, self.registry, context, self.clock)
+
+    @contextlib.contextmanager
+    def _request_id(self, request_id: str) -> Iterator[None]:
+        """ALREADY_EXISTS for a client's request id in flight on this router (the node
+        refuses one in flight there too); ids the client left empty are the node's."""
+        if not request_id:
+            yield
+            return
+        if request_id in self.request_ids:
+            raise errors.duplicate_request_id(request_id)
+        self.request_ids.add(request_id)
+        try:
+            yield
+        finally:
+            self.request_ids.discard(request_id)
 
     @contextlib.contextmanager
     def _tracked(self) -> Iterator[None]:

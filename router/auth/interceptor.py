@@ -10,8 +10,8 @@ Method classes (docs/security.md, "Who can do what"):
   metrics; the key itself is never logged.
 - Router (GetFleet, Pick): an operator: a certificate with OU=operator, or an operator key.
   Open when the router has neither API keys nor required client certificates.
-- ControlPlane.Connect: membership, checked per Registration by the servicer
-  (``router.auth.membership``) since it needs the node id.
+- ControlPlane.Connect: membership, checked by the servicer when the stream opens and on
+  each Registration's node id (``router.auth.membership``).
 - Health: open (probes).
 Every rejection is logged (at most once per second per kind) and counted (``AuthCounters``).
 """
@@ -118,13 +118,16 @@ class RouterAuth(grpc.aio.ServerInterceptor):
     # --- checks (each returns a Grant or raises Denied) -----------------------------------
     def _operator(self, ctx: grpc.aio.ServicerContext, details: grpc.HandlerCallDetails
                   ) -> Grant:
+        # An operator certificate OR an operator key: a key is looked at whenever one is
+        # presented, so a client certificate on the connection does not hide it.
         ident: PeerIdentity = peer_identity(ctx)
-        if ident.present:
-            if "operator" in ident.roles:
-                current_key_name.set(f"cert:{ident.common_name}")
-                return NO_GRANT
+        if ident.present and "operator" in ident.roles:
+            current_key_name.set(f"cert:{ident.common_name}")
+            return NO_GRANT
+        if ident.present and not _bearer(details.invocation_metadata):
             raise Denied(grpc.StatusCode.PERMISSION_DENIED,
-                         f"certificate {ident.common_name!r} is not an operator certificate")
+                         f"certificate {ident.common_name!r} is not an operator certificate, "
+                         "and no operator key was presented")
         key = self._key(details)
         if key.role != "operator":
             raise Denied(grpc.StatusCode.PERMISSION_DENIED,

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import grpc
 
 from gpumesh.router.backends.gpumesh_node import NodeClient
+from gpumesh.security.tls import certificate_name
 
 
 class NodeTransport(Protocol):
@@ -39,7 +40,11 @@ class NodeChannels:
     def __init__(self, keepalive_time_ms: int = 30_000, close_grace_s: float = 30.0,
                  credentials: Callable[[], grpc.ChannelCredentials] | None = None) -> None:
         """``credentials``: called for each new node channel (TLS files re-read then); None =
-        plaintext."""
+        plaintext. With TLS, a channel to node X verifies the node's certificate against
+        ``certificate_name(X, "node")`` (gpumesh.security.tls), not the address's host: the
+        handshake completes only with a certificate of OU=node and CN=X, so a member that
+        registers an address served by another certificate (another node's, a client's)
+        gets no request (the dispatcher sees UNAVAILABLE and goes elsewhere)."""
         self._credentials = credentials
         self._clients: dict[str, NodeTransport] = {}
         self._keepalive_time_ms = keepalive_time_ms
@@ -51,8 +56,10 @@ class NodeChannels:
         if c is None or c.address != address or getattr(c, "frontends", ()) != tuple(frontends):
             if c is not None:
                 self._close_later(c)
+            tls = self._credentials is not None
             c = NodeClient(node_id, address, self._keepalive_time_ms, frontends,
-                           self._credentials() if self._credentials is not None else None)
+                           self._credentials() if self._credentials is not None else None,
+                           server_name=certificate_name(node_id, "node") if tls else "")
             self._clients[node_id] = c
         return c
 

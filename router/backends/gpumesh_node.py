@@ -52,7 +52,10 @@ class NodeClient:
 
     def __init__(self, node_id: str, address: str, keepalive_time_ms: int,
                  frontends: Sequence[str] = (),
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str = "") -> None:
+        """``server_name``: with ``credentials``, the name the node's certificate must carry
+        (router.backends.channels); empty = the address's host."""
         self.node_id = node_id
         self.address = address
         self.frontends = tuple(frontends)
@@ -64,6 +67,8 @@ class NodeClient:
             ("grpc.keepalive_permit_without_calls", 0),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
         # credentials: mutual TLS to the node (RouterConfig.tls_*); None = plaintext
         self.channels = [grpc.aio.secure_channel(a, credentials, options=options)
                          if credentials is not None else grpc.aio.insecure_channel(a, options=options)

@@ -3,6 +3,7 @@ blocking gRPC channel to each (hypothesis drives plain functions)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,7 +48,10 @@ def fuzz_mesh(tmp_path_factory) -> Iterator[FuzzMesh]:
     rport, nport = free_port(), free_port()
     router = router_proc(rport, ("--quarantine-s", "5"), env={"GPUMESH_TICKET_SECRET": SECRET})
     cfg = tmp / "node.toml"
-    cfg.write_text(f'ticket_secret = "{SECRET}"\n' + NODE_TOML)
+    # GPUMESH_FUZZ_TIME_SCALE: the simulated node's speed (0.01 for a long run of 10,000s)
+    scale = os.environ.get("GPUMESH_FUZZ_TIME_SCALE", "1.0")
+    cfg.write_text(f'ticket_secret = "{SECRET}"\n'
+                   + NODE_TOML.replace("time_scale = 1.0", f"time_scale = {float(scale)}"))
     node = node_proc("fuzz-node", nport, [f"127.0.0.1:{rport}"], engine="sim", model="sim",
                      config=cfg)
     rch = grpc.insecure_channel(f"127.0.0.1:{rport}")

@@ -7,8 +7,12 @@ afterwards. Bounded: a few hundred examples in all, no deadline per example."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import os
+from collections import Counter
+from pathlib import Path
 
 import grpc
 from hypothesis import HealthCheck, given, settings
@@ -72,7 +76,12 @@ def _status(fn) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def _ok(code: grpc.StatusCode) -> None:
+# (what, status) -> count over this run; GPUMESH_FUZZ_TALLY=FILE writes it as JSON at the end
+TALLY: Counter[tuple[str, str]] = Counter()
+
+
+def _ok(code: grpc.StatusCode, what: str = "request", n: int = 1) -> None:
+    TALLY[(what, code.name)] += n
     assert code not in FORBIDDEN, code
 
 
@@ -104,7 +113,7 @@ def test_generate_requests(fuzz_mesh, req, target, stream):
 def test_raw_bytes_on_every_unary_rpc(fuzz_mesh, raw, method, target):
     ch = fuzz_mesh.router_channel if target == "router" else fuzz_mesh.node_channel
     call = ch.unary_unary(method, request_serializer=None, response_deserializer=None)
-    _ok(_status(lambda: call(raw, timeout=10)))
+    _ok(_status(lambda: call(raw, timeout=10)), "raw request bytes")
     assert fuzz_mesh.alive()
 
 
@@ -113,7 +122,7 @@ def test_raw_bytes_on_every_unary_rpc(fuzz_mesh, raw, method, target):
 def test_pick_requests(fuzz_mesh, req, exclude):
     stub = cpb_grpc.RouterStub(fuzz_mesh.router_channel)
     _ok(_status(lambda: stub.Pick(cpb.PickRequest(request=req, exclude_node_ids=exclude),
-                                  timeout=10)))
+                                  timeout=10)), "pick")
     assert fuzz_mesh.alive()
 
 
@@ -126,7 +135,13 @@ def served_models(draw) -> cpb.ServedModel:
 
 @st.composite
 def node_messages(draw) -> cpb.NodeMessage:
-    kind = draw(st.sampled_from(["registration", "heartbeat", "deregistration"]))
+    kind = draw(st.sampled_from(["registration", "heartbeat", "kv_cache", "deregistration"]))
+    if kind == "kv_cache":
+        return cpb.NodeMessage(kv_cache=cpb.KvCacheUpdate(
+            model=draw(st.sampled_from(["sim", "other"]) | text), seq=draw(u64),
+            snapshot=draw(st.booleans()), cleared=draw(st.booleans()),
+            stored=draw(st.lists(u64, max_size=8)), removed=draw(st.lists(u64, max_size=8)),
+            block_size=draw(u32)))
     if kind == "registration":
         return cpb.NodeMessage(registration=cpb.Registration(
             node_id=draw(st.sampled_from(["fz-a", "fz-b", "fuzz-node"]) | text),
@@ -153,13 +168,23 @@ def node_messages(draw) -> cpb.NodeMessage:
     return cpb.NodeMessage(deregistration=cpb.Deregistration(reason=draw(text)))
 
 
+_VALID_IDS = itertools.count()
+
+
 @FUZZ
-@given(messages=st.lists(node_messages(), min_size=1, max_size=6))
-def test_control_plane_message_sequences(fuzz_mesh, messages):
+@given(messages=st.lists(node_messages(), min_size=1, max_size=6), registered=st.booleans())
+def test_control_plane_message_sequences(fuzz_mesh, messages, registered):
+    """``registered``: the sequence follows a valid Registration (of a made-up node, a new id
+    each time: one that sent garbage stays quarantined), so what comes after it reaches
+    validation, the registry and the prefix index."""
+    if registered:
+        messages = [cpb.NodeMessage(registration=cpb.Registration(
+            node_id=f"fz-valid-{next(_VALID_IDS)}", address="127.0.0.1:1", incarnation="fz", engine="sim",
+            models=[cpb.ServedModel(name="fz-model")])), *messages]
     stub = cpb_grpc.ControlPlaneStub(fuzz_mesh.router_channel)
     call = stub.Connect(iter(messages), timeout=10)
     code = _status(lambda: _drain_stream(call))
-    _ok(code)
+    _ok(code, "control-plane message", len(messages))
     assert fuzz_mesh.alive()
     # a hostile stream never takes the real node's place
     fleet = cpb_grpc.RouterStub(fuzz_mesh.router_channel).GetFleet(cpb.GetFleetRequest(),
@@ -176,6 +201,10 @@ def test_good_requests_still_route_after_fuzzing(fuzz_mesh):
     """Runs last in this module (pytest keeps file order): the mesh still works."""
     assert fuzz_mesh.alive()
     fuzz_mesh.good_request_routes()
+    out = os.environ.get("GPUMESH_FUZZ_TALLY")
+    if out:
+        rows = [{"what": w, "status": c, "count": n} for (w, c), n in sorted(TALLY.items())]
+        Path(out).write_text(json.dumps(rows, indent=1) + "\n")
 
 
 def _vllm_methods() -> list[tuple[str, bool]]:

@@ -39,6 +39,7 @@ class Mesh:
     router: Proc
     router_address: str
     nodes: dict[str, tuple[Proc, str]] = field(default_factory=dict)
+    node_router: str = ""   # the address nodes register at (the control port, if any)
 
     def alive(self) -> bool:
         return self.router.alive() and all(p.alive() for p, _ in self.nodes.values())
@@ -61,17 +62,20 @@ async def mesh(tmp: Path, node_names: Sequence[str] = ("good",), router_args: Se
                client_kwargs: dict | None = None, node_toml: str = "",
                wait_nodes: bool = True,
                node_args_for: Callable[[str], Sequence[str]] | None = None,
-               router_host: str = "127.0.0.1") -> AsyncIterator[Mesh]:
-    """A router process and sim node processes registered with it (healthy in its fleet)."""
+               router_host: str = "127.0.0.1", control_port: int = 0) -> AsyncIterator[Mesh]:
+    """A router process and sim node processes registered with it (healthy in its fleet).
+    ``control_port``: the router also serves one, and the nodes register there."""
     port = free_port()
-    r = router_proc(port, router_args, router_env)
+    extra_router = ["--control-port", str(control_port)] if control_port else []
+    r = router_proc(port, [*router_args, *extra_router], router_env)
     m = Mesh(r, f"{router_host}:{port}")
+    m.node_router = f"127.0.0.1:{control_port}" if control_port else m.router_address
     cfg = tmp / "node.toml"
     cfg.write_text(node_toml + NODE_TOML)   # top-level keys before the [sim] table
     try:
         for name in node_names:
             nport = free_port()
-            m.nodes[name] = (node_proc(name, nport, [m.router_address], engine="sim",
+            m.nodes[name] = (node_proc(name, nport, [m.node_router], engine="sim",
                                        model="sim", config=cfg,
                                        extra=[*node_args, *(node_args_for(name)
                                                             if node_args_for else ())]),
@@ -87,6 +91,16 @@ async def mesh(tmp: Path, node_names: Sequence[str] = ("good",), router_args: Se
         for proc, _ in m.nodes.values():
             proc.close()
         r.close()
+
+
+def restart(proc: Proc) -> Proc:
+    """The same command started again (after ``proc.close()``), logging to a new file."""
+    from gpumesh.launcher import ChildProcess
+    from tests.integration.procs import log_path
+
+    again = Proc.__new__(Proc)
+    ChildProcess.__init__(again, proc.name, proc.argv, log_path(proc.name), env=proc.env)
+    return again
 
 
 async def wait_running(proc: Proc, router: Proc, timeout_s: float = 90.0) -> None:

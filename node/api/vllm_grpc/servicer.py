@@ -111,6 +111,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             ids = await self._prompt(request)
             params = request_params(request.sampling_params, len(ids),
                              self._engine.model.max_context_length)
+            self._state.claim_request_id(rid)   # ALREADY_EXISTS for an id in flight
         except RequestError as err:
             await context.abort(err.code, err.message)
             return
@@ -164,6 +165,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     await self._engine.abort(rid)
                 except Exception:
                     log.debug("abort of %s failed (best effort)", rid, exc_info=True)
+            self._state.request_ids.discard(rid)
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> vpb.AbortResponse:
