@@ -179,14 +179,16 @@ if [ -z "$CLIENT" ]; then
     CLIENT=image
   fi
 fi
-# PY: the client's Python with gpumesh; certificates under $C, this folder under $S
+# PY: the client's Python with gpumesh; certificates under $C, this folder under $S, the load
+# client's mark file under $M
+mkdir -p "$WORK/mark"
 if [ "$CLIENT" = image ]; then
-  C=/certs S=/smoke
+  C=/certs S=/smoke M=/mark
   PY=(docker run --rm --network host --user "$(id -u)" -v "$CERTS:/certs:ro" -v "$HERE:/smoke:ro"
-      --entrypoint python "$IMAGE:sim")
+      -v "$WORK/mark:/mark:ro" --entrypoint python "$IMAGE:sim")
   log "client: $IMAGE:sim on the host's network"
 else
-  C=$CERTS S=$HERE
+  C=$CERTS S=$HERE M=$WORK/mark
   PY=("$CLIENT")
   log "client: $CLIENT on the host"
 fi
@@ -261,7 +263,7 @@ gm drain node-a --router "$R1" --reason smoke --wait 60 "${OPERATOR[@]}" >&2 \
   || fail "drain node-a"
 wait_fleet node-a=draining,node-b=healthy
 for i in 1 2 3 4; do
-  gm generate --target "$([ $((i % 2)) = 1 ] && echo "$R1" || echo "$R2")" --max-tokens 8 \
+  gm generate --target "$([ $((i % 2)) = 1 ] && echo "$R1" || echo "$R2")" --stream --max-tokens 8 \
     "${USER_TLS[@]}" "while node-a drains $i" >/dev/null 2>"$WORK/gen.err" || fail "request $i"
   grep -q "node=node-b" "$WORK/gen.err" || fail "request $i not served by node-b: $(tail -1 "$WORK/gen.err")"
 done
@@ -272,7 +274,7 @@ wait_fleet node-a=healthy,node-b=healthy
 # --- 4e. stop one router replica under load ----------------------------------------------------
 log "streamed load on both replicas (8 streams at a time, 200 tokens each, 24 s)"
 "${PY[@]}" "$S/smoke_load.py" --targets "$R1,$R2" --tls-dir "$C" --concurrency 8 --duration 24 \
-  --max-tokens 200 --mark "$WORK/stopped" >"$WORK/load.json" 2>"$WORK/load.err" &
+  --max-tokens 200 --mark "$M/stopped" >"$WORK/load.json" 2>"$WORK/load.err" &
 LOAD=$!
 sleep 8
 inflight=$(gm status --router "$R1" --json "${OPERATOR[@]}" \
@@ -280,7 +282,7 @@ inflight=$(gm status --router "$R1" --json "${OPERATOR[@]}" \
 log "stopping ${ROUTERS[0]} with $inflight requests in flight through it"
 t=$SECONDS
 timeout 700 docker stop -t 660 "${ROUTERS[0]}" >/dev/null
-touch "$WORK/stopped"   # the load client counts the requests it starts from here on
+touch "$WORK/mark/stopped"   # the load client counts the requests it starts from here on
 log "  ${ROUTERS[0]} stopped in $((SECONDS - t)) s, exit code $(docker inspect -f '{{.State.ExitCode}}' "${ROUTERS[0]}")"
 wait $LOAD || { cat "$WORK/load.err" "$WORK/load.json" >&2; fail "requests lost: $(cat "$WORK/load.json")"; }
 log "  load: $(cat "$WORK/load.json")"
