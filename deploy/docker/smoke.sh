@@ -283,7 +283,9 @@ log "stopping ${ROUTERS[0]} with $inflight requests in flight through it"
 t=$SECONDS
 timeout 700 docker stop -t 660 "${ROUTERS[0]}" >/dev/null
 touch "$WORK/mark/stopped"   # the load client counts the requests it starts from here on
-log "  ${ROUTERS[0]} stopped in $((SECONDS - t)) s, exit code $(docker inspect -f '{{.State.ExitCode}}' "${ROUTERS[0]}")"
+code=$(docker inspect -f '{{.State.ExitCode}}' "${ROUTERS[0]}")
+log "  ${ROUTERS[0]} stopped in $((SECONDS - t)) s, exit code $code"
+[ "$code" = 0 ] || fail "the stopped router exited with $code"
 wait $LOAD || { cat "$WORK/load.err" "$WORK/load.json" >&2; fail "requests lost: $(cat "$WORK/load.json")"; }
 log "  load: $(cat "$WORK/load.json")"
 [ "$inflight" -gt 0 ] || fail "no request was in flight through the stopped replica"
