@@ -46,9 +46,9 @@ T0=$SECONDS
 
 log() { printf '[smoke %4ds] %s\n' $((SECONDS - T0)) "$*" >&2; }
 fail() { log "FAIL: $*"; exit 1; }
-compose() {
-  GPUMESH_IMAGE=$IMAGE GPUMESH_VARIANT=sim GPUMESH_ROUTER_PUBLISH=127.0.0.1: \
-  GPUMESH_METRICS_PUBLISH=127.0.0.1: \
+compose() {   # the test's project; no profile (Jaeger stays out), tracing off
+  env -u COMPOSE_PROFILES -u COMPOSE_FILE GPUMESH_IMAGE=$IMAGE GPUMESH_VARIANT=sim \
+    GPUMESH_ROUTER_PUBLISH=127.0.0.1: GPUMESH_METRICS_PUBLISH=127.0.0.1: GPUMESH_OTLP_ENDPOINT= \
     timeout 300 $COMPOSE -p "$PROJECT" -f "$ROOT/deploy/compose.yaml" \
       -f "$ROOT/deploy/compose.tls.yaml" "$@"
 }
@@ -88,7 +88,10 @@ teardown() {
   left=$(leftovers)
   [ -z "$left" ] && log "left behind: no container, network or volume of project $PROJECT" \
                  || { log "LEFT BEHIND: $left"; rc=1; }
-  rm -rf "$WORK"
+  # an interrupted debootstrap can leave its mounts (proc, devices) in the root filesystem
+  awk -v w="$WORK/" 'index($2, w) == 1 { print $2 }' /proc/mounts 2>/dev/null | sort -r \
+    | xargs -r -n1 umount -l 2>/dev/null
+  rm -rf --one-file-system "$WORK"
   if [ $rc -eq 0 ]; then log "PASS in $((SECONDS - T0)) s"; else log "FAILED (exit $rc)"; fi
   exit $rc
 }
@@ -139,7 +142,7 @@ else
     tar -C "$WORK/rootfs" -c . | docker import \
       --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
       --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' - "$BASE" >/dev/null
-    rm -rf "$WORK/rootfs"
+    rm -rf --one-file-system "$WORK/rootfs"
     log "base image $BASE imported ($(docker image inspect -f '{{.Size}}' "$BASE" | awk '{printf "%d MB", $1/1e6}'))"
   fi
 fi
