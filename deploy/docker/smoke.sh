@@ -165,7 +165,7 @@ fi
 tar -C "$ROOT" --exclude=__pycache__ --exclude='*.pyc' -cf - pyproject.toml setup.py README.md \
   gpumesh router node deploy/docker/Dockerfile | tar -C "$CTX" -xf -
 log "building $IMAGE:sim (builder: $([ "$DOCKER_BUILDKIT" = 1 ] && echo BuildKit || echo classic), OFFLINE=1)"
-timeout 900 docker build -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE" \
+timeout 900 docker build --force-rm -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE" \
   --build-arg VARIANT=sim --build-arg OFFLINE=1 -t "$IMAGE:sim" "$CTX" >"$WORK/build.log" 2>&1 \
   || { tail -30 "$WORK/build.log" >&2; fail "image build failed"; }
 log "built $IMAGE:sim ($(docker image inspect -f '{{.Size}}' "$IMAGE:sim" | awk '{printf "%d MB", $1/1e6}'))"
