@@ -84,6 +84,15 @@ teardown() {
   if [ "${GPUMESH_SMOKE_KEEP_IMAGE:-0}" != 1 ]; then
     docker rmi "$IMAGE:sim" >/dev/null 2>&1
     docker image prune -f --filter label=io.gpumesh.stage=build >/dev/null 2>&1
+    # the classic builder also keeps the unused variant stages: untagged images made from
+    # the base during this run
+    local base_id id
+    base_id=$(docker image inspect -f '{{.Id}}' "${BASE:-}" 2>/dev/null)
+    for id in $(docker images -aq --no-trunc --filter dangling=true 2>/dev/null); do
+      grep -qx "$id" "$WORK/dangling.before" 2>/dev/null && continue
+      [ -n "$base_id" ] && [ "$(docker image inspect -f '{{.Parent}}' "$id")" = "$base_id" ] \
+        && docker rmi "$id" >/dev/null 2>&1
+    done
   fi
   left=$(leftovers)
   [ -z "$left" ] && log "left behind: no container, network or volume of project $PROJECT" \
@@ -104,6 +113,7 @@ command -v python3 >/dev/null || fail "python3 is needed on the host"
 $COMPOSE version >/dev/null 2>&1 || fail "no Compose ($COMPOSE)"
 log "docker $(docker version --format '{{.Server.Version}}'), $($COMPOSE version --short 2>/dev/null || $COMPOSE version | head -1)"
 [ -z "$(leftovers)" ] || fail "project $PROJECT already has containers/networks/volumes"
+docker images -aq --no-trunc --filter dangling=true >"$WORK/dangling.before"
 
 # --- 1. base image -------------------------------------------------------------------------
 host_mirror() {   # this machine's apt mirror for $SUITE (one-line and deb822 sources)
