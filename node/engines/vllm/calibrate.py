@@ -1,0 +1,236 @@
+"""Measuring an engine profile (gpumesh.profiles) from a started ``VllmEngine``.
+
+``gpumesh calibrate`` builds the engine exactly as ``gpumesh node`` does (same
+``NodeConfig``, same ``build_engine``), starts it, and calls :func:`measure_profile`, which
+sends requests through ``VllmEngine.generate`` (the node's own path into vLLM) and times them
+on this process's clock:
+
+- **decode**: ``B`` requests of ``decode_prompt_tokens`` random tokens each, sent together,
+  each decoding ``decode_tokens`` tokens (``ignore_eos``) for every ``B`` in
+  ``decode_batches`` (capped at the engine's ``max_num_seqs`` and at what its KV cache
+  holds). One request's step time is (its last token's time - its first token's) /
+  (tokens - 1), so the batch's prefill is left out; the sample is the median over the ``B``
+  requests, and over ``repeats`` runs.
+- **prefill**: one request alone, ``max_tokens = 1``, for every prompt length in
+  ``prefill_prompts`` (capped below ``max_model_len``); the sample is the median time to first
+  token of ``repeats`` fresh random prompts (never a prefix-cache hit).
+- **long contexts**: the held-out batch again with prompts of ``context_prompt_tokens``
+  (held out: the step model has no context term; its error shows what long contexts cost).
+- **prefix-cache hit**: a fresh prompt of ``hit_prompt_tokens`` sent once, then a prompt
+  with its first ``hit_prefix_tokens`` tokens and a new tail: the second's cached tokens are
+  the full KV blocks of the shared part (vLLM caches whole blocks). Only with prefix caching.
+
+One decode batch and one prompt length (``held_out``) are left out of the fit, and their
+prediction error is the profile's check on data it was not fitted to. KV capacity, block size
+and scheduler limits are read from the engine's resolved ``VllmConfig``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpumesh.node.engines.base import EngineRequest, Sampling
+from gpumesh.node.engines.vllm.compat import current_platform
+from gpumesh.node.engines.vllm.engine import VllmEngine
+from gpumesh.profile_fit import fit_samples
+from gpumesh.profiles import EngineProfile, Sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What :func:`measure_profile` sends (module docstring). Held-out points are a batch
+    of ``decode_batches`` and a length of ``prefill_prompts`` (0 = hold none out)."""
+
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    decode_prompt_tokens: int = 32
+    decode_tokens: int = 64
+    context_prompt_tokens: int = 1024
+    prefill_prompts: tuple[int, ...] = (16, 128, 256, 512, 1024, 1536)
+    hit_prompt_tokens: int = 1024
+    hit_prefix_tokens: int = 768
+    repeats: int = 3
+    held_out_batch: int = 16
+    held_out_prompt: int = 512
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if not self.decode_batches or min(self.decode_batches) < 1:
+            raise ValueError("decode_batches must be >= 1 each")
+        if not self.prefill_prompts or min(self.prefill_prompts) < 1:
+            raise ValueError("prefill_prompts must be >= 1 each")
+        if self.decode_tokens < 4 or self.decode_prompt_tokens < 1 or self.repeats < 1:
+            raise ValueError("need decode_tokens >= 4, decode_prompt_tokens >= 1, repeats >= 1")
+        if not 0 < self.hit_prefix_tokens <= self.hit_prompt_tokens:
+            raise ValueError("need 0 < hit_prefix_tokens <= hit_prompt_tokens")
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the started engine says about itself (its resolved ``VllmConfig``)."""
+
+    platform: str
+    vllm_version: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    kv_capacity_tokens: int
+    prefix_caching: bool
+    vocab_size: int
+
+
+def engine_facts(engine: VllmEngine) -> EngineFacts:
+    """Scheduler limits, KV cache and model facts of a started engine."""
+    import vllm
+
+    cfg = engine.vllm_config
+    sched, cache, model = cfg.scheduler_config, cfg.cache_config, cfg.model_config
+    block = int(cache.block_size)
+    platform = current_platform()
+    return EngineFacts(
+        platform="cuda" if platform.is_cuda() else "cpu" if platform.is_cpu() else "other",
+        vllm_version=str(vllm.__version__),
+        max_num_seqs=int(sched.max_num_seqs),
+        max_num_batched_tokens=int(sched.max_num_batched_tokens),
+        max_model_len=int(model.max_model_len),
+        block_size=block,
+        kv_capacity_tokens=int(cache.num_gpu_blocks or 0) * block,
+        prefix_caching=bool(cache.enable_prefix_caching),
+        vocab_size=int(model.get_vocab_size()),
+    )
+
+
+class _Sender:
+    """Sends token-id requests through the engine and times them (perf_counter, seconds)."""
+
+    def __init__(self, engine: VllmEngine, vocab: int, seed: int) -> None:
+        self._engine = engine
+        self._rng = random.Random(seed)
+        self._lo, self._hi = min(10, vocab - 2), vocab - 1
+        self._n = 0
+
+    def prompt(self, n: int) -> tuple[int, ...]:
+        return tuple(self._rng.randrange(self._lo, self._hi) for _ in range(n))
+
+    async def one(self, prompt: tuple[int, ...], max_tokens: int) -> tuple[float, float, float, int]:
+        """(sent, first token, last token, tokens) of one request."""
+        self._n += 1
+        req = EngineRequest(f"calibrate-{self._n}", prompt,
+                            Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        t0 = time.perf_counter()
+        first = last = 0.0
+        tokens = 0
+        async for out in self._engine.generate(req):
+            if out.token_ids:
+                last = time.perf_counter()
+                first = first or last
+                tokens += len(out.token_ids)
+        return t0, first, last, tokens
+
+
+async def _decode_ms(s: _Sender, batch: int, plan: CalibrationPlan,
+                     prompt_tokens: int = 0) -> float:
+    n = prompt_tokens or plan.decode_prompt_tokens
+    runs = await asyncio.gather(*(s.one(s.prompt(n), plan.decode_tokens)
+                                  for _ in range(batch)))
+    per_request = [(last - first) / (n - 1) * 1000 for _, first, last, n in runs if n > 1]
+    if not per_request:
+        raise RuntimeError(f"decode batch {batch}: no request produced two tokens")
+    return statistics.median(per_request)
+
+
+async def _ttft_ms(s: _Sender, prompt: tuple[int, ...]) -> float:
+    t0, first, _, n = await s.one(prompt, 1)
+    if n < 1:
+        raise RuntimeError("a prefill request produced no token")
+    return (first - t0) * 1000
+
+
+async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan | None = None,
+                          *, model: str = "", quadratic: bool = True) -> EngineProfile:
+    """Measure the started ``engine`` per ``plan`` (module docstring) and fit its profile.
+
+    The engine must be idle and serve nothing else meanwhile. Takes a few minutes on vLLM
+    CPU with the tiny model; the fit is ``gpumesh.profile_fit.fit_samples``."""
+    plan = plan or CalibrationPlan()
+    facts = engine_facts(engine)
+    s = _Sender(engine, facts.vocab_size, plan.seed)
+    max_prompt = facts.max_model_len - 1
+    fits_kv = max(facts.kv_capacity_tokens // (plan.decode_prompt_tokens + plan.decode_tokens
+                                               + facts.block_size), 1)
+    batches = sorted({min(b, facts.max_num_seqs, fits_kv) for b in plan.decode_batches})
+    prompts = sorted({min(p, max_prompt) for p in plan.prefill_prompts})
+    # warm-up: the first requests of each shape pay one-off costs (compilation, allocation)
+    await _decode_ms(s, batches[-1], plan)
+    for p in prompts:
+        await _ttft_ms(s, s.prompt(p))
+    samples: list[Sample] = []
+    for b in batches:
+        ms = statistics.median([await _decode_ms(s, b, plan) for _ in range(plan.repeats)])
+        samples.append(Sample("decode", round(ms, 4), batch=b,
+                              prompt_tokens=plan.decode_prompt_tokens,
+                              held_out=b == plan.held_out_batch))
+        logger.info("calibrate: decode batch %d: %.3f ms per step", b, ms)
+    for p in prompts:
+        ms = statistics.median([await _ttft_ms(s, s.prompt(p)) for _ in range(plan.repeats)])
+        samples.append(Sample("prefill", round(ms, 4), prompt_tokens=p,
+                              held_out=p == plan.held_out_prompt))
+        logger.info("calibrate: prefill %d tokens: %.3f ms to the first token", p, ms)
+    # the same held-out batch over long contexts: the step model has no context term, so
+    # this sample's error says what attention over long contexts costs on this engine
+    ctx = min(plan.context_prompt_tokens, max_prompt - plan.decode_tokens)
+    ctx_batch = min(plan.held_out_batch, facts.max_num_seqs,
+                    max(facts.kv_capacity_tokens // (ctx + plan.decode_tokens
+                                                     + facts.block_size), 1))
+    if ctx > plan.decode_prompt_tokens and plan.held_out_batch:
+        ms = statistics.median([await _decode_ms(s, ctx_batch, plan, ctx)
+                                for _ in range(plan.repeats)])
+        samples.append(Sample("decode", round(ms, 4), batch=ctx_batch, prompt_tokens=ctx,
+                              held_out=True))
+        logger.info("calibrate: decode batch %d at %d-token contexts: %.3f ms per step",
+                    ctx_batch, ctx, ms)
+    hit = min(plan.hit_prompt_tokens, max_prompt)
+    shared = min(plan.hit_prefix_tokens, hit)
+    cached = shared // facts.block_size * facts.block_size
+    if facts.prefix_caching and cached > 0:
+        times = []
+        for _ in range(plan.repeats):
+            base = s.prompt(hit)
+            await _ttft_ms(s, base)
+            times.append(await _ttft_ms(s, base[:shared] + s.prompt(hit - shared)))
+        ms = statistics.median(times)
+        samples.append(Sample("prefill", round(ms, 4), prompt_tokens=hit, cached_tokens=cached))
+        logger.info("calibrate: prefill %d tokens, %d cached: %.3f ms", hit, cached, ms)
+    base = EngineProfile(
+        name=name, platform=facts.platform if facts.platform in ("cpu", "cuda") else "cuda",
+        model=model, vllm_version=facts.vllm_version,
+        measured=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        source=_source(plan),
+        max_num_seqs=facts.max_num_seqs, max_num_batched_tokens=facts.max_num_batched_tokens,
+        max_model_len=facts.max_model_len, kv_capacity_tokens=max(facts.kv_capacity_tokens, 1),
+        kv_block_size=facts.block_size, prefix_caching=facts.prefix_caching, a_ms=1.0)
+    return fit_samples(base, samples, quadratic=quadratic)
+
+
+def _source(plan: CalibrationPlan) -> str:
+    return (f"gpumesh calibrate: decode = median inter-token time of B requests of "
+            f"{plan.decode_prompt_tokens} prompt tokens decoding {plan.decode_tokens} "
+            f"together; prefill = median TTFT of one request, max_tokens = 1; "
+            f"{plan.repeats} repeats; held out: batch {plan.held_out_batch}, "
+            f"prompt {plan.held_out_prompt}")
+
+
+def held_out_errors(profile: EngineProfile) -> Sequence[tuple[Sample, float]]:
+    """(sample, relative error of its prediction) of every held-out sample."""
+    return [(x, x.error) for x in profile.samples if x.held_out]
+
+

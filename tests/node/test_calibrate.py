@@ -1,0 +1,52 @@
+"""``gpumesh calibrate``'s measurement on the real vLLM CPU engine (the session's tiny engine):
+the profile carries the engine's own limits, and its fitted step model predicts the samples it
+was not fitted to."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumesh.profiles import dumps_profile, loads_profile
+
+pytestmark = pytest.mark.vllm
+
+# Small enough for the session engine (512-token context, 16 KV blocks of 128 tokens).
+PLAN_KW = dict(decode_batches=(1, 2, 4, 8), decode_prompt_tokens=16, decode_tokens=24,
+               context_prompt_tokens=480, prefill_prompts=(16, 64, 128, 256, 384),
+               hit_prompt_tokens=384, hit_prefix_tokens=256, repeats=3,
+               held_out_batch=4, held_out_prompt=128)
+# The held-out decode step (batch 4) against the fit over batches 1, 2 and 8. On a CPU
+# shared with other work one step varies by tens of percent, so the bound is loose; a wrong
+# fit (a missing term, a unit slip) is off by far more.
+HELD_OUT_TOLERANCE = 0.5
+
+
+async def test_calibrate_the_tiny_engine(vllm_engine: object) -> None:
+    from gpumesh.node.engines.vllm.calibrate import (
+        CalibrationPlan,
+        engine_facts,
+        measure_profile,
+    )
+
+    facts = engine_facts(vllm_engine)  # type: ignore[arg-type]
+    profile = await measure_profile(vllm_engine, "tiny-test",  # type: ignore[arg-type]
+                                    CalibrationPlan(**PLAN_KW), model="models/tiny")
+    assert loads_profile(dumps_profile(profile)) == profile
+    assert (profile.platform, profile.max_model_len, profile.kv_block_size,
+            profile.kv_capacity_tokens, profile.prefix_caching) == (
+        "cpu", 512, facts.block_size, 16 * facts.block_size, True)
+    assert profile.max_num_seqs == facts.max_num_seqs >= 1
+    assert profile.max_num_batched_tokens == facts.max_num_batched_tokens >= 1
+    kinds = [(s.kind, s.batch, s.prompt_tokens, s.cached_tokens, s.held_out)
+             for s in profile.samples]
+    assert [k[1] for k in kinds if k[0] == "decode" and k[2] == 16] == [1, 2, 4, 8]
+    assert [k[2] for k in kinds if k[0] == "prefill" and not k[3]] == [16, 64, 128, 256, 384]
+    # the prefix-cache hit: 256 shared tokens = 2 full 128-token blocks cached
+    assert ("prefill", 0, 384, 256, False) in kinds
+    held = [s for s in profile.samples if s.held_out]
+    assert {(s.kind, s.batch or s.prompt_tokens) for s in held} >= {("decode", 4),
+                                                                     ("prefill", 128)}
+    assert all(s.measured_ms > 0 and s.fit_ms > 0 for s in profile.samples)
+    decode = next(s for s in held if s.kind == "decode" and s.prompt_tokens == 16)
+    assert abs(decode.error) <= HELD_OUT_TOLERANCE, (decode, profile)
+    assert profile.a_ms > 0
