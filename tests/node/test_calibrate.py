@@ -15,10 +15,13 @@ PLAN_KW = dict(decode_batches=(1, 2, 4, 8), decode_prompt_tokens=16, decode_toke
                context_prompt_tokens=480, prefill_prompts=(16, 64, 128, 256, 384),
                hit_prompt_tokens=384, hit_prefix_tokens=256, repeats=3,
                held_out_batch=4, held_out_prompt=128)
-# The held-out decode step (batch 4) against the fit over batches 1, 2 and 8. On a CPU
-# shared with other work one step varies by tens of percent, so the bound is loose; a wrong
-# fit (a missing term, a unit slip) is off by far more.
-HELD_OUT_TOLERANCE = 0.5
+# The held-out samples against the fit without them: the decode step of batch 4 (fitted on
+# batches 1, 2 and 8) and the TTFT of a 128-token prompt (fitted on 16 ... 384). Seen on this
+# engine: decode within 6 %, prefill within 17 %; a CPU shared with other work moves single
+# samples by tens of percent, hence the margins. A wrong fit (a missing term, a unit slip) is
+# off by far more.
+DECODE_TOLERANCE = 0.35
+PREFILL_TOLERANCE = 0.5
 
 
 async def test_calibrate_the_tiny_engine(vllm_engine: object) -> None:
@@ -48,5 +51,7 @@ async def test_calibrate_the_tiny_engine(vllm_engine: object) -> None:
                                                                      ("prefill", 128)}
     assert all(s.measured_ms > 0 and s.fit_ms > 0 for s in profile.samples)
     decode = next(s for s in held if s.kind == "decode" and s.prompt_tokens == 16)
-    assert abs(decode.error) <= HELD_OUT_TOLERANCE, (decode, profile)
+    assert abs(decode.error) <= DECODE_TOLERANCE, (decode, profile)
+    prefill = next(s for s in held if s.kind == "prefill")
+    assert abs(prefill.error) <= PREFILL_TOLERANCE, (prefill, profile)
     assert profile.a_ms > 0

@@ -8,9 +8,9 @@ on this process's clock:
 - **decode**: ``B`` requests of ``decode_prompt_tokens`` random tokens each, sent together,
   each decoding ``decode_tokens`` tokens (``ignore_eos``) for every ``B`` in
   ``decode_batches`` (capped at the engine's ``max_num_seqs`` and at what its KV cache
-  holds). One request's step time is (its last token's time - its first token's) /
-  (tokens - 1), so the batch's prefill is left out; the sample is the median over the ``B``
-  requests, and over ``repeats`` runs.
+  holds). The step time is the trimmed mean (10 % cut each side) of the intervals between a
+  request's outputs after its first token, per token they carried (so the batch's prefill
+  is left out), over the ``B`` requests; the sample is the median over ``repeats`` runs.
 - **prefill**: one request alone, ``max_tokens = 1``, for every prompt length in
   ``prefill_prompts`` (capped below ``max_model_len``); the sample is the median time to first
   token of ``repeats`` fresh random prompts (never a prefix-cache hit).
@@ -121,38 +121,48 @@ class _Sender:
     def prompt(self, n: int) -> tuple[int, ...]:
         return tuple(self._rng.randrange(self._lo, self._hi) for _ in range(n))
 
-    async def one(self, prompt: tuple[int, ...], max_tokens: int) -> tuple[float, float, float, int]:
-        """(sent, first token, last token, tokens) of one request."""
+    async def one(self, prompt: tuple[int, ...],
+                  max_tokens: int) -> tuple[float, list[tuple[float, int]]]:
+        """(sent, [(time, tokens) of every output that carried tokens]) of one request."""
         self._n += 1
         req = EngineRequest(f"calibrate-{self._n}", prompt,
                             Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         t0 = time.perf_counter()
-        first = last = 0.0
-        tokens = 0
+        outs: list[tuple[float, int]] = []
         async for out in self._engine.generate(req):
             if out.token_ids:
-                last = time.perf_counter()
-                first = first or last
-                tokens += len(out.token_ids)
-        return t0, first, last, tokens
+                outs.append((time.perf_counter(), len(out.token_ids)))
+        return t0, outs
+
+
+def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
+    """The mean of ``values`` without the lowest and highest ``cut`` of them (a pause of the
+    machine, or another process's burst, moves a few intervals, not the figure)."""
+    v = sorted(values)
+    k = int(len(v) * cut)
+    kept = v[k:len(v) - k] or v
+    return sum(kept) / len(kept)
 
 
 async def _decode_ms(s: _Sender, batch: int, plan: CalibrationPlan,
                      prompt_tokens: int = 0) -> float:
+    """One decode step of ``batch`` requests decoding together, ms: the trimmed mean of the
+    per-token intervals after each request's first token."""
     n = prompt_tokens or plan.decode_prompt_tokens
     runs = await asyncio.gather(*(s.one(s.prompt(n), plan.decode_tokens)
                                   for _ in range(batch)))
-    per_request = [(last - first) / (n - 1) * 1000 for _, first, last, n in runs if n > 1]
-    if not per_request:
-        raise RuntimeError(f"decode batch {batch}: no request produced two tokens")
-    return statistics.median(per_request)
+    steps = [(t - prev) * 1000 / k for _, outs in runs
+             for (prev, _), (t, k) in zip(outs, outs[1:])]
+    if not steps:
+        raise RuntimeError(f"decode batch {batch}: no request produced two outputs")
+    return trimmed_mean(steps)
 
 
 async def _ttft_ms(s: _Sender, prompt: tuple[int, ...]) -> float:
-    t0, first, _, n = await s.one(prompt, 1)
-    if n < 1:
+    t0, outs = await s.one(prompt, 1)
+    if not outs:
         raise RuntimeError("a prefill request produced no token")
-    return (first - t0) * 1000
+    return (outs[0][0] - t0) * 1000
 
 
 async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan | None = None,
