@@ -9,8 +9,15 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from gpumesh.node.config import NodeConfig
+    from gpumesh.node.engines.vllm.calibrate import CalibrationPlan
 
 
 def _setup_logging(level: str) -> None:
@@ -239,6 +246,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print("gpumesh calibrate: --model PATH is required", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if not out.parent.is_dir():
+        print(f"gpumesh calibrate: --out {out}: no folder {out.parent}", file=sys.stderr)
+        return 2
     name = args.name or out.stem
     try:
         from gpumesh.node.engines.vllm.calibrate import CalibrationPlan
@@ -253,29 +263,40 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return asyncio.run(_calibrate(cfg, plan, name, out, args.platform, not args.linear))
 
 
-async def _calibrate(cfg: object, plan: object, name: str, out: object, platform: str,
-                     quadratic: bool) -> int:
+async def _calibrate(cfg: NodeConfig, plan: CalibrationPlan, name: str, out: Path,
+                     platform: str, quadratic: bool) -> int:
     from gpumesh.node.app import build_engine
     from gpumesh.node.engines.base import EngineError
-    from gpumesh.node.engines.vllm.calibrate import engine_facts, measure_profile
+    from gpumesh.node.engines.vllm import VllmEngine
+    from gpumesh.node.engines.vllm.calibrate import (
+        CalibrationError,
+        engine_facts,
+        measure_profile,
+    )
     from gpumesh.profiles import dump_profile
 
-    engine = build_engine(cfg)  # type: ignore[arg-type]
+    engine = build_engine(cfg)
+    if not isinstance(engine, VllmEngine):
+        raise TypeError("calibrate measures a vLLM engine")
     try:
         await engine.start()
-        facts = engine_facts(engine)  # type: ignore[arg-type]
+        facts = engine_facts(engine)
         if platform and facts.platform != platform:
             print(f"gpumesh calibrate: --platform {platform}, but vLLM runs on "
                   f"{facts.platform}", file=sys.stderr)
             return 2
-        profile = await measure_profile(engine, name, plan,  # type: ignore[arg-type]
-                                        model=cfg.model, quadratic=quadratic)  # type: ignore[attr-defined]
-    except EngineError as exc:
+        profile = await measure_profile(engine, name, plan, model=cfg.model,
+                                        quadratic=quadratic)
+    except (EngineError, CalibrationError, ValueError) as exc:  # ValueError: the fit
         print(f"gpumesh calibrate: {exc}", file=sys.stderr)
         return 1
     finally:
         await engine.shutdown()
-    await asyncio.to_thread(dump_profile, profile, out)
+    try:
+        await asyncio.to_thread(dump_profile, profile, out)
+    except OSError as exc:
+        print(f"gpumesh calibrate: cannot write {out}: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {out}: a_ms={profile.a_ms:.4g} b_decode_ms={profile.b_decode_ms:.4g} "
           f"c_decode_ms={profile.c_decode_ms:.4g} b_prefill_ms={profile.b_prefill_ms:.4g} "
           f"request_overhead_ms={profile.request_overhead_ms:.4g}")

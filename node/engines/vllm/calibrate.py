@@ -45,6 +45,10 @@ from gpumesh.profiles import EngineProfile, Sample
 logger = logging.getLogger(__name__)
 
 
+class CalibrationError(RuntimeError):
+    """The engine did not give what a measurement needs (the message says what)."""
+
+
 @dataclass(frozen=True)
 class CalibrationPlan:
     """What :func:`measure_profile` sends (module docstring). Held-out points are a batch
@@ -154,14 +158,14 @@ async def _decode_ms(s: _Sender, batch: int, plan: CalibrationPlan,
     steps = [(t - prev) * 1000 / k for _, outs in runs
              for (prev, _), (t, k) in zip(outs, outs[1:])]
     if not steps:
-        raise RuntimeError(f"decode batch {batch}: no request produced two outputs")
+        raise CalibrationError(f"decode batch {batch}: no request produced two outputs")
     return trimmed_mean(steps)
 
 
 async def _ttft_ms(s: _Sender, prompt: tuple[int, ...]) -> float:
     t0, outs = await s.one(prompt, 1)
     if not outs:
-        raise RuntimeError("a prefill request produced no token")
+        raise CalibrationError("a prefill request produced no token")
     return (outs[0][0] - t0) * 1000
 
 
@@ -173,6 +177,10 @@ async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan |
     CPU with the tiny model; the fit is ``gpumesh.profile_fit.fit_samples``."""
     plan = plan or CalibrationPlan()
     facts = engine_facts(engine)
+    if facts.platform not in ("cpu", "cuda"):
+        raise CalibrationError(f"vLLM runs on {facts.platform}; profiles describe cpu or cuda")
+    if facts.kv_capacity_tokens < facts.block_size:
+        raise CalibrationError("the engine reports no KV cache size")
     s = _Sender(engine, facts.vocab_size, plan.seed)
     max_prompt = facts.max_model_len - 1
     fits_kv = max(facts.kv_capacity_tokens // (plan.decode_prompt_tokens + plan.decode_tokens
@@ -221,18 +229,18 @@ async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan |
         samples.append(Sample("prefill", round(ms, 4), prompt_tokens=hit, cached_tokens=cached))
         logger.info("calibrate: prefill %d tokens, %d cached: %.3f ms", hit, cached, ms)
     base = EngineProfile(
-        name=name, platform=facts.platform if facts.platform in ("cpu", "cuda") else "cuda",
+        name=name, platform=facts.platform,
         model=model, vllm_version=facts.vllm_version,
         measured=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         source=_source(plan),
         max_num_seqs=facts.max_num_seqs, max_num_batched_tokens=facts.max_num_batched_tokens,
-        max_model_len=facts.max_model_len, kv_capacity_tokens=max(facts.kv_capacity_tokens, 1),
+        max_model_len=facts.max_model_len, kv_capacity_tokens=facts.kv_capacity_tokens,
         kv_block_size=facts.block_size, prefix_caching=facts.prefix_caching, a_ms=1.0)
     return fit_samples(base, samples, quadratic=quadratic)
 
 
 def _source(plan: CalibrationPlan) -> str:
-    return (f"gpumesh calibrate: decode = median inter-token time of B requests of "
+    return (f"gpumesh calibrate: decode = trimmed mean inter-token time of B requests of "
             f"{plan.decode_prompt_tokens} prompt tokens decoding {plan.decode_tokens} "
             f"together; prefill = median TTFT of one request, max_tokens = 1; "
             f"{plan.repeats} repeats; held out: batch {plan.held_out_batch}, "
