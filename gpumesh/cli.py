@@ -223,6 +223,14 @@ def _engine_arg(item: str) -> tuple[str, object]:
         return key.strip(), value
 
 
+def _batch_by_prompt(item: str) -> tuple[int, int]:
+    """"16x1024" -> (16, 1024)."""
+    b, sep, p = item.partition("x")
+    if not sep:
+        raise ValueError(f"{item!r}: expected BATCHxPROMPT, e.g. 16x1024")
+    return int(b), int(p)
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -238,6 +246,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             cfg = load_node_config(args.config, {**overrides, "engine": "vllm",
                                                  "engine_args": {**cfg.engine_args, **extra}})
         batches = tuple(int(x) for x in args.batches.split(",") if x)
+        contexts = tuple(_batch_by_prompt(x) for x in args.contexts.split(",") if x)
+        held_context = _batch_by_prompt(args.held_out_context)
         prompts = tuple(int(x) for x in args.prompts.split(",") if x)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"gpumesh calibrate: {exc}", file=sys.stderr)
@@ -256,7 +266,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         plan = CalibrationPlan(decode_batches=batches, prefill_prompts=prompts,
                                repeats=args.repeats, decode_tokens=args.decode_tokens,
                                held_out_batch=args.held_out_batch,
-                               held_out_prompt=args.held_out_prompt)
+                               held_out_prompt=args.held_out_prompt, contexts=contexts,
+                               held_out_context=held_context)
     except ValueError as exc:
         print(f"gpumesh calibrate: {exc}", file=sys.stderr)
         return 2
@@ -302,7 +313,7 @@ async def _calibrate(cfg: NodeConfig, plan: CalibrationPlan, name: str, out: Pat
           f"request_overhead_ms={profile.request_overhead_ms:.4g}")
     print("sample                      measured_ms   fit_ms   error")
     for s in profile.samples:
-        what = (f"decode batch {s.batch} ctx {s.prompt_tokens}" if s.kind == "decode" else
+        what = (f"decode batch {s.batch} after {s.prompt_tokens}" if s.kind == "decode" else
                 f"prefill {s.prompt_tokens}" + (f" ({s.cached_tokens} cached)"
                                                 if s.cached_tokens else ""))
         tag = " (held out)" if s.held_out else ""
@@ -448,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode batch left out of the fit (its error is reported)")
     cal.add_argument("--held-out-prompt", type=int, default=512,
                      help="prompt length left out of the fit")
+    cal.add_argument("--contexts", default="16x1024,4x1536,8x512",
+                     help="BATCHxPROMPT decode samples over long contexts (the attention term)")
+    cal.add_argument("--held-out-context", default="8x512",
+                     help="the BATCHxPROMPT of --contexts left out of the fit")
     cal.add_argument("--linear", action="store_true", help="no quadratic decode term")
     cal.set_defaults(func=_cmd_calibrate)
 

@@ -1,15 +1,17 @@
 """Fitting an engine profile's step model (gpumesh.profiles) to measurements.
 
-:func:`fit_samples` fits ``a_ms``, ``b_decode_ms``, ``c_decode_ms``, ``b_prefill_ms`` and
-``request_overhead_ms`` jointly to decode and prefill samples by least squares on relative
+:func:`fit_samples` fits ``a_ms``, ``b_decode_ms``, ``c_decode_ms``, ``b_prefill_ms``, the
+context terms ``b_decode_context_ms`` and ``c_prefill_ms``, and ``request_overhead_ms`` jointly to decode and prefill samples by least squares on relative
 residuals (each row weighted by 1 / measured, so that a 3 ms step and a 60 ms TTFT count
 alike), with every coefficient kept >= 0 (a negative cost term is dropped and the rest
 refitted). Rows:
 
-- decode sample of batch B: ``step = a + b_decode * B + c_decode * B**2``;
+- decode sample of batch B, each sequence L tokens long on average:
+  ``step = a + b_decode * B + c_decode * B**2 + b_decode_context * B * L``;
 - prefill sample of P prompt tokens, C of them cached: the uncached ``U = max(P - C, 1)``
-  tokens run in ``n = ceil(U / max_num_batched_tokens)`` steps, so
-  ``ttft = request_overhead + n * a + b_prefill * U``.
+  tokens run in ``n`` chunks of at most ``max_num_batched_tokens`` attending over ``Q``
+  (token, earlier token) pairs in all, so
+  ``ttft = request_overhead + n * a + b_prefill * U + c_prefill * Q``.
 
 :func:`fit_steps` fits the step model alone to per-step observations
 ``(decode_tokens, prefill_tokens, step_ms)``; :class:`OnlineStepFit` fits it, as a running
@@ -29,7 +31,8 @@ from gpumesh.profiles import EngineProfile, Sample
 from gpumesh.types import StepModel
 
 # column order of the design matrix
-COEFFS = ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms", "request_overhead_ms")
+COEFFS = ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms", "request_overhead_ms",
+          "b_decode_context_ms", "c_prefill_ms")
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[bool]) -> np.ndarray:
@@ -48,28 +51,32 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[bool]) -> np.ndarray:
         active[worst] = False
 
 
-def _row(s: Sample, batch_budget: int) -> list[float]:
+def _row(s: Sample, base: EngineProfile) -> list[float]:
     if s.kind == "decode":
         b = float(s.batch)
-        return [1.0, b, b * b, 0.0, 0.0]
-    todo = max(s.prompt_tokens - s.cached_tokens, 1)
-    return [float(math.ceil(todo / batch_budget)), 0.0, 0.0, float(todo), 1.0]
+        return [1.0, b, b * b, 0.0, 0.0, b * s.context_tokens, 0.0]
+    chunks = base.prefill_chunks(s.prompt_tokens, s.cached_tokens)
+    return [float(len(chunks)), 0.0, 0.0, float(sum(n for n, _ in chunks)), 1.0, 0.0,
+            float(sum(p for _, p in chunks))]
 
 
 def fit_samples(base: EngineProfile, samples: Sequence[Sample], *,
-                quadratic: bool = True) -> EngineProfile:
+                quadratic: bool = True, context: bool = True) -> EngineProfile:
     """``base`` with its step model and ``request_overhead_ms`` fitted to the samples not
     ``held_out``, and ``samples`` recorded with each one's ``fit_ms`` (held-out ones
-    predicted, not fitted). ``quadratic=False`` keeps ``c_decode_ms`` at 0. Needs at least
+    predicted, not fitted). ``quadratic=False`` keeps ``c_decode_ms`` at 0, ``context=False``
+    the context terms (``b_decode_context_ms``, ``c_prefill_ms``). Needs at least
     two decode batches and one prefill sample in the fit (``ValueError`` otherwise)."""
     used = [s for s in samples if not s.held_out]
     decode_batches = {s.batch for s in used if s.kind == "decode"}
     if len(decode_batches) < 2 or not any(s.kind == "prefill" for s in used):
         raise ValueError("the fit needs decode samples at >= 2 batch sizes and a prefill sample")
-    x = np.array([_row(s, base.max_num_batched_tokens) for s in used])
+    x = np.array([_row(s, base) for s in used])
     y = np.array([s.measured_ms for s in used])
     w = 1.0 / y
-    free = [True, True, quadratic and len(decode_batches) >= 3, True, True]
+    contexts = {s.context_tokens for s in used if s.kind == "decode"}
+    free = [True, True, quadratic and len(decode_batches) >= 3, True, True,
+            context and len(contexts) >= 2, context and bool(np.ptp(x[:, 6]) > 0)]
     coef = nonneg_lstsq(x * w[:, None], y * w, free)
     fitted = dataclasses.replace(base, **{k: float(round(v, 9)) for k, v in zip(COEFFS, coef)},
                                  samples=())

@@ -10,6 +10,12 @@ Step model (ms; tokens are the tokens the step schedules)::
 
     step_ms = a_ms + b_decode_ms * decode_tokens + c_decode_ms * decode_tokens**2
                    + b_prefill_ms * prefill_tokens
+                   + b_decode_context_ms * decode_context + c_prefill_ms * prefill_pairs
+
+where ``decode_context`` is the context the step's decoding sequences attend to (the sum of
+their lengths: reading their KV cache) and ``prefill_pairs`` the (prompt token, earlier token)
+pairs its prefill chunks attend over (a chunk of n tokens after c computed ones: n*c +
+n*(n+1)/2): attention, which grows with context. Both terms are 0 where it does not matter.
 
 A lone request's prefill (:meth:`EngineProfile.prefill_ms`) is the steps of its uncached
 prompt in chunks of at most ``max_num_batched_tokens``; its time to first token
@@ -22,10 +28,11 @@ TOML layout (every key is described in docs/simulator.md, "Engine profiles")::
     [engine]     name, platform ("cpu" | "cuda"), model, vllm_version, measured, source
     [scheduler]  max_num_seqs, max_num_batched_tokens, max_model_len
     [kv]         capacity_tokens, block_size, prefix_caching
-    [step]       a_ms, b_decode_ms, c_decode_ms, b_prefill_ms
+    [step]       a_ms, b_decode_ms, c_decode_ms, b_prefill_ms, b_decode_context_ms,
+                 c_prefill_ms
     [front_end]  tokens_per_s (0 = no ceiling), request_overhead_ms
     [[samples]]  kind ("decode" | "prefill"), batch, prompt_tokens, cached_tokens,
-                 measured_ms, fit_ms, held_out
+                 context_tokens, measured_ms, fit_ms, held_out
 
 A profile is validated when built or loaded: every number finite and in range, no unknown
 key; a ``ProfileError`` names the offending key (``step.a_ms``, ``samples[3].batch``).
@@ -57,8 +64,9 @@ class ProfileError(ValueError):
 class Sample:
     """One raw measurement a profile was fitted on.
 
-    ``kind = "decode"``: ``batch`` requests decoding together, ``measured_ms`` = one step
-    (elapsed / tokens each request decoded). ``kind = "prefill"``: one request of
+    ``kind = "decode"``: ``batch`` requests decoding together after prompts of
+    ``prompt_tokens``, ``measured_ms`` = one step; ``context_tokens`` = each sequence's mean
+    length over the measured steps (0 = not recorded: no context term). ``kind = "prefill"``: one request of
     ``prompt_tokens`` tokens (``cached_tokens`` of them a prefix-cache hit) alone with
     ``max_tokens = 1``, ``measured_ms`` = its time to first token. ``fit_ms`` = what the
     profile's model predicts for it (0 = not computed); ``held_out`` = left out of the fit.
@@ -69,6 +77,7 @@ class Sample:
     batch: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    context_tokens: int = 0
     fit_ms: float = 0.0
     held_out: bool = False
 
@@ -102,6 +111,8 @@ class EngineProfile:
     b_decode_ms: float = 0.0
     c_decode_ms: float = 0.0
     b_prefill_ms: float = 0.0
+    b_decode_context_ms: float = 0.0
+    c_prefill_ms: float = 0.0
     # [front_end]
     front_end_tokens_per_s: float = 0.0
     request_overhead_ms: float = 0.0
@@ -110,27 +121,40 @@ class EngineProfile:
     def __post_init__(self) -> None:
         validate(self)
 
-    def step_ms(self, decode_seqs: int, decode_tokens: int, prefill_tokens: int) -> float:
+    def step_ms(self, decode_seqs: int, decode_tokens: int, prefill_tokens: int,
+                decode_context: int = 0, prefill_pairs: int = 0) -> float:
         """One engine step in ms holding ``decode_seqs`` decoding sequences that schedule
         ``decode_tokens`` tokens (one each without speculative decoding) and
-        ``prefill_tokens`` prompt tokens (chunked prefill included). The model prices
-        tokens; ``decode_seqs`` is accepted so callers state the batch, and checked."""
-        if decode_seqs < 0 or decode_tokens < decode_seqs or prefill_tokens < 0:
-            raise ValueError("need 0 <= decode_seqs <= decode_tokens and prefill_tokens >= 0")
+        ``prefill_tokens`` prompt tokens (chunked prefill included); ``decode_context`` and
+        ``prefill_pairs`` as in the module docstring (0: the context terms left out). The
+        model prices tokens; ``decode_seqs`` is accepted so callers state the batch."""
+        if (decode_seqs < 0 or decode_tokens < decode_seqs or prefill_tokens < 0
+                or decode_context < 0 or prefill_pairs < 0):
+            raise ValueError("need 0 <= decode_seqs <= decode_tokens and the rest >= 0")
         d = float(decode_tokens)
         return (self.a_ms + self.b_decode_ms * d + self.c_decode_ms * d * d
-                + self.b_prefill_ms * prefill_tokens)
+                + self.b_prefill_ms * prefill_tokens
+                + self.b_decode_context_ms * decode_context + self.c_prefill_ms * prefill_pairs)
 
-    def prefill_ms(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
-        """Engine time in ms to prefill one request alone: its uncached tokens (at least one:
-        the engine always computes the last prompt token) in steps of at most
-        ``max_num_batched_tokens``. Without ``request_overhead_ms`` (see :meth:`ttft_ms`)."""
+    def prefill_chunks(self, prompt_tokens: int, cached_tokens: int = 0) -> list[tuple[int, int]]:
+        """``(tokens, pairs)`` of each step that prefills one request alone: its uncached
+        tokens (at least one: the engine always computes the last prompt token) in chunks of
+        at most ``max_num_batched_tokens``."""
         if prompt_tokens < 1 or not 0 <= cached_tokens <= prompt_tokens:
             raise ValueError("need prompt_tokens >= 1 and 0 <= cached_tokens <= prompt_tokens")
-        todo = max(prompt_tokens - (cached_tokens if self.prefix_caching else 0), 1)
-        full, rest = divmod(todo, self.max_num_batched_tokens)
-        ms = full * self.step_ms(0, 0, self.max_num_batched_tokens)
-        return ms + (self.step_ms(0, 0, rest) if rest else 0.0)
+        done = min(cached_tokens if self.prefix_caching else 0, prompt_tokens - 1)
+        chunks = []
+        while done < prompt_tokens:
+            n = min(prompt_tokens - done, self.max_num_batched_tokens)
+            chunks.append((n, prefill_pairs(done, n)))
+            done += n
+        return chunks
+
+    def prefill_ms(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Engine time in ms to prefill one request alone (the steps of
+        :meth:`prefill_chunks`); without ``request_overhead_ms`` (see :meth:`ttft_ms`)."""
+        return sum(self.step_ms(0, 0, n, prefill_pairs=pairs)
+                   for n, pairs in self.prefill_chunks(prompt_tokens, cached_tokens))
 
     def ttft_ms(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """A lone request's time to first token in ms: ``request_overhead_ms`` + its prefill."""
@@ -139,8 +163,14 @@ class EngineProfile:
     def predict(self, s: Sample) -> float:
         """What this profile's model says ``s`` measured (ms)."""
         if s.kind == "decode":
-            return self.step_ms(s.batch, s.batch, 0)
+            return self.step_ms(s.batch, s.batch, 0, decode_context=s.batch * s.context_tokens)
         return self.ttft_ms(s.prompt_tokens, s.cached_tokens)
+
+
+def prefill_pairs(computed: int, tokens: int) -> int:
+    """(token, earlier token) pairs a prefill chunk of ``tokens`` after ``computed`` tokens
+    attends over (each token attends to every token up to itself)."""
+    return tokens * computed + tokens * (tokens + 1) // 2
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -149,8 +179,8 @@ _INTS: dict[str, int] = {  # attribute -> minimum
     "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1,
     "kv_capacity_tokens": 1, "kv_block_size": 1,
 }
-_FLOATS = ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms",
-           "front_end_tokens_per_s", "request_overhead_ms")
+_FLOATS = ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms", "b_decode_context_ms",
+           "c_prefill_ms", "front_end_tokens_per_s", "request_overhead_ms")
 _MAX_INT = 1 << 40
 
 
@@ -206,6 +236,7 @@ def validate(p: EngineProfile) -> None:
         _check_int(f"{key}.batch", s.batch, 1 if s.kind == "decode" else 0)
         _check_int(f"{key}.prompt_tokens", s.prompt_tokens, 1 if s.kind == "prefill" else 0)
         _check_int(f"{key}.cached_tokens", s.cached_tokens, 0)
+        _check_int(f"{key}.context_tokens", s.context_tokens, 0)
         if s.cached_tokens > s.prompt_tokens:
             raise ProfileError(f"{key}.cached_tokens: must be <= prompt_tokens")
         if not isinstance(s.held_out, bool):
@@ -221,7 +252,8 @@ _LAYOUT: dict[str, dict[str, str]] = {
     "scheduler": {k: k for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")},
     "kv": {"capacity_tokens": "kv_capacity_tokens", "block_size": "kv_block_size",
            "prefix_caching": "prefix_caching"},
-    "step": {k: k for k in ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms")},
+    "step": {k: k for k in ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms",
+                            "b_decode_context_ms", "c_prefill_ms")},
     "front_end": {"tokens_per_s": "front_end_tokens_per_s",
                   "request_overhead_ms": "request_overhead_ms"},
 }

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.vllm
 
 # Small enough for the session engine (512-token context, 16 KV blocks of 128 tokens).
 PLAN_KW = dict(decode_batches=(1, 2, 4, 8), decode_prompt_tokens=16, decode_tokens=24,
-               context_prompt_tokens=480, prefill_prompts=(16, 64, 128, 256, 384),
+               contexts=((2, 400), (3, 200), (2, 300)),
+               held_out_context=(2, 300), prefill_prompts=(16, 64, 128, 256, 384),
                hit_prompt_tokens=384, hit_prefix_tokens=256, repeats=3,
                held_out_batch=4, held_out_prompt=128)
 # The held-out samples against the fit without them: the decode step of batch 4 (fitted on

@@ -53,3 +53,37 @@ def test_the_shapes_keep_their_calibrated_values() -> None:
 def test_unknown_shape_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="unknown shape"):
         SimEngineConfig.for_shape("13b")
+
+
+def test_attention_terms_of_a_profile_drive_the_simulated_steps() -> None:
+    """A profile with the context terms: the simulated prefill of a lone request (in chunks)
+    and the decode steps after it cost what the profile's model says."""
+    import random
+
+    from gpumesh.node.engines.sim.request import SimRequest
+
+    profile = dataclasses.replace(builtin_profile("0.5b-h200"), max_num_batched_tokens=512,
+                                  b_decode_context_ms=2e-4, c_prefill_ms=3e-6)
+    s = SimScheduler(SimEngineConfig.from_profile(profile, time_scale=0.0))
+    s.add(SimRequest("a", 1200, 3, random.Random(0), 0.0, ()))
+    s.add(SimRequest("b", 100, 3, random.Random(1), 0.0, ()))
+    prefill_s = 0.0
+    steps = []
+    while not s.idle:
+        step = s.begin_step()
+        assert step is not None
+        steps.append(step)
+        s.end_step(step, 0.0)
+    # "a" prefills in chunks of 512, 512, 176 (pairs over what came before); "b" joins the
+    # third step with its whole prompt
+    expected = [profile.step_ms(0, 0, 512, prefill_pairs=512 * 513 // 2),
+                profile.step_ms(0, 0, 512, prefill_pairs=512 * 512 + 512 * 513 // 2),
+                profile.step_ms(0, 0, 276, prefill_pairs=176 * 1024 + 176 * 177 // 2
+                                + 100 * 101 // 2)]
+    # then both decode: context = computed + 1 for each (1200 + 1, 100 + 1, then + 1 each)
+    expected += [profile.step_ms(2, 2, 0, decode_context=1201 + 101),
+                 profile.step_ms(2, 2, 0, decode_context=1202 + 102)]
+    assert [st.duration_s * 1000 for st in steps] == pytest.approx(expected)
+    prefill_s = sum(st.duration_s for st in steps[:2]) * 1000
+    assert prefill_s == pytest.approx(sum(profile.step_ms(0, 0, n, prefill_pairs=p)
+                                          for n, p in profile.prefill_chunks(1200)[:2]))

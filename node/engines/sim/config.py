@@ -30,6 +30,10 @@ class SimEngineConfig:
     # quadratic decode term (ms per decode token squared): large batches of a big model cost
     # more than linearly (attention over many sequences); 0 = the linear model
     step_c_decode_ms: float = 0.0
+    # attention terms (gpumesh.profiles): ms per context token the step's decoding sequences
+    # hold, and per (prompt token, earlier token) pair its prefill chunks attend over; 0 = off
+    step_b_decode_context_ms: float = 0.0
+    step_c_prefill_ms: float = 0.0
     front_end_tokens_per_s: float = 0.0  # node front-end ceiling (package docstring); 0 = none
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 16384
@@ -88,6 +92,8 @@ class SimEngineConfig:
             "step_b_decode_ms": profile.b_decode_ms,
             "step_c_decode_ms": profile.c_decode_ms,
             "step_b_prefill_ms": profile.b_prefill_ms,
+            "step_b_decode_context_ms": profile.b_decode_context_ms,
+            "step_c_prefill_ms": profile.c_prefill_ms,
             "front_end_tokens_per_s": profile.front_end_tokens_per_s,
             "max_num_seqs": profile.max_num_seqs,
             "max_num_batched_tokens": profile.max_num_batched_tokens,

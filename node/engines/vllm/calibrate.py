@@ -14,13 +14,15 @@ on this process's clock:
 - **prefill**: one request alone, ``max_tokens = 1``, for every prompt length in
   ``prefill_prompts`` (capped below ``max_model_len``); the sample is the median time to first
   token of ``repeats`` fresh random prompts (never a prefix-cache hit).
-- **long contexts**: the held-out batch again with prompts of ``context_prompt_tokens``
-  (held out: the step model has no context term; its error shows what long contexts cost).
+- **long contexts**: decode samples of ``(batch, prompt tokens)`` in ``contexts``: the
+  attention term ``b_decode_context_ms`` (each decode sample records its sequences' mean
+  length over the measured steps as ``context_tokens``).
 - **prefix-cache hit**: a fresh prompt of ``hit_prompt_tokens`` sent once, then a prompt
   with its first ``hit_prefix_tokens`` tokens and a new tail: the second's cached tokens are
   the full KV blocks of the shared part (vLLM caches whole blocks). Only with prefix caching.
 
-One decode batch and one prompt length (``held_out``) are left out of the fit, and their
+One decode batch, one long-context decode sample and one prompt length (``held_out``) are
+left out of the fit, and their
 prediction error is the profile's check on data it was not fitted to. KV capacity, block size
 and scheduler limits are read from the engine's resolved ``VllmConfig``.
 """
@@ -57,7 +59,9 @@ class CalibrationPlan:
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     decode_prompt_tokens: int = 32
     decode_tokens: int = 64
-    context_prompt_tokens: int = 1024
+    # (batch, prompt tokens) decode samples over long contexts (the attention term)
+    contexts: tuple[tuple[int, int], ...] = ((16, 1024), (4, 1536), (8, 512))
+    held_out_context: tuple[int, int] = (8, 512)
     prefill_prompts: tuple[int, ...] = (16, 128, 256, 512, 1024, 1536)
     hit_prompt_tokens: int = 1024
     hit_prefix_tokens: int = 768
@@ -170,7 +174,8 @@ async def _ttft_ms(s: _Sender, prompt: tuple[int, ...]) -> float:
 
 
 async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan | None = None,
-                          *, model: str = "", quadratic: bool = True) -> EngineProfile:
+                          *, model: str = "", quadratic: bool = True,
+                          context: bool = True) -> EngineProfile:
     """Measure the started ``engine`` per ``plan`` (module docstring) and fit its profile.
 
     The engine must be idle and serve nothing else meanwhile. Takes a few minutes on vLLM
@@ -196,6 +201,8 @@ async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan |
         ms = statistics.median([await _decode_ms(s, b, plan) for _ in range(plan.repeats)])
         samples.append(Sample("decode", round(ms, 4), batch=b,
                               prompt_tokens=plan.decode_prompt_tokens,
+                              context_tokens=plan.decode_prompt_tokens
+                              + (plan.decode_tokens + 1) // 2,
                               held_out=b == plan.held_out_batch))
         logger.info("calibrate: decode batch %d: %.3f ms per step", b, ms)
     for p in prompts:
@@ -203,19 +210,18 @@ async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan |
         samples.append(Sample("prefill", round(ms, 4), prompt_tokens=p,
                               held_out=p == plan.held_out_prompt))
         logger.info("calibrate: prefill %d tokens: %.3f ms to the first token", p, ms)
-    # the same held-out batch over long contexts: the step model has no context term, so
-    # this sample's error says what attention over long contexts costs on this engine
-    ctx = min(plan.context_prompt_tokens, max_prompt - plan.decode_tokens)
-    ctx_batch = min(plan.held_out_batch, facts.max_num_seqs,
-                    max(facts.kv_capacity_tokens // (ctx + plan.decode_tokens
-                                                     + facts.block_size), 1))
-    if ctx > plan.decode_prompt_tokens and plan.held_out_batch:
-        ms = statistics.median([await _decode_ms(s, ctx_batch, plan, ctx)
-                                for _ in range(plan.repeats)])
-        samples.append(Sample("decode", round(ms, 4), batch=ctx_batch, prompt_tokens=ctx,
-                              held_out=True))
-        logger.info("calibrate: decode batch %d at %d-token contexts: %.3f ms per step",
-                    ctx_batch, ctx, ms)
+    for b, p in plan.contexts:  # decode over long contexts (attention)
+        p = min(p, max_prompt - plan.decode_tokens)
+        b = min(b, facts.max_num_seqs,
+                max(facts.kv_capacity_tokens // (p + plan.decode_tokens + facts.block_size), 1))
+        if p <= plan.decode_prompt_tokens:
+            continue
+        ms = statistics.median([await _decode_ms(s, b, plan, p) for _ in range(plan.repeats)])
+        samples.append(Sample("decode", round(ms, 4), batch=b, prompt_tokens=p,
+                              context_tokens=p + (plan.decode_tokens + 1) // 2,
+                              held_out=(b, p) == plan.held_out_context))
+        logger.info("calibrate: decode batch %d after %d-token prompts: %.3f ms per step",
+                    b, p, ms)
     hit = min(plan.hit_prompt_tokens, max_prompt)
     shared = min(plan.hit_prefix_tokens, hit)
     cached = shared // facts.block_size * facts.block_size
@@ -236,14 +242,15 @@ async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan |
         max_num_seqs=facts.max_num_seqs, max_num_batched_tokens=facts.max_num_batched_tokens,
         max_model_len=facts.max_model_len, kv_capacity_tokens=facts.kv_capacity_tokens,
         kv_block_size=facts.block_size, prefix_caching=facts.prefix_caching, a_ms=1.0)
-    return fit_samples(base, samples, quadratic=quadratic)
+    return fit_samples(base, samples, quadratic=quadratic, context=context)
 
 
 def _source(plan: CalibrationPlan) -> str:
     return (f"gpumesh calibrate: decode = trimmed mean inter-token time of B requests of "
             f"{plan.decode_prompt_tokens} prompt tokens decoding {plan.decode_tokens} "
             f"together; prefill = median TTFT of one request, max_tokens = 1; "
-            f"{plan.repeats} repeats; held out: batch {plan.held_out_batch}, "
+            f"{plan.repeats} repeats; held out: batch {plan.held_out_batch}, batch "
+            f"{plan.held_out_context[0]} after {plan.held_out_context[1]} prompt tokens, "
             f"prompt {plan.held_out_prompt}")
 
 
