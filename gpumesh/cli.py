@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill prompt lengths in tokens (capped below max_model_len)")
     cal.add_argument("--decode-tokens", type=int, default=64,
                      help="tokens each request decodes in a decode sample")
-    cal.add_argument("--repeats", type=int, default=3, help="runs per sample (median)")
+    cal.add_argument("--repeats", type=int, default=5, help="runs per sample (median)")
     cal.add_argument("--held-out-batch", type=int, default=16,
                      help="decode batch left out of the fit (its error is reported)")
     cal.add_argument("--held-out-prompt", type=int, default=512,

@@ -65,7 +65,7 @@ class CalibrationPlan:
     prefill_prompts: tuple[int, ...] = (16, 128, 256, 512, 1024, 1536)
     hit_prompt_tokens: int = 1024
     hit_prefix_tokens: int = 768
-    repeats: int = 3
+    repeats: int = 5
     held_out_batch: int = 16
     held_out_prompt: int = 512
     seed: int = 1234
