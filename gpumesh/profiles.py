@@ -44,7 +44,7 @@ import functools
 import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -116,7 +116,7 @@ class EngineProfile:
     # [front_end]
     front_end_tokens_per_s: float = 0.0
     request_overhead_ms: float = 0.0
-    samples: tuple[Sample, ...] = field(default=(), compare=True)
+    samples: tuple[Sample, ...] = ()
 
     def __post_init__(self) -> None:
         validate(self)

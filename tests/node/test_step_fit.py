@@ -107,3 +107,38 @@ def test_step_model_rides_the_heartbeat_and_the_router_checks_it() -> None:
     bad.step_model.a_ms = -1.0
     with pytest.raises(InvalidNodeInput, match="step_model.a_ms"):
         valid_load(bad, NodeLimits())
+
+
+@pytest.mark.vllm
+async def test_the_real_engine_reports_its_fitted_step_model(vllm_engine: object) -> None:
+    """A busy real engine (the session's tiny vLLM CPU engine) fits its step model from its
+    own per-step stats: after a few seconds of mixed prefill and decode it reports one whose
+    prediction of its mean decode step is within a factor of two of the measured figure."""
+    import asyncio
+
+    from gpumesh.node.engines.base import EngineRequest, Sampling
+
+    engine = vllm_engine
+    rng = random.Random(7)
+
+    async def one(i: int) -> None:
+        n = rng.choice((8, 64, 200))
+        req = EngineRequest(f"fit-{i}", tuple(rng.randrange(10, 500) for _ in range(n)),
+                            Sampling(max_tokens=rng.choice((32, 96)), temperature=0.0,
+                                     ignore_eos=True))
+        async for _ in engine.generate(req):  # type: ignore[attr-defined]
+            pass
+
+    loop = asyncio.get_running_loop()
+    t_end = loop.time() + 4.0
+    i = 0
+    while loop.time() < t_end:
+        await asyncio.gather(*(one(i + k) for k in range(3)))
+        i += 3
+    load = engine.load()  # type: ignore[attr-defined]
+    m = load.step_model
+    assert m is not None, load
+    assert m.spans >= 8 and m.a_ms > 0 and m.rms_error < 1.0, m
+    # the decode step the engine timed (mean over its last 3 s, about 3 sequences decoding)
+    predicted = (m.a_ms + m.b_decode_ms * max(load.num_running, 3)) / 1000
+    assert 0.5 < predicted / load.decode_step_s < 2.0, (m, load.decode_step_s)
