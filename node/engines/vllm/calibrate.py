@@ -10,10 +10,11 @@ on this process's clock:
   ``decode_batches`` (capped at the engine's ``max_num_seqs`` and at what its KV cache
   holds). The step time is the trimmed mean (10 % cut each side) of the intervals between a
   request's outputs after its first token, per token they carried (so the batch's prefill
-  is left out), over the ``B`` requests; the sample is the median over ``repeats`` runs.
+  is left out), over the ``B`` requests; the sample is the median over ``repeats`` rounds.
 - **prefill**: one request alone, ``max_tokens = 1``, for every prompt length in
   ``prefill_prompts`` (capped below ``max_model_len``); the sample is the median time to first
-  token of ``repeats`` fresh random prompts (never a prefix-cache hit).
+  token of ``repeats`` fresh random prompts (never a prefix-cache hit). Each round measures
+  every shape once (a slow spell of the machine hits every shape alike).
 - **long contexts**: decode samples of ``(batch, prompt tokens)`` in ``contexts``: the
   attention term ``b_decode_context_ms`` (each decode sample records its sequences' mean
   length over the measured steps as ``context_tokens``).
@@ -30,6 +31,7 @@ and scheduler limits are read from the engine's resolved ``VllmConfig``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import random
@@ -196,44 +198,43 @@ async def measure_profile(engine: VllmEngine, name: str, plan: CalibrationPlan |
     await _decode_ms(s, batches[-1], plan)
     for p in prompts:
         await _ttft_ms(s, s.prompt(p))
-    samples: list[Sample] = []
-    for b in batches:
-        ms = statistics.median([await _decode_ms(s, b, plan) for _ in range(plan.repeats)])
-        samples.append(Sample("decode", round(ms, 4), batch=b,
-                              prompt_tokens=plan.decode_prompt_tokens,
-                              context_tokens=plan.decode_prompt_tokens
-                              + (plan.decode_tokens + 1) // 2,
-                              held_out=b == plan.held_out_batch))
-        logger.info("calibrate: decode batch %d: %.3f ms per step", b, ms)
-    for p in prompts:
-        ms = statistics.median([await _ttft_ms(s, s.prompt(p)) for _ in range(plan.repeats)])
-        samples.append(Sample("prefill", round(ms, 4), prompt_tokens=p,
-                              held_out=p == plan.held_out_prompt))
-        logger.info("calibrate: prefill %d tokens: %.3f ms to the first token", p, ms)
+    # Every shape is measured once per round, ``repeats`` rounds, and a sample is the median
+    # of its rounds: a slow spell of the machine then hits every shape alike (the fit stays
+    # consistent) instead of all the repeats of one.
+    dec_ctx = plan.decode_prompt_tokens + (plan.decode_tokens + 1) // 2
+    decodes = [Sample("decode", 1.0, batch=b, prompt_tokens=plan.decode_prompt_tokens,
+                      context_tokens=dec_ctx, held_out=b == plan.held_out_batch)
+               for b in batches]
     for b, p in plan.contexts:  # decode over long contexts (attention)
         p = min(p, max_prompt - plan.decode_tokens)
         b = min(b, facts.max_num_seqs,
                 max(facts.kv_capacity_tokens // (p + plan.decode_tokens + facts.block_size), 1))
-        if p <= plan.decode_prompt_tokens:
-            continue
-        ms = statistics.median([await _decode_ms(s, b, plan, p) for _ in range(plan.repeats)])
-        samples.append(Sample("decode", round(ms, 4), batch=b, prompt_tokens=p,
-                              context_tokens=p + (plan.decode_tokens + 1) // 2,
-                              held_out=(b, p) == plan.held_out_context))
-        logger.info("calibrate: decode batch %d after %d-token prompts: %.3f ms per step",
-                    b, p, ms)
+        if p > plan.decode_prompt_tokens:
+            decodes.append(Sample("decode", 1.0, batch=b, prompt_tokens=p,
+                                  context_tokens=p + (plan.decode_tokens + 1) // 2,
+                                  held_out=(b, p) == plan.held_out_context))
     hit = min(plan.hit_prompt_tokens, max_prompt)
     shared = min(plan.hit_prefix_tokens, hit)
-    cached = shared // facts.block_size * facts.block_size
-    if facts.prefix_caching and cached > 0:
-        times = []
-        for _ in range(plan.repeats):
-            base = s.prompt(hit)
-            await _ttft_ms(s, base)
-            times.append(await _ttft_ms(s, base[:shared] + s.prompt(hit - shared)))
-        ms = statistics.median(times)
-        samples.append(Sample("prefill", round(ms, 4), prompt_tokens=hit, cached_tokens=cached))
-        logger.info("calibrate: prefill %d tokens, %d cached: %.3f ms", hit, cached, ms)
+    cached = shared // facts.block_size * facts.block_size if facts.prefix_caching else 0
+    prefills = [Sample("prefill", 1.0, prompt_tokens=p, held_out=p == plan.held_out_prompt)
+                for p in prompts]
+    if cached > 0:
+        prefills.append(Sample("prefill", 1.0, prompt_tokens=hit, cached_tokens=cached))
+    times: list[list[float]] = [[] for _ in decodes + prefills]
+    for _ in range(plan.repeats):
+        for i, d in enumerate(decodes):
+            times[i].append(await _decode_ms(s, d.batch, plan, d.prompt_tokens))
+        for i, p in enumerate(prefills, len(decodes)):
+            prompt = s.prompt(p.prompt_tokens)
+            if p.cached_tokens:   # its first `shared` tokens cached by a first request
+                await _ttft_ms(s, prompt)
+                prompt = prompt[:shared] + s.prompt(p.prompt_tokens - shared)
+            times[i].append(await _ttft_ms(s, prompt))
+    samples = [dataclasses.replace(x, measured_ms=round(statistics.median(t), 4))
+               for x, t in zip(decodes + prefills, times)]
+    for x in samples:
+        logger.info("calibrate: %s batch %d, %d prompt tokens (%d cached): %.3f ms", x.kind,
+                    x.batch, x.prompt_tokens, x.cached_tokens, x.measured_ms)
     base = EngineProfile(
         name=name, platform=facts.platform,
         model=model, vllm_version=facts.vllm_version,
