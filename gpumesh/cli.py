@@ -9,15 +9,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import grpc
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from gpumesh.node.config import NodeConfig
-    from gpumesh.node.engines.vllm.calibrate import CalibrationPlan
 
 
 def _setup_logging(level: str) -> None:
@@ -202,122 +195,27 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-# NodeConfig fields that shape the engine: `gpumesh calibrate` takes them as `gpumesh node` does
-CALIBRATE_ENGINE_FIELDS = (
-    "model", "served_name", "tokenizer", "dtype", "max_model_len", "tensor_parallel_size",
-    "gpu_memory_utilization", "load_format", "enforce_eager", "num_gpu_blocks_override",
-    "stream_interval", "kv_events",
-)
-
-
-def _engine_arg(item: str) -> tuple[str, object]:
-    """KEY=VALUE with VALUE read as a TOML value (64, 0.5, true, "x"), else as a string."""
-    import tomllib
-
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
-    try:
-        return key.strip(), tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        return key.strip(), value
-
-
-def _batch_by_prompt(item: str) -> tuple[int, int]:
-    """"16x1024" -> (16, 1024)."""
-    b, sep, p = item.partition("x")
-    if not sep:
-        raise ValueError(f"{item!r}: expected BATCHxPROMPT, e.g. 16x1024")
-    return int(b), int(p)
-
-
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from gpumesh.config import ConfigError, flag_overrides
-    from gpumesh.node.config import NodeConfig, load_node_config
+    from gpumesh.config import ConfigError
+    from gpumesh.node.calibrate_command import PlatformMismatch, prepare, profile_table, run
+    from gpumesh.node.engines.base import EngineError
+    from gpumesh.node.engines.vllm.calibrate import CalibrationError
 
     try:
-        overrides = {k: v for k, v in flag_overrides(args, NodeConfig).items()
-                     if k in CALIBRATE_ENGINE_FIELDS}
-        cfg = load_node_config(args.config, {**overrides, "engine": "vllm"})
-        extra = dict(_engine_arg(item) for item in args.engine_arg or ())
-        if extra:
-            cfg = load_node_config(args.config, {**overrides, "engine": "vllm",
-                                                 "engine_args": {**cfg.engine_args, **extra}})
-        batches = tuple(int(x) for x in args.batches.split(",") if x)
-        contexts = tuple(_batch_by_prompt(x) for x in args.contexts.split(",") if x)
-        held_context = _batch_by_prompt(args.held_out_context)
-        prompts = tuple(int(x) for x in args.prompts.split(",") if x)
+        job = prepare(args)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"gpumesh calibrate: {exc}", file=sys.stderr)
         return 2
-    if not cfg.model:
-        print("gpumesh calibrate: --model PATH is required", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        print(f"gpumesh calibrate: --out {out}: no folder {out.parent}", file=sys.stderr)
-        return 2
-    name = args.name or out.stem
     try:
-        from gpumesh.node.engines.vllm.calibrate import CalibrationPlan
-
-        plan = CalibrationPlan(decode_batches=batches, prefill_prompts=prompts,
-                               repeats=args.repeats, decode_tokens=args.decode_tokens,
-                               held_out_batch=args.held_out_batch,
-                               held_out_prompt=args.held_out_prompt, contexts=contexts,
-                               held_out_context=held_context)
-    except ValueError as exc:
+        profile = asyncio.run(run(job))
+    except PlatformMismatch as exc:
         print(f"gpumesh calibrate: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_calibrate(cfg, plan, name, out, args.platform, not args.linear))
-
-
-async def _calibrate(cfg: NodeConfig, plan: CalibrationPlan, name: str, out: Path,
-                     platform: str, quadratic: bool) -> int:
-    from gpumesh.node.app import build_engine
-    from gpumesh.node.engines.base import EngineError
-    from gpumesh.node.engines.vllm import VllmEngine
-    from gpumesh.node.engines.vllm.calibrate import (
-        CalibrationError,
-        engine_facts,
-        measure_profile,
-    )
-    from gpumesh.profiles import dump_profile
-
-    engine = build_engine(cfg)
-    if not isinstance(engine, VllmEngine):
-        raise TypeError("calibrate measures a vLLM engine")
-    try:
-        await engine.start()
-        facts = engine_facts(engine)
-        if platform and facts.platform != platform:
-            print(f"gpumesh calibrate: --platform {platform}, but vLLM runs on "
-                  f"{facts.platform}", file=sys.stderr)
-            return 2
-        profile = await measure_profile(engine, name, plan, model=cfg.model,
-                                        quadratic=quadratic)
-    except (EngineError, CalibrationError, ValueError) as exc:  # ValueError: the fit
+    except (EngineError, CalibrationError, ValueError, OSError) as exc:  # ValueError: the fit
         print(f"gpumesh calibrate: {exc}", file=sys.stderr)
         return 1
-    finally:
-        await engine.shutdown()
-    try:
-        await asyncio.to_thread(dump_profile, profile, out)
-    except OSError as exc:
-        print(f"gpumesh calibrate: cannot write {out}: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}: a_ms={profile.a_ms:.4g} b_decode_ms={profile.b_decode_ms:.4g} "
-          f"c_decode_ms={profile.c_decode_ms:.4g} b_prefill_ms={profile.b_prefill_ms:.4g} "
-          f"request_overhead_ms={profile.request_overhead_ms:.4g}")
-    print("sample                      measured_ms   fit_ms   error")
-    for s in profile.samples:
-        what = (f"decode batch {s.batch} after {s.prompt_tokens}" if s.kind == "decode" else
-                f"prefill {s.prompt_tokens}" + (f" ({s.cached_tokens} cached)"
-                                                if s.cached_tokens else ""))
-        tag = " (held out)" if s.held_out else ""
-        print(f"{what + tag:<28}{s.measured_ms:>11.3f}{s.fit_ms:>9.3f}{s.error * 100:>+7.1f}%")
+    print(f"wrote {job.out}")
+    print(profile_table(profile))
     return 0
 
 
@@ -328,7 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("node", help="serve one engine (vLLM or the simulator) over gRPC")
     from gpumesh.config import add_flags
-    from gpumesh.config import documented_keys as documented_node_keys
     from gpumesh.node.config import NodeConfig
 
     n.add_argument("--config", help="node TOML config file")
@@ -437,33 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "file), measures decode steps and prefill times, fits the step model and "
                     "writes the profile (docs/simulator.md, \"Engine profiles\"). Exit codes: "
                     "0 written, 1 the engine failed, 2 bad arguments.")
-    cal.add_argument("--out", required=True, help="profile TOML to write")
-    cal.add_argument("--name", default="", help="profile name (default: the --out file's stem)")
-    cal.add_argument("--platform", choices=["cpu", "cuda"], default="",
-                     help="refuse to measure unless vLLM runs on this platform")
-    cal.add_argument("--config", help="node TOML config file (its engine settings are used)")
-    add_flags(cal, NodeConfig, what="engine",
-              skip=tuple(f for f in documented_node_keys(NodeConfig)
-                         if f not in CALIBRATE_ENGINE_FIELDS))
-    cal.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
-                     help="a vllm AsyncEngineArgs field (repeat), as the node's engine_args: "
-                          "max_num_seqs=64")
-    cal.add_argument("--batches", default="1,2,4,8,16,32,64",
-                     help="decode batch sizes (capped at max_num_seqs)")
-    cal.add_argument("--prompts", default="16,128,256,512,1024,1536",
-                     help="prefill prompt lengths in tokens (capped below max_model_len)")
-    cal.add_argument("--decode-tokens", type=int, default=64,
-                     help="tokens each request decodes in a decode sample")
-    cal.add_argument("--repeats", type=int, default=5, help="runs per sample (median)")
-    cal.add_argument("--held-out-batch", type=int, default=16,
-                     help="decode batch left out of the fit (its error is reported)")
-    cal.add_argument("--held-out-prompt", type=int, default=512,
-                     help="prompt length left out of the fit")
-    cal.add_argument("--contexts", default="16x1024,4x1536,8x512",
-                     help="BATCHxPROMPT decode samples over long contexts (the attention term)")
-    cal.add_argument("--held-out-context", default="8x512",
-                     help="the BATCHxPROMPT of --contexts left out of the fit")
-    cal.add_argument("--linear", action="store_true", help="no quadratic decode term")
+    from gpumesh.node.calibrate_command import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(cal)
     cal.set_defaults(func=_cmd_calibrate)
 
     _add_plugin_commands(sub)
