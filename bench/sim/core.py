@@ -168,6 +168,8 @@ class RunResult:
     sim_s: float
     preemptions: int
     events: int
+    # requests whose output was cut to fit the node's context (prompt + output > context)
+    cut_outputs: int = 0
 
 
 class Simulation:
@@ -198,6 +200,7 @@ class Simulation:
         self._next_arrival = 0
         self._tok_rng = random.Random(seed ^ 0xC0FFEE)
         self._events = 0
+        self.cut_outputs = 0
 
     def _clock(self) -> float:
         return self.now
@@ -285,6 +288,8 @@ class Simulation:
         n.admissions[rid] = n.ledger.admit(self.routers[ri].router_id, prefill)
         e = n.spec.engine
         out = min(a.output_tokens, max(e.max_context_length - a.prompt_tokens, 1))
+        if out < a.output_tokens:
+            self.cut_outputs += 1
         req = SimRequest(rid, a.prompt_tokens, out, self._tok_rng, 0.0, (),
                          a.blocks if n.sched.prefix is not None else ())
         n.sched.add(req)
@@ -447,7 +452,8 @@ class Simulation:
             r.first_s -= t0
             r.end_s -= t0
         pre = sum(n.sched.stats.preemptions for n in nodes.values())
-        return RunResult(self.records, tuple(nodes), self.now - t0, pre, events)
+        return RunResult(self.records, tuple(nodes), self.now - t0, pre, events,
+                         self.cut_outputs)
 
 
 def simulate(fleet: FleetSpec, workload: Workload, policy: str, seed: int,
