@@ -301,7 +301,8 @@ class Simulation:
         if key:
             router.sessions.remember(MODEL, key, node_id)
         rec.node_id = node_id
-        self._push(self.now + self.delay, _NODE_RECV, (a, ri, node_id))
+        front = router.smg.config.front_end_s if router.smg is not None else 0.0
+        self._push(self.now + self.delay + front, _NODE_RECV, (a, ri, node_id))
 
     def _node_recv(self, a: Arrival, ri: int, node_id: str) -> None:
         n = self.nodes[node_id]

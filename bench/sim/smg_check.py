@@ -81,8 +81,10 @@ def _ttft(res: Any, warmup_s: float) -> list[float]:
     return [x.ttft_s for x in res.records if not x.error and x.arrival_s >= warmup_s]
 
 
-def replay(doc: dict[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]]:
-    """One row per live run of ``doc`` (module docstring)."""
+def replay(doc: dict[str, Any], seeds: Sequence[int], front_end_s: float = 0.0,
+           loads: Sequence[float] = ()) -> list[dict[str, Any]]:
+    """One row per live run of ``doc`` (module docstring), at ``loads`` (all when empty);
+    ``front_end_s``: the SMG reference's per-request gateway time (simulated seconds)."""
     from tokenizers import Tokenizer
 
     a = doc["args"]
@@ -96,6 +98,8 @@ def replay(doc: dict[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]]:
     for i, run in enumerate(doc["runs"]):
         k = i // len(doors)
         door = run["setup"]
+        if loads and run["load"] not in loads:
+            continue
         if door in smg:
             if smg[door] != "cache_aware":
                 continue
@@ -107,16 +111,36 @@ def replay(doc: dict[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]]:
             continue
         w = traces.get(k) or rebuild(doc, k, tok)
         traces[k] = w
-        cfg = SmgConfig().for_time_scale(ts)
+        cfg = replace(SmgConfig().for_time_scale(ts), front_end_s=front_end_s)
         sim = [_ttft(simulate(fleet, w, policy, s, smg=cfg), float(a["warmup"]))
                for s in seeds]
         live = run.get("ttft_all_s", [])
         rows.append({"door": door, "policy": policy, "load": run["load"], "trace": w.name,
+                     "front_end_s": front_end_s if policy == "smg_cache_aware" else 0.0,
                      "live_requests": run["ok"], "sim_requests": len(sim[0]),
                      "live_ttft_s": live,
-                     "sim_ttft_s": [sorted(x) for x in sim],
+                     "sim_ttft_s": [sorted(x) for x in sim], "_sim_order": sim,
                      **_stats(live, sim)})
     return rows
+
+
+def front_end(rows: list[dict[str, Any]]) -> float:
+    """The SMG gateway's own time per request the simulator lacks: over the SMG rows
+    (replayed with ``front_end_s`` 0), the median of live minus simulated TTFT, request by
+    request (both lists are in arrival order; medians of each when their counts differ)."""
+    diffs: list[float] = []
+    for r in rows:
+        if r["policy"] != "smg_cache_aware":
+            continue
+        live = r["live_ttft_s"]
+        for sim in r["_sim_order"]:
+            if len(sim) == len(live):
+                diffs += [a - b for a, b in zip(live, sim, strict=True)]
+            else:
+                diffs.append(statistics.median(live) - statistics.median(sim))
+    if not diffs:
+        raise ValueError("no SMG run at that load to measure the gateway's time from")
+    return statistics.median(diffs)
 
 
 def _stats(live: list[float], sim: list[list[float]]) -> dict[str, Any]:
@@ -172,15 +196,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("live", nargs="+", help="gpumesh bench prefix output folders")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--front-end-from", type=float, default=None, metavar="LOAD",
+                   help="measure the SMG gateway's own per-request time on the runs at LOAD "
+                        "(front_end), then replay the other loads with it")
+    p.add_argument("--front-end-s", type=float, default=0.0,
+                   help="the SMG reference's per-request gateway time, simulated seconds")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    rows = []
-    for d in a.live:
-        rows += replay(json.loads((Path(d) / "prefix.json").read_text(encoding="utf-8")),
-                       range(1, a.seeds + 1))
+    docs = [json.loads((Path(d) / "prefix.json").read_text(encoding="utf-8")) for d in a.live]
+    seeds = range(1, a.seeds + 1)
+    fe, calib = a.front_end_s, []
+    if a.front_end_from is not None:
+        calib = [r for doc in docs for r in replay(doc, seeds, 0.0, [a.front_end_from])]
+        fe = front_end(calib)
+        sys.stdout.write(f"SMG gateway time per request, measured at load "
+                         f"{a.front_end_from:g}: {fe * 1000:.2f} ms (simulated)\n\n")
+    rows = [r for doc in docs for r in replay(doc, seeds, fe)
+            if a.front_end_from is None or r["load"] != a.front_end_from]
     sys.stdout.write(markdown(rows) + "\n")
     if a.out:
-        Path(a.out).write_text(json.dumps({"rows": rows, "pooled": pooled(rows)}) + "\n",
+        for r in calib + rows:
+            r.pop("_sim_order", None)
+        Path(a.out).write_text(json.dumps({"front_end_s": fe, "calibration_rows": calib,
+                                           "rows": rows, "pooled": pooled(rows)}) + "\n",
                                encoding="utf-8")
     return 0
 

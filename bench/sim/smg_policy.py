@@ -46,8 +46,10 @@ figures a live node puts in the record) and the since-record credit restarts. Ti
 simulated seconds, so a comparison with a live fleet slowed ``T`` times scales SMG's wall-clock
 constants as the live gateway's flags do (``SmgConfig.for_time_scale``).
 
-Not modelled: SMG's own CPU and HTTP/SSE path (about 0.8 ms per streamed request on one core),
-tokenization, the worker stall/wedge detectors (no node fails here), the hash under-layer
+The gateway's own per-request time (HTTP/SSE, tokenizing the prompt) is one constant,
+``front_end_s`` (0 unless set; ``smg_check --front-end-from`` measures it on a live run at low
+load), added between the decision and the worker receiving the request. Not modelled: the
+worker stall/wedge detectors (no node fails here), the hash under-layer
 (``--cache-index hash``), overlap decay and selection temperature (both off by default).
 """
 
@@ -79,6 +81,10 @@ class SmgConfig:
     load_tick_s: float = 0.1
     eviction_interval_s: float = 60.0
     max_tree_size: int = 1 << 26
+    # the gateway's own time per request before the worker has it (HTTP, tokenization,
+    # routing; SMG's CPU, not modelled otherwise): 0 = none; a measured figure comes from
+    # ``smg_check --front-end-from``
+    front_end_s: float = 0.0
 
     def for_time_scale(self, time_scale: float) -> SmgConfig:
         """The constants of a gateway in front of a fleet slowed ``time_scale`` times, in
@@ -86,7 +92,8 @@ class SmgConfig:
         the KV weight x T and the fallback throughput / T in wall units, i.e. the defaults in
         simulated ones) and SMG's own wall-clock pacing (load records every 0.1 s wall)."""
         return replace(self, load_tick_s=self.load_tick_s / time_scale,
-                       eviction_interval_s=self.eviction_interval_s / time_scale)
+                       eviction_interval_s=self.eviction_interval_s / time_scale,
+                       front_end_s=self.front_end_s / time_scale)
 
 
 @dataclass(frozen=True)
