@@ -218,7 +218,7 @@ class SmgCacheAware:
             kind = "event"
         else:
             matched, holders = self.tree.match(blocks, set(eligible))
-            hit = prompt_tokens and matched * BLOCK / prompt_tokens > c.cache_threshold
+            hit = prompt_tokens > 0 and matched * BLOCK / prompt_tokens > c.cache_threshold
             group = holders if hit else []
             kind = "tree"
         if not group:
