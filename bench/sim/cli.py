@@ -35,6 +35,7 @@ from gpumesh_bench.sim import capacity as cap_mod
 from gpumesh_bench.sim import fleets, grid, report
 from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.metrics import SLOSpec
+from gpumesh_bench.sim.smg_policy import POLICIES as SMG_POLICIES
 
 SUBCOMMANDS = ("run", "grid", "merge", "report", "plan", "trace")
 
@@ -54,6 +55,18 @@ def _floats(s: str) -> list[float]:
 def _seeds(s: str) -> list[int]:
     """"5" -> seeds 1..5; "1,4,7" -> those."""
     return [int(x) for x in s.split(",")] if "," in s else list(range(1, int(s) + 1))
+
+
+def _policies(s: str) -> str:
+    """Router policies and SMG references, comma-separated (checked here, not mid-run)."""
+    from gpumesh.router.config import POLICIES
+
+    unknown = [p for p in s.split(",") if p not in POLICIES and p not in SMG_POLICIES]
+    if unknown or not s:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(unknown) or '(none)'}; choose from "
+            f"{', '.join((*POLICIES, *SMG_POLICIES))}")
+    return s
 
 
 def _positive(s: str) -> int:
@@ -92,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trace's) request mix (default 0.8; with --trace: the trace's own "
                         "times unless --load or --rate is given)")
     g.add_argument("--rate", type=float, default=0.0, help="requests per simulated second")
-    r.add_argument("--policies", default=",".join(grid.POLICIES))
+    r.add_argument("--policies", type=_policies, default=",".join(grid.POLICIES),
+                   help="router policies and SMG references (smg_cache_aware, "
+                        "smg_cache_aware_approx), comma-separated")
     r.add_argument("--requests", type=_positive, default=None,
                    help="requests per run (default 20,000; with --trace: all of the trace, "
                         "or its first N)")
@@ -105,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--fleets", default="hetero-speed,homo")
     gr.add_argument("--workloads", default="lognormal,long-output,mixed")
     gr.add_argument("--loads", type=_floats, default=[0.8, 0.95])
-    gr.add_argument("--policies", default=",".join(grid.POLICIES))
+    gr.add_argument("--policies", type=_policies, default=",".join(grid.POLICIES),
+                    help="as for run")
     gr.add_argument("--seeds", type=_seeds, default=_seeds("5"))
     gr.add_argument("--requests", type=int, default=20000)
     gr.add_argument("--slo", type=_slo, default=SLOSpec())

@@ -124,3 +124,13 @@ def test_plan_replays_the_whole_trace_by_default(tmp_path: Path) -> None:
     assert len(w.arrivals) == 90 and wl.mean_rate(w) == pytest.approx(30.0)
     assert len(capacity._workload(t, "lognormal", fleets.builtin("homo"), 40, 30.0, 1
                                   ).arrivals) == 40
+
+
+def test_policies_are_checked_and_the_smg_reference_runs_from_the_cli(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--policies", "least_request,nosuch"])
+    assert "unknown policy nosuch" in capsys.readouterr().err
+    rec = _run(tmp_path, "--workload", "conversations", "--rate", "100", "--requests", "200",
+               "--policies", "least_request,smg_cache_aware")
+    assert set(rec["agg"]) == {"least_request", "smg_cache_aware"}
