@@ -17,8 +17,10 @@ sides count the requests arriving after the bench's ``--warmup``; TTFT in simula
 (live: wall / T). Each live run is replayed over ``--seeds`` seeds of the simulator's own
 randomness (the trace is fixed).
 
-Output: one row per live run — live and simulated p50 / p90 TTFT, their ratio — and one per
-(door, load) with every run's counted requests pooled; ``--out`` writes the rows as JSON.
+Output: one row per live run — live and simulated p50 / p90 TTFT, their ratio, and for SMG the
+simulated decisions by branch (hit, spill, miss) beside the live gateway's own counters — and
+one per (door, load) with every run's counted requests pooled; ``--out`` writes the rows as
+JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 from gpumesh.kvblocks import block_hashes
 from gpumesh.node.engines.sim import SimEngineConfig
 from gpumesh_bench.prefix_bench import SHAPE_7B, _model_sim
-from gpumesh_bench.sim.core import simulate
+from gpumesh_bench.sim.core import Simulation
 from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec
 from gpumesh_bench.sim.smg_policy import SmgConfig
 from gpumesh_bench.sim.workloads import Arrival, Workload
@@ -112,13 +114,19 @@ def replay(doc: dict[str, Any], seeds: Sequence[int], front_end_s: float = 0.0,
         w = traces.get(k) or rebuild(doc, k, tok)
         traces[k] = w
         cfg = replace(SmgConfig().for_time_scale(ts), front_end_s=front_end_s)
-        sim = [_ttft(simulate(fleet, w, policy, s, smg=cfg), float(a["warmup"]))
-               for s in seeds]
+        sim, branches = [], []
+        for s in seeds:
+            one = Simulation(fleet, w, policy, s, smg=cfg)
+            sim.append(_ttft(one.run(), float(a["warmup"])))
+            gw = one.routers[0].smg
+            branches.append(dict(gw.branches) if gw is not None else {})
         live = run.get("ttft_all_s", [])
         rows.append({"door": door, "policy": policy, "load": run["load"], "trace": w.name,
                      "front_end_s": front_end_s if policy == "smg_cache_aware" else 0.0,
                      "live_requests": run["ok"], "sim_requests": len(sim[0]),
-                     "live_ttft_s": live,
+                     "live_ttft_s": live, "sim_branches": branches,
+                     "live_smg_counters": (doc.get("smg", {}).get(door, {})
+                                           .get("kv_metrics", {}) if door in smg else {}),
                      "sim_ttft_s": [sorted(x) for x in sim], "_sim_order": sim,
                      **_stats(live, sim)})
     return rows
@@ -171,6 +179,10 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return res
 
 
+def _fmt_branches(b: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(b.items())) or "–"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| door | load | trace | requests live / sim | p50 TTFT live / sim (s) | "
              "p90 TTFT live / sim (s) | p90 sim ÷ live |", "|---|---|---|---|---|---|---|"]
@@ -180,6 +192,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                      f"{r['p90']['live']:.3f} / {r['p90']['sim']:.3f} "
                      f"[{', '.join(f'{x:.3f}' for x in r['p90']['sim_seeds'])}] | "
                      f"{r['p90']['ratio']:.2f} |")
+    lines += ["", "| trace | SMG decisions, live gateway | simulated (first seed) |", "|---|---|---|"]
+    for r in rows:
+        if r["policy"] == "smg_cache_aware":
+            live = {k.split('"')[1]: int(v) for k, v in r["live_smg_counters"].items()
+                    if k.startswith("smg_cache_aware_policy_branch") and '"' in k}
+            lines.append(f"| {r['trace']} | {_fmt_branches(live)} | "
+                         f"{_fmt_branches(r['sim_branches'][0])} |")
     lines += ["", "| door | load | runs | requests (live) | p50 TTFT live / sim (s) | "
               "p90 TTFT live / sim (s) | p90 sim ÷ live |", "|---|---|---|---|---|---|---|"]
     for c in pooled(rows):
