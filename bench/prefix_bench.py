@@ -23,7 +23,8 @@ Workload (``gpumesh_bench.tenants``): ``--tenants`` tenants with ~4,000-token sy
 multi-turn conversations; ``--unique`` the control with no shared prefix. Load is relative to
 the fleet's nominal capacity without prefix reuse (each node's full-budget prefill rate over
 the mean prompt length: what no cache at all allows). For each load the same Poisson trace is
-replayed through every setup (order rotated per load); requests that start in the first
+replayed through every setup (order rotated per load; ``--smg-first``: the SMG doors first);
+requests that start in the first
 ``--warmup`` seconds only warm the caches (the nodes' caches are shared across setups, so each
 run first replaces the previous setup's placement with its own) and are not counted.
 
@@ -162,6 +163,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model folder whose tokenizer every path uses (required with --smg)")
     p.add_argument("--smg", default="", help="SMG doors: NAME=POLICY[,NAME=POLICY...]")
     p.add_argument("--smg-exe", default=".smg-venv/bin/smg")
+    p.add_argument("--smg-first", action="store_true",
+                   help="run the SMG doors first at every load (with one load per call: on "
+                        "a fleet with cold caches, as a simulator replay starts)")
 
 
 def _model_sim(model: str) -> dict[str, Any]:
@@ -218,6 +222,8 @@ def main(a: argparse.Namespace) -> int:
                 ids = ({r.index: tok.encode(r.prompt).ids for r in reqs}
                        if tok is not None else None)
                 order = doors[k % len(doors):] + doors[:k % len(doors)]
+                if a.smg_first:
+                    order = [d for d in order if d in gws] + [d for d in order if d not in gws]
                 for s in order:
                     asyncio.run(fleet.wait_idle(setups[0], 120))
                     t = time.perf_counter()

@@ -36,24 +36,23 @@ class PlanPoint:
 
 def _workload(trace: wl.Workload | None, workload: str, fleet: FleetSpec, n: int,
               rate: float, seed: int) -> wl.Workload:
+    """The run's requests: the trace's first ``n`` (0 = all) at ``rate``, or ``n`` (0 =
+    5,000) of the named workload drawn from ``seed``."""
     if trace is not None:
-        base = trace.arrivals[: n] if n else trace.arrivals
-        w = wl.Workload(trace.name, base, [])
-        span = base[-1].arrival_s - base[0].arrival_s
-        scale = (len(base) - 1) / rate / span if span > 0 else 1.0
-        return wl.Workload(w.name, [wl.Arrival(a.index, a.arrival_s * scale, a.prompt_tokens,
-                                                a.output_tokens, a.blocks) for a in base], [])
-    return wl.build(workload, n, rate, seed, [x.node_id for x in fleet.nodes], fleet.fastest)
+        return wl.rescale(wl.head(trace, n or None), rate)
+    return wl.build(workload, n or 5000, rate, seed, [x.node_id for x in fleet.nodes],
+                    fleet.fastest)
 
 
 def plan(fleet: FleetSpec, slo: SLOSpec, *, trace: wl.Workload | None = None,
          workload: str = "lognormal", rates: Sequence[float] = (), policy: str =
-         "weighted_least_load", seeds: Sequence[int] = (1, 2, 3), n: int = 5000,
+         "weighted_least_load", seeds: Sequence[int] = (1, 2, 3), n: int | None = None,
          attainment: float = 0.99, ttft_p99_ms: float = math.inf,
          e2e_p99_ms: float = math.inf) -> tuple[list[PlanPoint], float]:
-    """The sweep and the highest rate that holds (0 when none does)."""
+    """The sweep and the highest rate that holds (0 when none does). ``n``: requests per run
+    (a trace: its first ``n``, default all of it; a named workload: default 5,000)."""
     if not rates:
-        cap = (_trace_capacity(fleet, trace) if trace is not None
+        cap = (trace_capacity(fleet, trace) if trace is not None
                else capacity(fleet, workload))
         rates = [round(cap * f, 2) for f in (0.3, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0,
                                              1.1, 1.2)]
@@ -63,7 +62,7 @@ def plan(fleet: FleetSpec, slo: SLOSpec, *, trace: wl.Workload | None = None,
     for rate in sorted(rates):
         per = []
         for s in seeds:
-            w = _workload(trace, workload, fleet, n, rate, s)
+            w = _workload(trace, workload, fleet, n or 0, rate, s)
             per.append(run_metrics(simulate(fleet, w, policy, s), slo))
         a = aggregate(per)
         lo = a["slo_frac"][0] - (0 if math.isnan(a["slo_frac"][1]) else a["slo_frac"][1])
@@ -77,8 +76,10 @@ def plan(fleet: FleetSpec, slo: SLOSpec, *, trace: wl.Workload | None = None,
     return points, best
 
 
-def _trace_capacity(fleet: FleetSpec, trace: wl.Workload) -> float:
-    """Saturation throughput of ``fleet`` on the trace's request mix (closed loop)."""
+def trace_capacity(fleet: FleetSpec, trace: wl.Workload) -> float:
+    """Saturation throughput of ``fleet`` on the trace's request mix (closed loop through
+    ``least_request``, ``max_num_seqs`` outstanding per node, completions per second between
+    the 20th and 80th percentile of completion times, as ``grid.capacity``)."""
     conc = sum(x.engine.max_num_seqs for x in fleet.nodes)
     arr = trace.arrivals[: max(3000, 4 * conc)]
     r = simulate(fleet, wl.Workload(trace.name, arr, []), "least_request", 1000,

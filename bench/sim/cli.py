@@ -1,8 +1,10 @@
 """``gpumesh sim``: the virtual-time fleet simulator's command line (docs/simulator.md).
 
-  gpumesh sim run   --fleet F [--workload W | --trace T.jsonl] (--load L | --rate R)
+  gpumesh sim run   --fleet F [--workload W | --trace T.jsonl] [--load L | --rate R]
                     [--policies P,...] [--requests N] [--seeds 1,2,3] [--slo TTFT_MS:TPOT_MS]
                     [--json OUT] [--md OUT]
+                    (a trace runs all its requests unless --requests cuts it; --load and
+                    --rate rescale its arrival times; neither: its own times)
   gpumesh sim grid  [--fleets F,...] [--workloads W,...] [--loads 0.8,0.95] [--policies P,...]
                     [--seeds 5] [--requests 20000] [--slo ...] [--shard K/N]
                     [--have GRID.jsonl ...] [--replace [P,...]] [--capacities CAP.json]
@@ -27,11 +29,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gpumesh_bench.sim import capacity as cap_mod
 from gpumesh_bench.sim import fleets, grid, report
 from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.metrics import SLOSpec
+from gpumesh_bench.sim.smg_policy import POLICIES as SMG_POLICIES
 
 SUBCOMMANDS = ("run", "grid", "merge", "report", "plan", "trace")
 
@@ -51,6 +55,28 @@ def _floats(s: str) -> list[float]:
 def _seeds(s: str) -> list[int]:
     """"5" -> seeds 1..5; "1,4,7" -> those."""
     return [int(x) for x in s.split(",")] if "," in s else list(range(1, int(s) + 1))
+
+
+def _policies(s: str) -> str:
+    """Router policies and SMG references, comma-separated (checked here, not mid-run)."""
+    from gpumesh.router.config import POLICIES
+
+    unknown = [p for p in s.split(",") if p not in POLICIES and p not in SMG_POLICIES]
+    if unknown or not s:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(unknown) or '(none)'}; choose from "
+            f"{', '.join((*POLICIES, *SMG_POLICIES))}")
+    return s
+
+
+def _positive(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from e
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {s!r}")
+    return n
 
 
 def _shard(s: str) -> tuple[int, int]:
@@ -74,10 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workload", default="lognormal", choices=wl.WORKLOADS)
     r.add_argument("--trace", default="")
     g = r.add_mutually_exclusive_group()
-    g.add_argument("--load", type=float, default=0.8, help="fraction of measured capacity")
+    g.add_argument("--load", type=float, default=None,
+                   help="fraction of the fleet's measured capacity on the workload's (or the "
+                        "trace's) request mix (default 0.8; with --trace: the trace's own "
+                        "times unless --load or --rate is given)")
     g.add_argument("--rate", type=float, default=0.0, help="requests per simulated second")
-    r.add_argument("--policies", default=",".join(grid.POLICIES))
-    r.add_argument("--requests", type=int, default=20000)
+    r.add_argument("--policies", type=_policies, default=",".join(grid.POLICIES),
+                   help="router policies and SMG references (smg_cache_aware, "
+                        "smg_cache_aware_approx), comma-separated")
+    r.add_argument("--requests", type=_positive, default=None,
+                   help="requests per run (default 20,000; with --trace: all of the trace, "
+                        "or its first N)")
     r.add_argument("--seeds", type=_seeds, default=_seeds("5"))
     r.add_argument("--slo", type=_slo, default=SLOSpec())
     r.add_argument("--json", default="")
@@ -87,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--fleets", default="hetero-speed,homo")
     gr.add_argument("--workloads", default="lognormal,long-output,mixed")
     gr.add_argument("--loads", type=_floats, default=[0.8, 0.95])
-    gr.add_argument("--policies", default=",".join(grid.POLICIES))
+    gr.add_argument("--policies", type=_policies, default=",".join(grid.POLICIES),
+                    help="as for run")
     gr.add_argument("--seeds", type=_seeds, default=_seeds("5"))
     gr.add_argument("--requests", type=int, default=20000)
     gr.add_argument("--slo", type=_slo, default=SLOSpec())
@@ -140,29 +174,57 @@ def _plan_args(pl: argparse.ArgumentParser, required: bool = True) -> None:
     pl.add_argument("--e2e-p99-ms", type=float, default=float("inf"))
     pl.add_argument("--policy", default="weighted_least_load")
     pl.add_argument("--seeds", type=_seeds, default=_seeds("3"))
-    pl.add_argument("--requests", type=int, default=5000)
+    pl.add_argument("--requests", type=_positive, default=None,
+                    help="requests per run (default: all of the trace; 5,000 of a workload)")
     pl.add_argument("--out", default="sim-plan")
+
+
+def _run_trace(a: argparse.Namespace, fleet: fleets.FleetSpec) -> dict[str, Any]:
+    """The run's workload from ``--trace``: its first ``--requests`` (default all), at
+    ``--rate``, at ``--load`` x the fleet's capacity on its request mix, or at its own times."""
+    full = wl.load_trace(a.trace)
+    trace = wl.head(full, a.requests)
+    info: dict[str, Any] = {"trace": a.trace, "requests_in_trace": len(full.arrivals),
+                            "load": 0.0}
+    if a.rate > 0:
+        rate = a.rate
+    elif a.load is not None:
+        info["capacity"] = cap_mod.trace_capacity(fleet, trace)
+        info["load"] = a.load
+        rate = a.load * info["capacity"]
+    else:
+        rate = wl.mean_rate(trace)   # the trace's own arrival times
+        info["rate_from"] = "the trace's own arrival times"
+    if rate != wl.mean_rate(trace):
+        trace = wl.rescale(trace, rate)
+    return {**info, "workload": trace.name, "rate": rate, "trace_replayed": True,
+            "seeds_vary": "the simulator's own randomness only (the trace is fixed)",
+            "_trace": trace}
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
     fleet = fleets.resolve(a.fleet)
-    trace = wl.load_trace(a.trace) if a.trace else None
-    rate = a.rate
-    if rate <= 0:
-        if trace is not None:
-            raise SystemExit("with --trace, give --rate (or 0 to keep the trace's times)")
-        rate = a.load * grid.capacity(fleet, a.workload)
-    if trace is not None and a.rate > 0:
-        trace = wl.load_trace(a.trace, rate=a.rate)
+    if a.trace:
+        run = _run_trace(a, fleet)
+    else:
+        load = 0.8 if a.load is None else a.load
+        cap = grid.capacity(fleet, a.workload) if a.rate <= 0 else 0.0
+        run = {"workload": a.workload, "load": load if a.rate <= 0 else 0.0,
+               "rate": a.rate if a.rate > 0 else load * cap, "trace_replayed": False,
+               "seeds_vary": "the workload (each seed draws its own) and the simulator",
+               **({"capacity": cap} if cap else {})}
+    trace = run.pop("_trace", None)
+    n = len(trace.arrivals) if trace is not None else a.requests or 20000
     t0 = time.process_time()
-    cell = grid.run_cell(fleet, a.workload, rate, a.policies.split(","), a.seeds,
-                         a.requests, a.slo, trace=trace)
-    rec = {"fleet": fleet.name, "workload": trace.name if trace else a.workload,
-           "load": a.load if a.rate <= 0 else 0.0, "rate": rate, "requests": a.requests,
-           "seeds": a.seeds, "nodes": [x.node_id for x in fleet.nodes],
+    cell = grid.run_cell(fleet, a.workload, run["rate"], a.policies.split(","), a.seeds,
+                         n, a.slo, trace=trace)
+    rec = {"fleet": fleet.name, **run, "requests": n, "seeds": a.seeds,
+           "slo": {"ttft_ms": a.slo.ttft_ms, "tpot_ms": a.slo.tpot_ms},
+           "nodes": [x.node_id for x in fleet.nodes],
            "speeds": [x.engine.speed for x in fleet.nodes], **cell}
-    md = (f"{fleet.name} / {rec['workload']} at {rate:.1f} req/s, {a.requests} requests x "
+    md = (f"{fleet.name} / {rec['workload']} at {rec['rate']:.1f} req/s, {n} requests x "
           f"{len(a.seeds)} seeds ({time.process_time() - t0:.1f} s CPU)\n\n"
+          + report.ci_label(rec) + report.warnings_md(rec) + "\n\n"
           + report.cell_table(rec) + "\n\n" + report.share_table(rec) + "\n")
     sys.stdout.write(md)
     if a.md:

@@ -52,6 +52,8 @@ from gpumesh.router.scheduling import (
 from gpumesh.router.scheduling.steering import SteeringModel, steer
 from gpumesh.types import ModelSpec, Registration
 from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec
+from gpumesh_bench.sim.smg_policy import POLICIES as SMG_POLICIES
+from gpumesh_bench.sim.smg_policy import SmgCacheAware, SmgConfig, WorkerLoad
 from gpumesh_bench.sim.workloads import Arrival, FleetEvent, Workload
 
 MODEL = "sim-model"
@@ -131,7 +133,7 @@ class _Node:
 
 
 class _Router:
-    __slots__ = ("admission", "credits", "locality", "registry", "router_id", "sessions")
+    __slots__ = ("admission", "credits", "locality", "registry", "router_id", "sessions", "smg")
 
     def __init__(self, router_id: str, config: RouterConfig, clock: Callable[[], float],
                  rng: random.Random) -> None:
@@ -159,6 +161,8 @@ class _Router:
             config.prefix_index_max_entries, config.prefix_approx_ttl_s,
             config.prefix_pending_ttl_s), clock)
             if config.prefix_locality != "off" else None)
+        # an SMG gateway in this router's place (a comparison policy, smg_policy)
+        self.smg: SmgCacheAware | None = None
 
 
 @dataclass(frozen=True)
@@ -168,15 +172,20 @@ class RunResult:
     sim_s: float
     preemptions: int
     events: int
+    # requests whose output was cut to fit the node's context (prompt + output > context)
+    cut_outputs: int = 0
 
 
 class Simulation:
     """One run: ``Simulation(fleet, workload, policy, seed).run()``. ``closed_concurrency``
-    > 0 turns it into a closed loop (that many requests outstanding, arrivals ignored)."""
+    > 0 turns it into a closed loop (that many requests outstanding, arrivals ignored).
+    ``policy`` is a router policy or an SMG reference (``smg_policy.POLICIES``: every router
+    is then an SMG gateway with ``smg`` settings; the gpumesh router's own bookkeeping still
+    runs but decides nothing)."""
 
     def __init__(self, fleet: FleetSpec, workload: Workload, policy: str, seed: int, *,
                  router_overrides: dict[str, Any] | None = None,
-                 closed_concurrency: int = 0) -> None:
+                 closed_concurrency: int = 0, smg: SmgConfig | None = None) -> None:
         self.fleet = fleet
         self.workload = workload
         self.now = 0.0
@@ -186,10 +195,16 @@ class Simulation:
         overrides = {**fleet.router, **(router_overrides or {})}
         overrides.pop("policy", None)   # the run's policy argument decides
         overrides.pop("router_id", None)
-        self.config = RouterConfig(router_id="r0", policy=policy, **overrides)
+        smg_mode = SMG_POLICIES.get(policy)
+        self.config = RouterConfig(router_id="r0", policy="least_request" if smg_mode
+                                   else policy, **overrides)
         clock = self._clock
         self.routers = [_Router(f"r{i}", replace(self.config, router_id=f"r{i}"), clock,
                                 random.Random(seed * 7919 + i)) for i in range(fleet.routers)]
+        if smg_mode:
+            for i, r in enumerate(self.routers):
+                r.smg = SmgCacheAware(smg_mode, smg or SmgConfig(),
+                                      random.Random(seed * 104729 + i), self._worker_load)
         self.nodes = {n.node_id: _Node(n) for n in fleet.nodes}
         self.delay = fleet.network_delay_s
         self.hb = fleet.heartbeat_interval_s
@@ -198,9 +213,17 @@ class Simulation:
         self._next_arrival = 0
         self._tok_rng = random.Random(seed ^ 0xC0FFEE)
         self._events = 0
+        self.cut_outputs = 0
 
     def _clock(self) -> float:
         return self.now
+
+    def _worker_load(self, node_id: str, now: float) -> WorkerLoad:
+        """A node's load record as its VllmEngine service sends it (an SMG gateway's input)."""
+        n = self.nodes[node_id]
+        e = n.sched.load_at(now)
+        return WorkerLoad(e.num_waiting, e.kv_cache_usage, n.ledger.pending_prefill_tokens,
+                          e.generation_tokens_per_s)
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -259,20 +282,27 @@ class Simulation:
         if loc is not None and a.blocks:
             info = loc.annotate(replace(info, prefix_hashes=a.blocks))
         try:
-            d = router.admission.decide(info)
+            if router.smg is not None:
+                present = [n for n, x in self.nodes.items() if x.present]
+                if not present:
+                    raise NoCandidate(False, {})
+                node_id = router.smg.choose(present, a.prompt_tokens, a.blocks, self.now)
+            else:
+                node_id = router.admission.decide(info).node_id
         except NoCandidate:
             rec.error = "UNAVAILABLE"
             rec.first_s = rec.end_s = self.now
             self._closed_next()
             return
-        router.credits[a.index] = router.registry.charge(d.node_id,
-                                                         prefill_tokens(info, d.node_id))
+        router.credits[a.index] = router.registry.charge(node_id,
+                                                         prefill_tokens(info, node_id))
         if loc is not None and a.blocks:
-            loc.routed(info, d.node_id)
+            loc.routed(info, node_id)
         if key:
-            router.sessions.remember(MODEL, key, d.node_id)
-        rec.node_id = d.node_id
-        self._push(self.now + self.delay, _NODE_RECV, (a, ri, d.node_id))
+            router.sessions.remember(MODEL, key, node_id)
+        rec.node_id = node_id
+        front = router.smg.config.front_end_s if router.smg is not None else 0.0
+        self._push(self.now + self.delay + front, _NODE_RECV, (a, ri, node_id))
 
     def _node_recv(self, a: Arrival, ri: int, node_id: str) -> None:
         n = self.nodes[node_id]
@@ -285,6 +315,8 @@ class Simulation:
         n.admissions[rid] = n.ledger.admit(self.routers[ri].router_id, prefill)
         e = n.spec.engine
         out = min(a.output_tokens, max(e.max_context_length - a.prompt_tokens, 1))
+        if out < a.output_tokens:
+            self.cut_outputs += 1
         req = SimRequest(rid, a.prompt_tokens, out, self._tok_rng, 0.0, (),
                          a.blocks if n.sched.prefix is not None else ())
         n.sched.add(req)
@@ -318,7 +350,10 @@ class Simulation:
     @staticmethod
     def _kv_recv(router: _Router, node_id: str, ops: list[tuple[str, tuple[int, ...]]]) -> None:
         """A node's block events into the router's index (precise locality; the same as
-        ``PrefixLocality.apply`` does with the control plane's updates, without the seq)."""
+        ``PrefixLocality.apply`` does with the control plane's updates, without the seq), or
+        into an SMG gateway's event index."""
+        if router.smg is not None:
+            router.smg.kv_events(node_id, ops)
         loc = router.locality
         if loc is None or loc.mode == "approximate":
             return
@@ -341,7 +376,10 @@ class Simulation:
         rec.end_s = self.now
         if rec.first_s < 0:
             rec.first_s = self.now
-        self.routers[rec.router].credits.pop(index).finish()
+        router = self.routers[rec.router]
+        router.credits.pop(index).finish()
+        if router.smg is not None:
+            router.smg.finished(rec.node_id)
         self._closed_next()
 
     def _closed_next(self) -> None:
@@ -447,7 +485,8 @@ class Simulation:
             r.first_s -= t0
             r.end_s -= t0
         pre = sum(n.sched.stats.preemptions for n in nodes.values())
-        return RunResult(self.records, tuple(nodes), self.now - t0, pre, events)
+        return RunResult(self.records, tuple(nodes), self.now - t0, pre, events,
+                         self.cut_outputs)
 
 
 def simulate(fleet: FleetSpec, workload: Workload, policy: str, seed: int,

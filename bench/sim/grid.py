@@ -27,6 +27,7 @@ in the cell's record), so a process stopped at any point keeps every unit it fin
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,6 +37,8 @@ from gpumesh_bench.sim import fleets as fleets_mod
 from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.core import simulate
 from gpumesh_bench.sim.metrics import SLOSpec, aggregate, run_metrics
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
 
@@ -61,7 +64,11 @@ def run_cell(fleet: fleets_mod.FleetSpec, workload: str, rate: float, policies: 
              router: dict[str, Any] | None = None,
              trace: wl.Workload | None = None) -> dict[str, Any]:
     """Every policy on the same per-seed traces; returns per-policy per-seed metrics and
-    their aggregates, plus the CPU seconds of one run (the first)."""
+    their aggregates, plus the CPU seconds of one run (the first). With ``trace`` every seed
+    replays that same trace (the seeds then vary only the simulator's own randomness:
+    heartbeat phases, decision sampling, token draws); else each seed draws its own workload.
+    When a run cut outputs at the context length, a warning is logged and the record's
+    ``warnings`` says how many."""
     per: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     cpu: list[float] = []
     for seed in seeds:
@@ -75,8 +82,15 @@ def run_cell(fleet: fleets_mod.FleetSpec, workload: str, rate: float, policies: 
             res = simulate(fleet, w, p, seed, router_overrides=router)
             cpu.append(time.process_time() - t)
             per[p].append(run_metrics(res, slo))
-    return {"runs": per, "agg": {p: aggregate(v) for p, v in per.items()},
-            "cpu_s_per_run": cpu}
+    out: dict[str, Any] = {"runs": per, "agg": {p: aggregate(v) for p, v in per.items()},
+                           "cpu_s_per_run": cpu}
+    cut = max((m.get("cut_outputs", 0) for v in per.values() for m in v), default=0)
+    if cut:
+        msg = (f"outputs cut at the context length: up to {cut} requests per run "
+               "(prompt + max_tokens over the node's max_context_length)")
+        log.warning("%s", msg)
+        out["warnings"] = [msg]
+    return out
 
 
 Key = tuple[str, str, float, int, tuple[int, ...]]

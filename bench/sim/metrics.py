@@ -2,9 +2,12 @@
 
 Per run (``run_metrics``): over the requests after the warm-up (the first ``warmup`` fraction
 of arrivals is left out), TTFT p50/p90/p99, TPOT p50/p99 (requests with >= 2 output tokens),
-end-to-end p50/p99 (milliseconds), throughput and goodput (requests per simulated second over
-the measured requests' span; goodput counts those meeting both SLO halves), the fraction
-meeting the SLO, and the share of requests per node.
+end-to-end p50/p99 (milliseconds), throughput (completions per simulated second from the first
+measured arrival to the last measured end), **goodput** (requests meeting both SLO halves per
+second of *offered* time: from the first to the last measured arrival, so that one straggler
+finishing late cannot set it), the fraction meeting the SLO (SLO attainment, reported beside
+goodput), the share of requests per node, and ``cut_outputs`` (requests whose output was cut
+at the context length, ``RunResult.cut_outputs``).
 
 Over seeds (``aggregate``): each metric's mean and the half-width of its 95 % confidence
 interval, Student's t over the per-seed values (seeds are independent replications).
@@ -61,9 +64,11 @@ def run_metrics(result: RunResult, slo: SLOSpec, warmup: float = 0.05) -> dict[s
     e2e = [r.e2e_s * 1000 for r in ok]
     tpot = [t * 1000 for r in ok if (t := r.tpot_s) is not None]
     if measured:
-        span = max(max(r.end_s for r in measured) - min(r.arrival_s for r in measured), 1e-9)
+        first = min(r.arrival_s for r in measured)
+        span = max(max(r.end_s for r in measured) - first, 1e-9)
+        offered = max(r.arrival_s for r in measured) - first
     else:
-        span = math.nan
+        span = offered = math.nan
     good = sum(1 for r in ok if slo.met(r))
     share = Counter(r.node_id for r in ok)
     return {
@@ -72,10 +77,13 @@ def run_metrics(result: RunResult, slo: SLOSpec, warmup: float = 0.05) -> dict[s
         "ttft_p99": percentile(ttft, 99),
         "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
         "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99),
-        "throughput": len(ok) / span, "goodput": good / span,
+        "throughput": len(ok) / span,
+        # NaN when the measured requests all arrive at once (no offered time to divide by)
+        "goodput": good / offered if offered > 0 else math.nan, "offered_s": offered,
         "slo_frac": good / len(measured) if measured else math.nan,
         "share": {n: share.get(n, 0) / max(len(ok), 1) for n in result.node_ids},
         "preemptions": result.preemptions, "sim_s": result.sim_s,
+        "cut_outputs": result.cut_outputs,
     }
 
 

@@ -48,7 +48,23 @@ def _fmt(mean: float, ci: float, digits: int = 0) -> str:
     return f"{mean:.{digits}f} ± {ci:.{digits}f}"
 
 
+def ci_label(cell: dict[str, Any]) -> str:
+    """What the ± of a cell's figures spans: fresh workload draws per seed, or (a replayed
+    trace, ``trace_replayed``) only the simulator's own randomness on one fixed trace."""
+    k = len(cell["seeds"])
+    if cell.get("trace_replayed"):
+        return (f"mean ± 95 % CI over {k} seeds of the simulator's own randomness on one "
+                "fixed trace (heartbeat phases, decision sampling); workload variation is "
+                "not in it")
+    return f"mean ± 95 % CI over {k} seeds, each a fresh draw of the workload"
+
+
+def warnings_md(cell: dict[str, Any]) -> str:
+    return "".join(f"\n\nWARNING: {w}" for w in cell.get("warnings", []))
+
+
 def cell_table(cell: dict[str, Any]) -> str:
+    # goodput: requests in SLO per second of offered time (first to last arrival)
     cols = [("TTFT p50", "ttft_p50", 1), ("TTFT p90", "ttft_p90", 0), ("TTFT p99", "ttft_p99", 0),
             ("TPOT p50", "tpot_p50", 2), ("e2e p50", "e2e_p50", 0), ("e2e p99", "e2e_p99", 0),
             ("goodput req/s", "goodput", 1), ("in SLO %", "slo_frac", 1)]
@@ -133,7 +149,7 @@ def markdown(cells: Sequence[dict[str, Any]]) -> str:
     for c in cells:
         parts += [f"### {c['fleet']} / {c['workload']} at {c['load']:.0%} load "
                   f"({c['rate']:.1f} req/s, {c['requests']} requests x {len(c['seeds'])} seeds)",
-                  "", cell_table(c), "", share_table(c), ""]
+                  "", ci_label(c) + warnings_md(c), "", cell_table(c), "", share_table(c), ""]
     return "\n".join(parts)
 
 

@@ -222,12 +222,33 @@ def load_trace(path: str | Path, rate: float = 0.0) -> Workload:
         raise ValueError(f"{path}: empty trace")
     recs.sort(key=lambda r: r[0])
     t0 = recs[0][0]
-    span = recs[-1][0] - t0
-    scale = 1.0
-    if rate > 0 and span > 0:
-        scale = (len(recs) - 1) / rate / span
-    return Workload(Path(path).stem, [Arrival(i, (t - t0) * scale, n, o, b)
-                                      for i, (t, n, o, b) in enumerate(recs)], [])
+    w = Workload(Path(path).stem, [Arrival(i, t - t0, n, o, b)
+                                   for i, (t, n, o, b) in enumerate(recs)], [])
+    return rescale(w, rate) if rate > 0 else w
+
+
+def head(w: Workload, n: int | None) -> Workload:
+    """The first ``n`` arrivals of ``w`` (all of them when ``n`` is None or larger)."""
+    if n is None or n >= len(w.arrivals):
+        return w
+    if n < 1:
+        raise ValueError("a run needs at least 1 request")
+    return Workload(w.name, w.arrivals[:n], list(w.events))
+
+
+def rescale(w: Workload, rate: float) -> Workload:
+    """``w`` with its arrival times stretched to a mean of ``rate`` requests per second (the
+    order and relative gaps kept); unchanged when all arrivals share one time."""
+    if rate <= 0 or not math.isfinite(rate):
+        raise ValueError("rate must be finite and > 0")
+    t0 = w.arrivals[0].arrival_s
+    span = w.arrivals[-1].arrival_s - t0
+    if span <= 0:
+        return w
+    scale = (len(w.arrivals) - 1) / rate / span
+    return Workload(w.name, [Arrival(a.index, (a.arrival_s - t0) * scale, a.prompt_tokens,
+                                     a.output_tokens, a.blocks, a.routing_key)
+                             for a in w.arrivals], list(w.events))
 
 
 def mean_rate(w: Workload) -> float:
