@@ -1,0 +1,156 @@
+"""The simulator's side of the fidelity check and the comparison with the live fleet.
+
+``sim_fleet`` mirrors the live fleet: one simulated node per live engine, with the node ids,
+the scheduler limits (max_num_seqs, max_num_batched_tokens), the KV capacity and block size,
+the context length and the heartbeat interval of the live nodes, and the step model of an
+engine profile (``step_a_ms``, ``step_b_decode_ms``, ``step_c_decode_ms``,
+``step_b_prefill_ms``; ``front_end_ms``: the node's fixed time per request, split into the
+two one-way message delays). ``simulate_side`` replays the trace through the simulator with
+the router's real code (``core.Simulation``) for a few seeds (the seeds change the
+simulator's own random draws, e.g. power_of_two's sampling, not the trace).
+
+``summarize`` turns either side's per-request outcomes into the compared metrics: TTFT
+p50/p90/p99 and end-to-end p50/p99 (ms), every node's share of the requests, over the
+requests after the first ``WARMUP`` fraction of the trace (the same indexes on both sides);
+``compare`` sets them side by side with error = sim / live - 1, and checks per workload and
+metric whether the simulator orders the policies as the live fleet does.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from gpumesh.node.engines.sim import SimEngineConfig
+from gpumesh_bench.sim.core import Simulation
+from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec
+from gpumesh_bench.sim.workloads import Workload
+from gpumesh_bench.stats import percentile
+
+WARMUP = 0.05
+METRICS = ("ttft_p50", "ttft_p90", "ttft_p99", "e2e_p50", "e2e_p99")
+BANDED = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")   # the +-25 % band applies to these
+BAND = 0.25
+STEP_KEYS = ("step_a_ms", "step_b_decode_ms", "step_c_decode_ms", "step_b_prefill_ms")
+
+
+def sim_fleet(node_ids: Sequence[str], profile: dict[str, Any], *, max_num_seqs: int,
+              max_num_batched_tokens: int, kv_capacity_tokens: int, max_context_length: int,
+              heartbeat_s: float = 0.25, kv_block_size: int = 16) -> FleetSpec:
+    """The live fleet as a simulator fleet (module docstring)."""
+    steps = {k: float(profile[k]) for k in STEP_KEYS if k in profile}
+    eng = SimEngineConfig.for_shape(
+        "0.5b", **steps, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        kv_capacity_tokens=kv_capacity_tokens, kv_block_size=kv_block_size,
+        max_context_length=max_context_length, time_scale=1.0, prefix_caching=True,
+        front_end_tokens_per_s=float(profile.get("front_end_tokens_per_s", 0.0)))
+    nodes = tuple(NodeSpec(n, eng, 1.0) for n in node_ids)
+    delay = float(profile.get("front_end_ms", 0.0)) / 2000.0
+    return FleetSpec("live-mirror", nodes, 1, heartbeat_s, delay)
+
+
+def summarize(indexes: Sequence[int], ttft_s: Sequence[float], e2e_s: Sequence[float],
+              node_ids: Sequence[str], n_trace: int, nodes: Sequence[str]) -> dict[str, Any]:
+    """Metrics over the successful requests after the warm-up (module docstring)."""
+    skip = int(n_trace * WARMUP)
+    keep = [k for k, i in enumerate(indexes) if i >= skip]
+    tt = [1000 * ttft_s[k] for k in keep]
+    ee = [1000 * e2e_s[k] for k in keep]
+    share = Counter(node_ids[k] for k in keep)
+    return {"requests": len(keep),
+            "ttft_p50": percentile(tt, 50), "ttft_p90": percentile(tt, 90),
+            "ttft_p99": percentile(tt, 99), "e2e_p50": percentile(ee, 50),
+            "e2e_p99": percentile(ee, 99),
+            "share": {n: share.get(n, 0) / max(len(keep), 1) for n in nodes}}
+
+
+def simulate_side(fleet: FleetSpec, w: Workload, policy: str,
+                  seeds: Sequence[int] = (1, 2, 3)) -> dict[str, Any]:
+    """The simulator's metrics for ``policy`` on trace ``w``: each metric's mean over
+    ``seeds`` (and its range), the mean share, the prefix hit rate (cached prompt tokens over
+    prompt tokens looked up, every request) and the engines' busy fraction."""
+    nodes = [n.node_id for n in fleet.nodes]
+    runs = []
+    for s in seeds:
+        sim = Simulation(fleet, w, policy, s)
+        res = sim.run()
+        ok = [r for r in res.records if not r.error]
+        m = summarize([r.index for r in ok], [r.ttft_s for r in ok], [r.e2e_s for r in ok],
+                      [r.node_id for r in ok], len(w.arrivals), nodes)
+        q = sum(n.sched.prefix.query_tokens for n in sim.nodes.values() if n.sched.prefix)
+        h = sum(n.sched.prefix.hit_tokens for n in sim.nodes.values() if n.sched.prefix)
+        m["prefix_hit"] = h / q if q else 0.0
+        m["busy"] = statistics.fmean(n.sched.stats.busy_s / max(res.sim_s, 1e-9)
+                                     for n in sim.nodes.values())
+        m["errors"] = len(res.records) - len(ok)
+        runs.append(m)
+    out: dict[str, Any] = {"seeds": list(seeds)}
+    for k in (*METRICS, "prefix_hit", "busy", "requests", "errors"):
+        vals = [r[k] for r in runs]
+        out[k] = statistics.fmean(vals)
+        out[k + "_range"] = [min(vals), max(vals)]
+    out["share"] = {n: statistics.fmean(r["share"][n] for r in runs) for n in nodes}
+    return out
+
+
+def _err(sim: float, live: float) -> float:
+    return sim / live - 1.0 if live and not math.isnan(live) else math.nan
+
+
+def compare(live: dict[str, dict[str, dict[str, Any]]],
+            sim: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """``live[workload][policy]`` and ``sim[workload][policy]`` metric dicts -> rows with
+    errors, the band verdict per (workload, policy) cell and the ranking per (workload,
+    metric) cell."""
+    rows, rankings = [], []
+    for wk, pols in live.items():
+        for pol, lv in pols.items():
+            sv = sim[wk][pol]
+            row: dict[str, Any] = {"workload": wk, "policy": pol}
+            for m in (*METRICS, "prefix_hit"):
+                row[m] = {"live": lv[m], "sim": sv[m], "err": _err(sv[m], lv[m])}
+            row["share"] = {n: {"live": lv["share"].get(n, 0.0), "sim": sv["share"].get(n, 0.0)}
+                            for n in sorted(set(lv["share"]) | set(sv["share"]))}
+            row["within_band"] = all(abs(row[m]["err"]) <= BAND for m in BANDED)
+            row["worst"] = max(BANDED, key=lambda m: abs(row[m]["err"]))
+            rows.append(row)
+        for m in METRICS:
+            lo = sorted(pols, key=lambda p: pols[p][m])
+            so = sorted(pols, key=lambda p: sim[wk][p][m])
+            rankings.append({"workload": wk, "metric": m, "live": lo, "sim": so,
+                             "same": lo == so})
+    within = sum(r["within_band"] for r in rows)
+    same = sum(r["same"] for r in rankings)
+    return {"rows": rows, "rankings": rankings, "band": BAND,
+            "cells_within_band": within, "cells": len(rows),
+            "rankings_same": same, "ranking_cells": len(rankings)}
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:+.0f} %"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The fidelity tables: one row per (workload, policy), then the rankings."""
+    c = doc["comparison"]
+    lines = ["| workload | policy | TTFT p50 ms live / sim (err) | TTFT p90 | TTFT p99 | "
+             "e2e p50 | e2e p99 | prefix hit live / sim | share live / sim | within "
+             f"{100 * c['band']:.0f} % |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in c["rows"]:
+        cells = [f"{r[m]['live']:.0f} / {r[m]['sim']:.0f} ({_pct(r[m]['err'])})"
+                 for m in METRICS]
+        share = ", ".join(f"{n} {v['live']:.2f}/{v['sim']:.2f}" for n, v in r["share"].items())
+        hit = f"{r['prefix_hit']['live']:.2f} / {r['prefix_hit']['sim']:.2f}"
+        lines.append(f"| {r['workload']} | {r['policy']} | " + " | ".join(cells)
+                     + f" | {hit} | {share} | {'yes' if r['within_band'] else 'no'} |")
+    lines += ["", "| workload | metric | live order (best first) | sim order | same |",
+              "|---|---|---|---|---|"]
+    for k in c["rankings"]:
+        lines.append(f"| {k['workload']} | {k['metric']} | {' < '.join(k['live'])} | "
+                     f"{' < '.join(k['sim'])} | {'yes' if k['same'] else 'no'} |")
+    lines += ["", f"Cells within the band: {c['cells_within_band']} of {c['cells']}; "
+              f"same ranking: {c['rankings_same']} of {c['ranking_cells']}."]
+    return "\n".join(lines) + "\n"
