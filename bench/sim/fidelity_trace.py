@@ -10,7 +10,7 @@ Two workloads with the same length distributions:
 - ``unique``: the same lengths (system_tokens + the user part), every token the request's own:
   no two prompts share a block.
 
-Outputs: lognormal, median 32 tokens, 4..256, always generated in full (``ignore_eos``).
+Outputs: lognormal, median 16 tokens, 4..128, always generated in full (``ignore_eos``).
 Arrivals: Poisson at ``rate`` requests per second.
 
 The simulator gets each prompt's block structure (``Arrival.blocks``: one id per full block,
@@ -54,7 +54,7 @@ def build(kind: str, n: int, rate: float, seed: int = 1, tenants: int = 16,
     for i in range(n):
         t += rng.expovariate(rate)
         user = _lognormal(rng, 48, 0.8, 8, 512)
-        output = _lognormal(rng, 32, 0.7, 4, 256)
+        output = _lognormal(rng, 16, 0.7, 4, 128)
         prompt = system_tokens + user
         full = prompt // BLOCK
         if kind == "shared-prefix":

@@ -142,6 +142,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--sim-seeds", type=int, default=3)
+    p.add_argument("--merge", nargs="+", default=[], metavar="VALIDATE.json",
+                   help="no live runs: fold earlier validate.json files (e.g. one policy "
+                        "each, the later ones run with the first one's --profile) into one "
+                        "comparison in --out")
     p.add_argument("--out", default="bench/results/fidelity")
 
 
@@ -172,6 +176,43 @@ def load_profile(path: str) -> dict[str, Any]:
             "step_b_prefill_ms": float(st.get("b_prefill_ms", 0)),
             "front_end_tokens_per_s": float(fe.get("tokens_per_s", 0)),
             "front_end_ms": float(fe.get("request_ms", 0)), "source": str(path)}
+
+
+def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
+    """The fitted step model as an engine profile TOML (the ``load_profile`` format), so
+    that later runs (``--profile``) simulate with the same one."""
+    return "\n".join([
+        'format = "gpumesh.engine-profile/1"', "[engine]", 'name = "live-fit"',
+        f'source = "{p.get("source", "")}"', "[scheduler]",
+        f"max_num_seqs = {live.get('max_num_seqs', 0)}",
+        f"max_num_batched_tokens = {live.get('max_num_batched_tokens', 0)}", "[kv]",
+        f"capacity_tokens = {live.get('kv_capacity_tokens', 0)}", "block_size = 16", "[step]",
+        f"a_ms = {p['step_a_ms']!r}", f"b_decode_ms = {p['step_b_decode_ms']!r}",
+        f"c_decode_ms = {p.get('step_c_decode_ms', 0.0)!r}",
+        f"b_prefill_ms = {p['step_b_prefill_ms']!r}", "[front_end]",
+        f"tokens_per_s = {p.get('front_end_tokens_per_s', 0.0)!r}",
+        f"request_ms = {p.get('front_end_ms', 0.0)!r}"]) + "\n"
+
+
+def merge(files: list[str]) -> dict[str, Any]:
+    """One document from several validate.json files: their live and simulated runs (a later
+    file's (workload, policy) replaces an earlier one's), the first file's profile."""
+    from gpumesh_bench.sim import fidelity
+
+    docs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in files]
+    out: dict[str, Any] = {"command": " ; ".join(d["command"] for d in docs),
+                           "merged": list(files), "live": docs[0]["live"],
+                           "profile": docs[0]["profile"], "workloads": {}, "live_runs": {},
+                           "sim_runs": {}, "parts": [{"command": d["command"],
+                                                       "profile": d["profile"],
+                                                       "live": d["live"]} for d in docs]}
+    for d in docs:
+        out["workloads"].update(d["workloads"])
+        for side in ("live_runs", "sim_runs"):
+            for wk, pols in d[side].items():
+                out[side].setdefault(wk, {}).update(pols)
+    out["comparison"] = fidelity.compare(out["live_runs"], out["sim_runs"])
+    return out
 
 
 def _live_metrics(results: list[Any], samples: list[dict[str, Any]], n: int,
@@ -237,6 +278,7 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
             profile = await calibrate(fleet.node_address(fleet.node_ids[0]), "tiny", vocab)
             profile["source"] = "fitted on the live engine e0 (gpumesh_bench.livecal)"
         doc["profile"] = profile
+        (out / "profile.toml").write_text(profile_toml(profile, doc["live"]), encoding="utf-8")
         sfleet = fidelity.sim_fleet(
             fleet.node_ids, profile,
             max_num_seqs=limits.get("max_num_seqs", engine_args["max_num_seqs"]),
@@ -292,7 +334,7 @@ def validate(a: Any) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = asyncio.run(_validate(a, out))
+    doc = merge(a.merge) if a.merge else asyncio.run(_validate(a, out))
     md = fidelity.markdown(doc)
     (out / "validate.json").write_text(json.dumps(doc) + "\n", encoding="utf-8")
     (out / "validate.md").write_text(f"`{doc['command']}`\n\n" + md, encoding="utf-8")
