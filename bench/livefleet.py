@@ -178,6 +178,12 @@ class LiveFleet:
             fl = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
         return {n.node_id: n.load for n in fl.nodes}
 
+    async def engines(self, policy: str) -> dict[str, str]:
+        """Every node's engine kind ("vllm", "sim", ...) as router ``policy`` lists it."""
+        async with grpc.aio.insecure_channel(self.address(policy)) as ch:
+            fl = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
+        return {n.node_id: n.engine for n in fl.nodes}
+
     async def wait_idle(self, policy: str, timeout_s: float = 120.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

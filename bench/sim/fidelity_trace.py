@@ -7,8 +7,8 @@ Two workloads with the same length distributions:
   tokens (a multiple of the 16-token KV block); a request is its tenant's system prompt (the
   tenant drawn with Zipf(1) popularity) followed by a user part of its own (lognormal,
   median 48 tokens, 8..512);
-- ``unique``: the same lengths (system_tokens + the user part), every token the request's own:
-  no two prompts share a block.
+- ``unique``: the same arrivals and lengths (system_tokens + the user part), every token the
+  request's own: no two prompts share a block.
 
 Outputs: lognormal, median 16 tokens, 4..128, always generated in full (``ignore_eos``).
 Arrivals: Poisson at ``rate`` requests per second.
@@ -55,10 +55,10 @@ def build(kind: str, n: int, rate: float, seed: int = 1, tenants: int = 16,
         t += rng.expovariate(rate)
         user = _lognormal(rng, 48, 0.8, 8, 512)
         output = _lognormal(rng, 16, 0.7, 4, 128)
+        tenant = rng.choices(range(tenants), weights)[0]   # drawn for both: same lengths
         prompt = system_tokens + user
         full = prompt // BLOCK
         if kind == "shared-prefix":
-            tenant = rng.choices(range(tenants), weights)[0]
             head = [(salt << 48) | (tenant << 24) | j for j in range(system_tokens // BLOCK)]
         else:
             head = []

@@ -165,7 +165,7 @@ def _kv(items: list[str], what: str) -> dict[str, Any]:
 def load_profile(path: str) -> dict[str, Any]:
     """The simulator's step model from an engine profile TOML (format
     ``gpumesh.engine-profile/1``: ``[step]`` a_ms, b_decode_ms, c_decode_ms, b_prefill_ms;
-    ``[front_end]`` tokens_per_s and, where present, request_ms)."""
+    ``[front_end]`` tokens_per_s and request_overhead_ms)."""
     import tomllib
 
     with open(path, "rb") as f:
@@ -175,7 +175,7 @@ def load_profile(path: str) -> dict[str, Any]:
             "step_c_decode_ms": float(st.get("c_decode_ms", 0)),
             "step_b_prefill_ms": float(st.get("b_prefill_ms", 0)),
             "front_end_tokens_per_s": float(fe.get("tokens_per_s", 0)),
-            "front_end_ms": float(fe.get("request_ms", 0)), "source": str(path)}
+            "front_end_ms": float(fe.get("request_overhead_ms", 0)), "source": str(path)}
 
 
 def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
@@ -191,7 +191,7 @@ def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
         f"c_decode_ms = {p.get('step_c_decode_ms', 0.0)!r}",
         f"b_prefill_ms = {p['step_b_prefill_ms']!r}", "[front_end]",
         f"tokens_per_s = {p.get('front_end_tokens_per_s', 0.0)!r}",
-        f"request_ms = {p.get('front_end_ms', 0.0)!r}"]) + "\n"
+        f"request_overhead_ms = {p.get('front_end_ms', 0.0)!r}"]) + "\n"
 
 
 def merge(files: list[str]) -> dict[str, Any]:
@@ -271,11 +271,13 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
         limits = fleet.scheduler_limits()
         loads = await fleet.loads(policies[0])
         kv = min(int(x.kv_capacity_tokens) for x in loads.values()) or 1 << 24
-        doc["live"].update(limits, kv_capacity_tokens=kv)
+        doc["live"].update(limits, kv_capacity_tokens=kv,
+                           node_engines=await fleet.engines(policies[0]))
         if a.profile:
             profile = load_profile(a.profile)
         else:
-            profile = await calibrate(fleet.node_address(fleet.node_ids[0]), "tiny", vocab)
+            profile = await calibrate(fleet.node_address(fleet.node_ids[0]), "tiny", vocab,
+                                      context=a.system_tokens + 48)
             profile["source"] = "fitted on the live engine e0 (gpumesh_bench.livecal)"
         doc["profile"] = profile
         (out / "profile.toml").write_text(profile_toml(profile, doc["live"]), encoding="utf-8")
