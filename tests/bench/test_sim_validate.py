@@ -93,3 +93,30 @@ def test_validate_runs_real_engines_and_the_simulator(tmp_path: Path,
             assert math.isclose(r[m]["err"], r[m]["sim"] / r[m]["live"] - 1)
     md = (tmp_path / "out" / "validate.md").read_text()
     assert "| shared-prefix | round_robin |" in md and "gpumesh sim validate" in md
+
+
+@pytest.mark.timeout(300)
+def test_livecal_recovers_a_known_step_model(tmp_path: Path) -> None:
+    """The calibration probes, pointed at a node whose engine follows a known step model (the
+    simulated engine, real time), give that model back."""
+    import asyncio
+
+    from gpumesh.launcher import ChildProcess, free_port, stop_all, wait_serving
+    from gpumesh_bench.livecal import calibrate
+
+    port = free_port()
+    want = {"step_a_ms": 8.0, "step_b_decode_ms": 0.4, "step_b_prefill_ms": 0.06}  # CPU-like
+    conf = tmp_path / "node.toml"
+    conf.write_text("[node.sim]\n" + "".join(f"{k} = {v}\n" for k, v in want.items()))
+    node = ChildProcess.gpumesh("simnode", ["node", "--engine", "sim", "--port", str(port),
+                                            "--node-id", "s0", "--served-name", "tiny",
+                                            "--config", str(conf)],
+                                tmp_path / "node.log", die_with_parent=True)
+    try:
+        wait_serving(f"127.0.0.1:{port}", 60, watch=[node])
+        fit = asyncio.run(calibrate(f"127.0.0.1:{port}", "tiny", 30_000, context=200))
+    finally:
+        stop_all([node], 10)
+    for k, v in want.items():
+        assert abs(fit[k] / v - 1) < 0.2, (k, fit)
+    assert 0 < fit["front_end_ms"] < 20
