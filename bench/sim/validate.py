@@ -26,6 +26,7 @@ and their ratio sim / live.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -144,8 +145,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--sim-seeds", type=int, default=3)
     p.add_argument("--merge", nargs="+", default=[], metavar="VALIDATE.json",
                    help="no live runs: fold earlier validate.json files (e.g. one policy "
-                        "each, the later ones run with the first one's --profile) into one "
-                        "comparison in --out")
+                        "each) into one comparison in --out, the simulator re-run with one "
+                        "profile (--profile, else the median of the files' fits)")
     p.add_argument("--out", default="bench/results/fidelity")
 
 
@@ -194,23 +195,44 @@ def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
         f"request_overhead_ms = {p.get('front_end_ms', 0.0)!r}"]) + "\n"
 
 
-def merge(files: list[str]) -> dict[str, Any]:
-    """One document from several validate.json files: their live and simulated runs (a later
-    file's (workload, policy) replaces an earlier one's), the first file's profile."""
+def merge(files: list[str], profile: dict[str, Any] | None = None,
+          sim_seeds: int = 3) -> dict[str, Any]:
+    """One document from several validate.json files (e.g. one policy each, each calibrated
+    in its own run): their live runs (a later file's (workload, policy) replaces an earlier
+    one's), and the simulator re-run on every trace with ONE profile: ``profile``, else each
+    step-model term's median over the files' fits."""
     from gpumesh_bench.sim import fidelity
+    from gpumesh_bench.sim import fidelity_trace as ft
 
     docs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in files]
+    if profile is None:
+        keys = (*fidelity.STEP_KEYS, "front_end_ms", "front_end_tokens_per_s")
+        profile = {k: statistics.median(float(d["profile"].get(k, 0.0)) for d in docs)
+                   for k in keys}
+        profile["source"] = f"median of {len(docs)} fits on the live engines"
+    live, tr = docs[0]["live"], docs[0]["trace"]
     out: dict[str, Any] = {"command": " ; ".join(d["command"] for d in docs),
-                           "merged": list(files), "live": docs[0]["live"],
-                           "profile": docs[0]["profile"], "workloads": {}, "live_runs": {},
+                           "merged": list(files), "live": live, "trace": tr,
+                           "profile": profile, "workloads": {}, "live_runs": {},
                            "sim_runs": {}, "parts": [{"command": d["command"],
                                                        "profile": d["profile"],
                                                        "live": d["live"]} for d in docs]}
     for d in docs:
         out["workloads"].update(d["workloads"])
-        for side in ("live_runs", "sim_runs"):
-            for wk, pols in d[side].items():
-                out[side].setdefault(wk, {}).update(pols)
+        for wk, pols in d["live_runs"].items():
+            out["live_runs"].setdefault(wk, {}).update(pols)
+    sfleet = fidelity.sim_fleet(
+        tuple(live["node_engines"]), profile, max_num_seqs=live["max_num_seqs"],
+        max_num_batched_tokens=live["max_num_batched_tokens"],
+        kv_capacity_tokens=min(live["kv_capacity_tokens"], 1 << 24),
+        max_context_length=live["max_model_len"])
+    for wk, pols in out["live_runs"].items():
+        info = out["workloads"][wk]
+        w = ft.build(wk, info["requests"], info["rate"], tr["seed"], tr["tenants"],
+                     tr["system_tokens"])
+        out["sim_runs"][wk] = {p: fidelity.simulate_side(sfleet, w, p,
+                                                         tuple(range(1, sim_seeds + 1)))
+                               for p in pols}
     out["comparison"] = fidelity.compare(out["live_runs"], out["sim_runs"])
     return out
 
@@ -261,7 +283,9 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
                            "live": {"engines": a.engines, "cores": list(cores),
                                     "engine_args": engine_args, "engine_env": env,
                                     "router_cpus": a.router_cpus or "unpinned",
-                                    "model": str(model)},
+                                    "model": str(model), "max_model_len": a.max_model_len},
+                           "trace": {"seed": a.seed, "tenants": a.tenants,
+                                     "system_tokens": a.system_tokens},
                            "workloads": {}, "live_runs": {}, "sim_runs": {}}
     fleet = LiveFleet(spec, out / "logs")
     with fleet:
@@ -336,7 +360,10 @@ def validate(a: Any) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = merge(a.merge) if a.merge else asyncio.run(_validate(a, out))
+    if a.merge:
+        doc = merge(a.merge, load_profile(a.profile) if a.profile else None, a.sim_seeds)
+    else:
+        doc = asyncio.run(_validate(a, out))
     md = fidelity.markdown(doc)
     (out / "validate.json").write_text(json.dumps(doc) + "\n", encoding="utf-8")
     (out / "validate.md").write_text(f"`{doc['command']}`\n\n" + md, encoding="utf-8")
