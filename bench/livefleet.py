@@ -218,7 +218,9 @@ async def run_trace(fleet: LiveFleet, policy: str, msgs: Sequence[pb.GenerateReq
                 continue
             samples.append({"t": time.monotonic() - t0, **{
                 k: {"hit": v.prefix_cache_hit_rate, "running": v.num_running,
-                    "waiting": v.num_waiting} for k, v in loads.items()}})
+                    "waiting": v.num_waiting,
+                    "prefill_capacity": v.prefill_capacity_tokens_per_s,
+                    "decode_step_s": v.decode_step_s} for k, v in loads.items()}})
 
     sampler = asyncio.ensure_future(sample())
     try:

@@ -143,6 +143,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--sim-seeds", type=int, default=3)
+    p.add_argument("--step-scale", type=float, default=1.0,
+                   help="with --merge: multiply the profile's step terms by this (a step "
+                        "model fitted in place on a live run, docs/simulator.md#fidelity)")
     p.add_argument("--merge", nargs="+", default=[], metavar="VALIDATE.json",
                    help="no live runs: fold earlier validate.json files (e.g. one policy "
                         "each) into one comparison in --out, the simulator re-run with one "
@@ -196,11 +199,11 @@ def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
 
 
 def merge(files: list[str], profile: dict[str, Any] | None = None,
-          sim_seeds: int = 3) -> dict[str, Any]:
+          sim_seeds: int = 3, step_scale: float = 1.0) -> dict[str, Any]:
     """One document from several validate.json files (e.g. one policy each, each calibrated
     in its own run): their live runs (a later file's (workload, policy) replaces an earlier
     one's), and the simulator re-run on every trace with ONE profile: ``profile``, else each
-    step-model term's median over the files' fits."""
+    step-model term's median over the files' fits; its step terms times ``step_scale``."""
     from gpumesh_bench.sim import fidelity
     from gpumesh_bench.sim import fidelity_trace as ft
 
@@ -210,6 +213,9 @@ def merge(files: list[str], profile: dict[str, Any] | None = None,
         profile = {k: statistics.median(float(d["profile"].get(k, 0.0)) for d in docs)
                    for k in keys}
         profile["source"] = f"median of {len(docs)} fits on the live engines"
+    if step_scale != 1.0:
+        profile = {**profile, "step_scale": step_scale,
+                   **{k: float(profile.get(k, 0.0)) * step_scale for k in fidelity.STEP_KEYS}}
     live, tr = docs[0]["live"], docs[0]["trace"]
     out: dict[str, Any] = {"command": " ; ".join(d["command"] for d in docs),
                            "merged": list(files), "live": live, "trace": tr,
@@ -361,7 +367,8 @@ def validate(a: Any) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.merge:
-        doc = merge(a.merge, load_profile(a.profile) if a.profile else None, a.sim_seeds)
+        doc = merge(a.merge, load_profile(a.profile) if a.profile else None, a.sim_seeds,
+                    a.step_scale)
     else:
         doc = asyncio.run(_validate(a, out))
     md = fidelity.markdown(doc)
