@@ -58,6 +58,11 @@ def test_compare_reports_errors_band_and_ranking() -> None:
     assert not rows["b"]["within_band"] and rows["b"]["worst"] == "ttft_p99"
     same = {k["metric"]: k["same"] for k in c["rankings"]}
     assert same["ttft_p50"] is False and same["e2e_p50"] is True
+    sim["w"]["b"]["ttft_p90"] = 19.0   # live: a < b by 50 %; sim: b < a
+    assert not {k["metric"]: k["same"] for k in fidelity.compare(live, sim)["rankings"]}[
+        "ttft_p90"]
+    sim["w"]["b"]["e2e_p99"] = 201.0   # live pair apart, sim in order by a hair: same
+    assert {k["metric"]: k["same"] for k in fidelity.compare(live, sim)["rankings"]}["e2e_p99"]
     assert c["cells_within_band"] == 1 and c["ranking_cells"] == 5
 
 
