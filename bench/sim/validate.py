@@ -259,6 +259,28 @@ def _live_metrics(results: list[Any], samples: list[dict[str, Any]], n: int,
     return m
 
 
+def _proc_cpu(children: list[Any]) -> dict[str, float]:
+    """CPU seconds of every process of the fleet's children, keyed "child/comm/pid" (a
+    node's front end and its vLLM engine core apart)."""
+    import os
+
+    from gpumesh_bench.fleet import group_pids
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for c in children:
+        for pid in group_pids(c.pid):
+            try:
+                with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                    head, _, rest = f.read().rpartition(")")
+                parts = rest.split()
+                out[f"{c.name}/{head.partition('(')[2]}/{pid}"] = (int(parts[11])
+                                                                  + int(parts[12])) / tick
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
 async def _validate(a: Any, out: Path) -> dict[str, Any]:
     from gpumesh_bench.fleet import group_cpu_s
     from gpumesh_bench.livecal import calibrate
@@ -332,6 +354,7 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
                                       f"fid-{kind}-{pol}-{x.index}") for x in sw.arrivals]
                 await fleet.wait_idle(pol)
                 cpu0 = {c.name: group_cpu_s(c.pid) for c in fleet.children}
+                procs0 = _proc_cpu(fleet.children)
                 t = time.monotonic()
                 res, samples = await run_trace(fleet, pol, msgs,
                                                [x.arrival_s for x in sw.arrivals])
@@ -340,6 +363,9 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
                        for c in fleet.children if (k := c.name) in cpu0}
                 lm = _live_metrics(res, samples, a.requests, fleet.node_ids,
                                    w.arrivals[-1].arrival_s)
+                procs1 = _proc_cpu(fleet.children)
+                lm["cpu_cores_by_process"] = {k: (v - procs0.get(k, 0.0)) / wall
+                                              for k, v in procs1.items()}
                 lm.update(wall_s=wall, cpu_cores=cpu, salt=salt, hit_samples=samples,
                           requests_raw=[[r.index, round(r.start_s, 5), r.ttft_s and
                                          round(r.ttft_s, 5), round(r.latency_s, 5), r.node_id,
