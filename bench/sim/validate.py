@@ -355,15 +355,17 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
                 await fleet.wait_idle(pol)
                 cpu0 = {c.name: group_cpu_s(c.pid) for c in fleet.children}
                 procs0 = _proc_cpu(fleet.children)
-                t = time.monotonic()
+                t, lg0 = time.monotonic(), time.process_time()
                 res, samples = await run_trace(fleet, pol, msgs,
                                                [x.arrival_s for x in sw.arrivals])
                 wall = time.monotonic() - t
+                lm_loadgen = (time.process_time() - lg0) / wall
                 cpu = {k: (group_cpu_s(c.pid) - cpu0[k]) / wall
                        for c in fleet.children if (k := c.name) in cpu0}
                 lm = _live_metrics(res, samples, a.requests, fleet.node_ids,
                                    w.arrivals[-1].arrival_s)
                 procs1 = _proc_cpu(fleet.children)
+                lm["loadgen_cpu_cores"] = lm_loadgen
                 lm["cpu_cores_by_process"] = {k: (v - procs0.get(k, 0.0)) / wall
                                               for k, v in procs1.items()}
                 lm.update(wall_s=wall, cpu_cores=cpu, salt=salt, hit_samples=samples,
