@@ -1,4 +1,4 @@
-"""`gpumesh` command line: node, router, generate, status, demo, make-tiny-model, and the
+"""`gpumesh` command line: node, router, generate, status, demo, calibrate, make-tiny-model, and the
 commands of installed plugins (``gpumesh bench`` with the ``gpumesh-bench`` package)."""
 
 from __future__ import annotations
@@ -195,6 +195,30 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from gpumesh.config import ConfigError
+    from gpumesh.node.calibrate_command import PlatformMismatch, prepare, profile_table, run
+    from gpumesh.node.engines.base import EngineError
+    from gpumesh.node.engines.vllm.calibrate import CalibrationError
+
+    try:
+        job = prepare(args)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"gpumesh calibrate: {exc}", file=sys.stderr)
+        return 2
+    try:
+        profile = asyncio.run(run(job))
+    except PlatformMismatch as exc:
+        print(f"gpumesh calibrate: {exc}", file=sys.stderr)
+        return 2
+    except (EngineError, CalibrationError, ValueError, OSError) as exc:  # ValueError: the fit
+        print(f"gpumesh calibrate: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {job.out}")
+    print(profile_table(profile))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpumesh", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("GPUMESH_LOG_LEVEL", "info"))
@@ -303,6 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_cmd_make_tiny_model)
+
+    cal = sub.add_parser(
+        "calibrate", help="measure an engine profile from a real vLLM engine",
+        description="Starts the engine as `gpumesh node` would (same flags, same --config "
+                    "file), measures decode steps and prefill times, fits the step model and "
+                    "writes the profile (docs/simulator.md, \"Engine profiles\"). Exit codes: "
+                    "0 written, 1 the engine failed, 2 bad arguments.")
+    from gpumesh.node.calibrate_command import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(cal)
+    cal.set_defaults(func=_cmd_calibrate)
 
     _add_plugin_commands(sub)
     return p

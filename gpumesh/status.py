@@ -86,6 +86,10 @@ def _load_json(ld: cpb.LoadReport) -> dict[str, Any]:
         "prompt_tokens_per_s": ld.prompt_tokens_per_s,
         "prefill_capacity_tokens_per_s": ld.prefill_capacity_tokens_per_s,
         "decode_step_s": ld.decode_step_s, "draining": ld.draining,
+        "step_model": ({"a_ms": ld.step_model.a_ms, "b_decode_ms": ld.step_model.b_decode_ms,
+                        "b_prefill_ms": ld.step_model.b_prefill_ms,
+                        "spans": ld.step_model.spans, "rms_error": ld.step_model.rms_error}
+                       if ld.HasField("step_model") else None),
         "gpus": [{"index": g.index, "utilization": g.utilization,
                   "memory_used_bytes": g.memory_used_bytes,
                   "memory_total_bytes": g.memory_total_bytes} for g in ld.gpus],

@@ -55,6 +55,21 @@ class RouterAccount:
 
 
 @dataclass(frozen=True)
+class StepModel:
+    """A node's step model fitted online to its own recent steps (``control.proto``
+    ``StepModel``; ``gpumesh.profile_fit.OnlineStepFit``): a step of D decode and P prefill
+    tokens lasts ``a_ms + b_decode_ms * D + b_prefill_ms * P`` ms (the ``[step]`` of an
+    engine profile, linear). ``spans``: the observations fitted; ``rms_error``: their root
+    mean square relative error."""
+
+    a_ms: float = 0.0
+    b_decode_ms: float = 0.0
+    b_prefill_ms: float = 0.0
+    spans: int = 0
+    rms_error: float = 0.0
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """One node's load at one instant: what a heartbeat carries (``control.proto``
     ``LoadReport`` documents every field)."""
@@ -73,6 +88,7 @@ class LoadReport:
     decode_step_s: float = 0.0           # 0 = unknown
     loaded_adapters: tuple[str, ...] = ()  # LoRA adapters loaded in the engine now
     adapter_load_s: float = 0.0          # mean seconds of a recent adapter load; 0 = unknown
+    step_model: StepModel | None = None  # fitted online; None = not yet (or not fitted)
     gpus: tuple[GpuSample, ...] = ()
     router_accounts: tuple[RouterAccount, ...] = ()
 

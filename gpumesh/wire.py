@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpumesh.types import GpuSample, LoadReport, ModelSpec, Registration, RouterAccount
+from gpumesh.types import (
+    GpuSample,
+    LoadReport,
+    ModelSpec,
+    Registration,
+    RouterAccount,
+    StepModel,
+)
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import inference_pb2 as pb
 
@@ -72,7 +79,11 @@ def load_report_to_proto(r: LoadReport) -> cpb.LoadReport:
         prompt_tokens_per_s=r.prompt_tokens_per_s, kv_capacity_tokens=r.kv_capacity_tokens,
         prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
         decode_step_s=r.decode_step_s, loaded_adapters=r.loaded_adapters,
-        adapter_load_s=r.adapter_load_s)
+        adapter_load_s=r.adapter_load_s,
+        step_model=None if r.step_model is None else cpb.StepModel(
+            a_ms=r.step_model.a_ms, b_decode_ms=r.step_model.b_decode_ms,
+            b_prefill_ms=r.step_model.b_prefill_ms, spans=r.step_model.spans,
+            rms_error=r.step_model.rms_error))
 
 
 def load_report_from_proto(r: cpb.LoadReport) -> LoadReport:
@@ -86,6 +97,9 @@ def load_report_from_proto(r: cpb.LoadReport) -> LoadReport:
         prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
         decode_step_s=r.decode_step_s,
         loaded_adapters=tuple(r.loaded_adapters), adapter_load_s=r.adapter_load_s,
+        step_model=StepModel(r.step_model.a_ms, r.step_model.b_decode_ms,
+                             r.step_model.b_prefill_ms, r.step_model.spans,
+                             r.step_model.rms_error) if r.HasField("step_model") else None,
         gpus=tuple(gpu_from_proto(g) for g in r.gpus),
         router_accounts=tuple(account_from_proto(a) for a in r.router_accounts))
 

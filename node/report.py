@@ -27,6 +27,7 @@ def build_load_report(load: EngineLoad, ledger: AdmissionLedger, draining: bool)
         decode_step_s=max(0.0, load.decode_step_s),
         loaded_adapters=tuple(load.loaded_adapters),
         adapter_load_s=max(0.0, load.adapter_load_s),
+        step_model=load.step_model,
         in_flight=ledger.in_flight, draining=draining, gpus=tuple(load.gpus),
         router_accounts=ledger.accounts())
 
@@ -43,6 +44,8 @@ def merge_reports(reports: Sequence[tuple[float, LoadReport]]) -> LoadReport:
       per-router accounts, generated and prompt tokens/s, and the prefill capacity (each
       front end measures the prompt tokens of its own requests over the same spans; the sum
       approximates the engine's).
+    - Step model: the fit over the most spans (each front end fits the steps whose stats it
+      received; the one that saw most of them is the best informed).
     - Decode step time: the smallest a front end measured. A front end times the intervals
       between the scheduler stats it receives, which span several steps when another front
       end got the stats in between, so larger figures are the inflated ones.
@@ -62,8 +65,10 @@ def merge_reports(reports: Sequence[tuple[float, LoadReport]]) -> LoadReport:
                 acc.first_token_requests + a.first_token_requests,
                 acc.first_token_prompt_tokens + a.first_token_prompt_tokens,
                 (acc.finished_requests or 0) + (a.finished_requests or 0))
+    fits = [r.step_model for r in rs if r.step_model is not None]
     return dataclasses.replace(
         freshest,
+        step_model=max(fits, key=lambda m: m.spans) if fits else None,
         in_flight=sum(r.in_flight for r in rs),
         pending_prefill_tokens=sum(r.pending_prefill_tokens for r in rs),
         generation_tokens_per_s=sum(r.generation_tokens_per_s for r in rs),

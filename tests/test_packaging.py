@@ -70,6 +70,10 @@ def test_wheel_holds_the_product_only(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"gpumesh"}, tops
     assert "gpumesh/router/app.py" in names and "gpumesh/node/app.py" in names
+    # the built-in engine profiles ship as package data
+    shipped = {n for n in names if n.startswith("gpumesh/engine_profiles/")}
+    assert shipped == {f"gpumesh/engine_profiles/{p.name}"
+                       for p in (ROOT / "gpumesh/engine_profiles").glob("*.toml")}, shipped
     assert not [n for n in names if "bench" in n.split("/")[-1] or "/bench/" in n], \
         [n for n in names if "bench" in n]
     # every subpackage of router/ and node/ made it into the wheel

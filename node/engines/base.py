@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from gpumesh.types import GpuSample, ModelSpec
+from gpumesh.types import GpuSample, ModelSpec, StepModel
 
 
 class Finish(str, Enum):
@@ -93,6 +93,9 @@ class EngineLoad:
     # loads (0 = none yet)
     loaded_adapters: tuple[str, ...] = ()
     adapter_load_s: float = 0.0
+    # The step model fitted to the engine's own recent steps (gpumesh.profile_fit.
+    # OnlineStepFit); None = not yet, or an engine that does not fit one
+    step_model: StepModel | None = None
     # time.monotonic() of the scheduler snapshot above (0 = unknown): with several front-end
     # processes on one engine, vLLM sends each step's stats to one of them, and the node
     # reports the freshest (gpumesh.node.frontends)

@@ -167,6 +167,12 @@ def valid_load(msg: cpb.LoadReport, limits: NodeLimits) -> LoadReport:
         _real(field, getattr(msg, field), 0.0, MAX_TOKENS_PER_S)
     _real("decode_step_s", msg.decode_step_s, 0.0, MAX_STEP_S)
     _real("adapter_load_s", msg.adapter_load_s, 0.0, MAX_STEP_S)
+    if msg.HasField("step_model"):
+        sm = msg.step_model
+        for field in ("a_ms", "b_decode_ms", "b_prefill_ms"):
+            _real(f"step_model.{field}", getattr(sm, field), 0.0, MAX_STEP_S * 1000.0)
+        _real("step_model.rms_error", sm.rms_error, 0.0, 1e6)
+        _count([("step_model.spans", sm.spans)], MAX_COUNT)
     if len(msg.loaded_adapters) > MAX_ADAPTERS:
         raise _fail(f"{len(msg.loaded_adapters)} loaded adapters; at most {MAX_ADAPTERS}")
     for a in msg.loaded_adapters:

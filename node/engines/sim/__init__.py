@@ -10,7 +10,11 @@ Model of the GPU (one asyncio task per engine runs continuous-batching steps):
   the next chunk of a chunked prefill) and then admits waiting requests while
   ``max_num_seqs`` and the ``max_num_batched_tokens`` budget allow.
 - Step time (simulated seconds) =
-  ``(step_a_ms + step_b_decode_ms * decode_tokens + step_b_prefill_ms * prefill_tokens) / speed / 1000``.
+  ``(step_a_ms + step_b_decode_ms * decode_tokens + step_b_prefill_ms * prefill_tokens) / speed / 1000``,
+  plus ``step_c_decode_ms`` x decode_tokens^2 and the attention terms of an engine profile
+  (``step_b_decode_context_ms`` x the decoding sequences' lengths summed,
+  ``step_c_prefill_ms`` x the (token, earlier token) pairs the prefill chunks attend over),
+  each 0 unless set (``SimEngineConfig.from_profile``, gpumesh.profiles).
   Tokens sampled in a step appear when the step ends (the first token when a request's last
   prefill chunk ends).
 - KV cache: ``kv_capacity_tokens`` in blocks of ``kv_block_size``; a step only schedules the
@@ -54,7 +58,8 @@ decoding together, B = 1..512, and the prefill slope of one request's TTFT; the 
 ``step_c_decode_ms`` x decode_tokens^2 to the step): the fleet simulator's default, checked
 against those measurements in tests/bench/test_sim_calibration.py.
 
-Not modelled: attention cost growing with context length, CUDA-graph vs eager steps, prefix
+Not modelled: attention cost growing with context length unless the attention terms are set
+(the built-in GPU shapes leave them at 0), CUDA-graph vs eager steps, prefix
 caching (hit rate is always 0), GPU samples (``EngineLoad.gpus`` is empty), and, unless
 ``front_end_tokens_per_s`` is set, the real node's front-end ceiling (with many streams per
 node the simulator is then optimistic).

@@ -4,7 +4,10 @@ package docstring describes the model they parameterise."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from gpumesh.profiles import EngineProfile, ProfileError, builtin_names, builtin_profile
 
 VOCAB_SIZE = 32_000
 
@@ -27,6 +30,10 @@ class SimEngineConfig:
     # quadratic decode term (ms per decode token squared): large batches of a big model cost
     # more than linearly (attention over many sequences); 0 = the linear model
     step_c_decode_ms: float = 0.0
+    # attention terms (gpumesh.profiles): ms per context token the step's decoding sequences
+    # hold, and per (prompt token, earlier token) pair its prefill chunks attend over; 0 = off
+    step_b_decode_context_ms: float = 0.0
+    step_c_prefill_ms: float = 0.0
     front_end_tokens_per_s: float = 0.0  # node front-end ceiling (package docstring); 0 = none
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 16384
@@ -68,38 +75,41 @@ class SimEngineConfig:
         return self.vocab_size if self.eos_token_id < 0 else self.eos_token_id
 
     @classmethod
-    def for_shape(cls, shape: str, **overrides: Any) -> SimEngineConfig:
-        """Calibrated defaults for ``"0.5b"``, ``"7b"`` (measured through a node) or
-        ``"0.5b-h200"``, ``"7b-h200"`` (the bare engine); see the package docstring."""
-        shapes: dict[str, dict[str, Any]] = {
-            "0.5b": {},
-            "7b": {
-                "model_name": "sim-qwen2.5-7b",
-                "kv_capacity_tokens": 1_910_000,
-                "step_a_ms": 4.74,
-                "step_b_decode_ms": 0.0109,
-                "step_b_prefill_ms": 0.0241,
-            },
-            # Fitted on the bare engine (no node around it): decode step = elapsed / 256 of B
-            # requests decoding together, B = 1..512; prefill = the slope of one request's
-            # TTFT over 128..8192 prompt tokens (the package docstring: calibration).
-            "0.5b-h200": {
-                "step_a_ms": 2.742,
-                "step_b_decode_ms": 0.03205,
-                "step_b_prefill_ms": 0.0063,
-            },
-            "7b-h200": {
-                "model_name": "sim-qwen2.5-7b",
-                "kv_capacity_tokens": 1_910_000,
-                "step_a_ms": 4.799,
-                "step_b_decode_ms": 0.01107,
-                "step_c_decode_ms": 3.636e-5,
-                "step_b_prefill_ms": 0.02367,
-            },
+    def from_profile(cls, profile: EngineProfile, **overrides: Any) -> SimEngineConfig:
+        """A simulated engine that performs as ``profile`` says (gpumesh.profiles): its step
+        model, scheduler limits, KV cache, prefix caching and front-end ceiling.
+        ``model_name`` is ``"sim-"`` + the profile model's last path part (the profile's name
+        without a model); ``overrides`` win over everything. The profile's
+        ``request_overhead_ms`` has no counterpart here: the simulator models the steps."""
+        model = Path(profile.model.rstrip("/")).name if profile.model else profile.name
+        fields: dict[str, Any] = {
+            "model_name": f"sim-{model}",
+            "max_context_length": profile.max_model_len,
+            "kv_capacity_tokens": profile.kv_capacity_tokens,
+            "kv_block_size": profile.kv_block_size,
+            "prefix_caching": profile.prefix_caching,
+            "step_a_ms": profile.a_ms,
+            "step_b_decode_ms": profile.b_decode_ms,
+            "step_c_decode_ms": profile.c_decode_ms,
+            "step_b_prefill_ms": profile.b_prefill_ms,
+            "step_b_decode_context_ms": profile.b_decode_context_ms,
+            "step_c_prefill_ms": profile.c_prefill_ms,
+            "front_end_tokens_per_s": profile.front_end_tokens_per_s,
+            "max_num_seqs": profile.max_num_seqs,
+            "max_num_batched_tokens": profile.max_num_batched_tokens,
         }
-        if shape.lower() not in shapes:
-            raise ValueError(f"unknown shape {shape!r}; known: {sorted(shapes)}")
-        return cls(**{**shapes[shape.lower()], **overrides})
+        return cls(**{**fields, **overrides})
+
+    @classmethod
+    def for_shape(cls, shape: str, **overrides: Any) -> SimEngineConfig:
+        """``from_profile`` of the built-in profile ``shape`` (``gpumesh.profiles.builtin_names``:
+        ``"0.5b"``, ``"7b"`` measured through a node, ``"0.5b-h200"``, ``"7b-h200"`` on the
+        bare engine, ...); ``ValueError`` for an unknown one."""
+        try:
+            profile = builtin_profile(shape)
+        except ProfileError as e:
+            raise ValueError(f"unknown shape {shape!r}; known: {builtin_names()}") from e
+        return cls.from_profile(profile, **overrides)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,19 @@ class SimScheduler:
             scheduled, n_dec, n_pre = self._schedule()
         if not scheduled:  # cannot happen: a request alone always fits (add); never spin
             return None
-        dt = self.step_time_s(n_dec, n_pre)
+        c = self.config
+        if c.step_b_decode_context_ms or c.step_c_prefill_ms:
+            # attention: what the scheduled tokens attend to (each request's computed
+            # tokens are still those before this step)
+            dctx = pairs = 0
+            for req, n in scheduled:
+                if n == 1 and req.out:
+                    dctx += req.computed + 1
+                else:
+                    pairs += n * req.computed + n * (n + 1) // 2
+            dt = self.step_time_s(n_dec, n_pre, dctx, pairs)
+        else:
+            dt = self.step_time_s(n_dec, n_pre)
         self._steps += 1
         self._busy += dt
         self._prefill += n_pre
@@ -153,12 +165,18 @@ class SimScheduler:
 
     # --- the model ---------------------------------------------------------------------
 
-    def step_time_s(self, decode_tokens: int, prefill_tokens: int) -> float:
-        """Simulated duration of one step (seconds), before ``time_scale``."""
+    def step_time_s(self, decode_tokens: int, prefill_tokens: int, decode_context: int = 0,
+                    prefill_pairs: int = 0) -> float:
+        """Simulated duration of one step (seconds), before ``time_scale``; the context
+        arguments feed the attention terms (``gpumesh.profiles``: ``decode_context`` = the
+        decoding sequences' lengths summed, ``prefill_pairs`` = the pairs its prefill
+        chunks attend over)."""
         c = self.config
         ms = c.step_a_ms + c.step_b_decode_ms * decode_tokens + c.step_b_prefill_ms * prefill_tokens
         if c.step_c_decode_ms:
             ms += c.step_c_decode_ms * decode_tokens * decode_tokens
+        if decode_context or prefill_pairs:
+            ms += c.step_b_decode_context_ms * decode_context + c.step_c_prefill_ms * prefill_pairs
         gpu_s = ms / c.speed / 1000.0
         if c.front_end_tokens_per_s > 0:
             return max(gpu_s, decode_tokens / c.front_end_tokens_per_s)

@@ -95,6 +95,12 @@ class VllmEngine:
         """The GPU's NVML name (the node registers it), "" without a sampler or NVML."""
         return getattr(self._gpu_sampler, "device_name", "") or ""
 
+    @property
+    def vllm_config(self) -> Any:
+        """vLLM's ``VllmConfig`` of the started engine (scheduler, cache and model configs as
+        vLLM resolved them); ``EngineUnavailable`` before ``start()``."""
+        return self._engine().vllm_config
+
     # -- Engine protocol -----------------------------------------------------------------
 
     @property

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpumesh.node.engines.base import EngineLoad, WindowMean
+from gpumesh.profile_fit import OnlineStepFit
 
 
 class LoadStatLogger:
@@ -41,6 +42,11 @@ class LoadStatLogger:
     steps); the output handler's bursts (queued steps recorded back to back after one long
     interval) cancel out in the mean. It keeps its value while idle; 0 until one step is
     timed.
+
+    Step model (``EngineLoad.step_model``): the same step ends, with the decode tokens
+    (generated tokens) and prefill tokens (prompt tokens computed) of the step, feed a
+    ``gpumesh.profile_fit.OnlineStepFit``: a least-squares fit of the engine's linear step
+    model over its recent busy spans of at least ``fit_span_s``, None until it has 8.
     """
 
     def __init__(
@@ -52,8 +58,11 @@ class LoadStatLogger:
         capacity_window_s: float = 10.0,
         capacity_windows: int = 6,
         step_window_s: float = 3.0,
+        fit_span_s: float = 0.25,
     ) -> None:
         self._clock = clock
+        self._fit = OnlineStepFit(span_s=fit_span_s)
+        self._step_busy = False   # the step that just ended had a predecessor still running
         # decode step time: the timed steps of the last step_window_s
         self._step_last_t: float | None = None
         self._steps = WindowMean(step_window_s)
@@ -109,6 +118,8 @@ class LoadStatLogger:
             pts = getattr(iteration_stats, "prompt_token_stats", None)
             prompt = int(getattr(pts, "computed", 0)) if pts is not None else 0
             now = self._clock()
+            if scheduler_stats is not None:   # one step ended: what it scheduled
+                self._fit.step(now, self._step_busy, gen, prompt)
             if gen or prompt:
                 self._rates.append((now, gen, prompt))
                 self._gen_sum += gen
@@ -120,7 +131,8 @@ class LoadStatLogger:
         """One engine step ended at ``now`` (before ``_running`` takes this step's count)."""
         last = self._step_last_t
         self._step_last_t = now
-        if last is not None and self._running > 0:
+        self._step_busy = last is not None and self._running > 0
+        if self._step_busy and last is not None:
             self._steps.add(now, now - last)
         else:
             self._steps.expire(now)
@@ -212,6 +224,7 @@ class LoadStatLogger:
             kv_capacity_tokens=self.kv_capacity_tokens,
             prefill_capacity_tokens_per_s=self.prefill_capacity_tokens_per_s,
             decode_step_s=self.decode_step_s,
+            step_model=self._fit.model(),
             stats_at=self._step_last_t or 0.0,
         )
 

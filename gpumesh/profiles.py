@@ -1,0 +1,371 @@
+"""Engine profiles: how one inference engine performs, in one versioned TOML file.
+
+A profile says what a step of the engine costs as a function of what the step holds, what
+its scheduler admits, how much KV cache it has, and what a request pays outside the steps.
+``gpumesh calibrate`` measures one from a real vLLM engine; the simulator
+(``SimEngineConfig.from_profile``) runs on one; built-in profiles ship with the package
+(:func:`builtin_profile`, :func:`builtin_names`).
+
+Step model (ms; tokens are the tokens the step schedules)::
+
+    step_ms = a_ms + b_decode_ms * decode_tokens + c_decode_ms * decode_tokens**2
+                   + b_prefill_ms * prefill_tokens
+                   + b_decode_context_ms * decode_context + c_prefill_ms * prefill_pairs
+
+where ``decode_context`` is the context the step's decoding sequences attend to (the sum of
+their lengths: reading their KV cache) and ``prefill_pairs`` the (prompt token, earlier token)
+pairs its prefill chunks attend over (a chunk of n tokens after c computed ones: n*c +
+n*(n+1)/2): attention, which grows with context. Both terms are 0 where it does not matter.
+
+A lone request's prefill (:meth:`EngineProfile.prefill_ms`) is the steps of its uncached
+prompt in chunks of at most ``max_num_batched_tokens``; its time to first token
+(:meth:`EngineProfile.ttft_ms`) adds ``request_overhead_ms``, the fixed cost outside the
+steps (input and output processing in the front end), which the step model does not hold.
+
+TOML layout (every key is described in docs/simulator.md, "Engine profiles")::
+
+    format = "gpumesh.engine-profile/1"
+    [engine]     name, platform ("cpu" | "cuda"), model, vllm_version, measured, source
+    [scheduler]  max_num_seqs, max_num_batched_tokens, max_model_len
+    [kv]         capacity_tokens, block_size, prefix_caching
+    [step]       a_ms, b_decode_ms, c_decode_ms, b_prefill_ms, b_decode_context_ms,
+                 c_prefill_ms
+    [front_end]  tokens_per_s (0 = no ceiling), request_overhead_ms
+    [[samples]]  kind ("decode" | "prefill"), batch, prompt_tokens, cached_tokens,
+                 context_tokens, measured_ms, fit_ms, held_out
+
+A profile is validated when built or loaded: every number finite and in range, no unknown
+key; a ``ProfileError`` names the offending key (``step.a_ms``, ``samples[3].batch``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+FORMAT = "gpumesh.engine-profile/1"
+PLATFORMS = ("cpu", "cuda")
+SAMPLE_KINDS = ("decode", "prefill")
+BUILTIN_PACKAGE = "gpumesh"
+BUILTIN_FOLDER = "engine_profiles"
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message starts with the offending key."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One raw measurement a profile was fitted on.
+
+    ``kind = "decode"``: ``batch`` requests decoding together after prompts of
+    ``prompt_tokens``, ``measured_ms`` = one step; ``context_tokens`` = each sequence's mean
+    length over the measured steps (0 = not recorded: no context term). ``kind = "prefill"``: one request of
+    ``prompt_tokens`` tokens (``cached_tokens`` of them a prefix-cache hit) alone with
+    ``max_tokens = 1``, ``measured_ms`` = its time to first token. ``fit_ms`` = what the
+    profile's model predicts for it (0 = not computed); ``held_out`` = left out of the fit.
+    """
+
+    kind: str
+    measured_ms: float
+    batch: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    context_tokens: int = 0
+    fit_ms: float = 0.0
+    held_out: bool = False
+
+    @property
+    def error(self) -> float:
+        """Relative error of the fit, ``fit_ms / measured_ms - 1`` (0 without a fit)."""
+        return self.fit_ms / self.measured_ms - 1.0 if self.fit_ms and self.measured_ms else 0.0
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """One engine's performance (module docstring: the model and the TOML keys)."""
+
+    # [engine]: what was measured
+    name: str
+    platform: str = "cuda"
+    model: str = ""
+    vllm_version: str = ""
+    measured: str = ""
+    source: str = ""
+    # [scheduler]
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 8704
+    # [kv]
+    kv_capacity_tokens: int = 10_200_000
+    kv_block_size: int = 16
+    prefix_caching: bool = True
+    # [step], ms
+    a_ms: float = 0.0
+    b_decode_ms: float = 0.0
+    c_decode_ms: float = 0.0
+    b_prefill_ms: float = 0.0
+    b_decode_context_ms: float = 0.0
+    c_prefill_ms: float = 0.0
+    # [front_end]
+    front_end_tokens_per_s: float = 0.0
+    request_overhead_ms: float = 0.0
+    samples: tuple[Sample, ...] = ()
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def step_ms(self, decode_seqs: int, decode_tokens: int, prefill_tokens: int,
+                decode_context: int = 0, prefill_pairs: int = 0) -> float:
+        """One engine step in ms holding ``decode_seqs`` decoding sequences that schedule
+        ``decode_tokens`` tokens (one each without speculative decoding) and
+        ``prefill_tokens`` prompt tokens (chunked prefill included); ``decode_context`` and
+        ``prefill_pairs`` as in the module docstring (0: the context terms left out). The
+        model prices tokens; ``decode_seqs`` is accepted so callers state the batch."""
+        if (decode_seqs < 0 or decode_tokens < decode_seqs or prefill_tokens < 0
+                or decode_context < 0 or prefill_pairs < 0):
+            raise ValueError("need 0 <= decode_seqs <= decode_tokens and the rest >= 0")
+        d = float(decode_tokens)
+        return (self.a_ms + self.b_decode_ms * d + self.c_decode_ms * d * d
+                + self.b_prefill_ms * prefill_tokens
+                + self.b_decode_context_ms * decode_context + self.c_prefill_ms * prefill_pairs)
+
+    def prefill_chunks(self, prompt_tokens: int, cached_tokens: int = 0) -> list[tuple[int, int]]:
+        """``(tokens, pairs)`` of each step that prefills one request alone: its uncached
+        tokens (at least one: the engine always computes the last prompt token) in chunks of
+        at most ``max_num_batched_tokens``."""
+        if prompt_tokens < 1 or not 0 <= cached_tokens <= prompt_tokens:
+            raise ValueError("need prompt_tokens >= 1 and 0 <= cached_tokens <= prompt_tokens")
+        done = min(cached_tokens if self.prefix_caching else 0, prompt_tokens - 1)
+        chunks = []
+        while done < prompt_tokens:
+            n = min(prompt_tokens - done, self.max_num_batched_tokens)
+            chunks.append((n, prefill_pairs(done, n)))
+            done += n
+        return chunks
+
+    def prefill_ms(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Engine time in ms to prefill one request alone (the steps of
+        :meth:`prefill_chunks`); without ``request_overhead_ms`` (see :meth:`ttft_ms`)."""
+        return sum(self.step_ms(0, 0, n, prefill_pairs=pairs)
+                   for n, pairs in self.prefill_chunks(prompt_tokens, cached_tokens))
+
+    def ttft_ms(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """A lone request's time to first token in ms: ``request_overhead_ms`` + its prefill."""
+        return self.request_overhead_ms + self.prefill_ms(prompt_tokens, cached_tokens)
+
+    def predict(self, s: Sample) -> float:
+        """What this profile's model says ``s`` measured (ms)."""
+        if s.kind == "decode":
+            return self.step_ms(s.batch, s.batch, 0, decode_context=s.batch * s.context_tokens)
+        return self.ttft_ms(s.prompt_tokens, s.cached_tokens)
+
+
+def prefill_pairs(computed: int, tokens: int) -> int:
+    """(token, earlier token) pairs a prefill chunk of ``tokens`` after ``computed`` tokens
+    attends over (each token attends to every token up to itself)."""
+    return tokens * computed + tokens * (tokens + 1) // 2
+
+
+# -- validation ---------------------------------------------------------------------------
+
+_INTS: dict[str, int] = {  # attribute -> minimum
+    "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1,
+    "kv_capacity_tokens": 1, "kv_block_size": 1,
+}
+_FLOATS = ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms", "b_decode_context_ms",
+           "c_prefill_ms", "front_end_tokens_per_s", "request_overhead_ms")
+_MAX_INT = 1 << 40
+
+
+def _check_int(key: str, v: Any, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProfileError(f"{key}: must be an integer, got {v!r}")
+    if not lo <= v <= _MAX_INT:
+        raise ProfileError(f"{key}: must be in [{lo}, {_MAX_INT}], got {v}")
+
+
+def _check_float(key: str, v: Any, lo: float = 0.0) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ProfileError(f"{key}: must be a number, got {v!r}")
+    if not math.isfinite(v) or v < lo or v > 1e12:
+        raise ProfileError(f"{key}: must be finite and in [{lo}, 1e12], got {v}")
+
+
+def _check_str(key: str, v: Any) -> None:
+    if not isinstance(v, str) or len(v) > 512:
+        raise ProfileError(f"{key}: must be a string of at most 512 characters, got {v!r}")
+
+
+def validate(p: EngineProfile) -> None:
+    """Raise ``ProfileError`` naming the first bad key of ``p`` (TOML key names)."""
+    toml_key = {attr: f"{table}.{key}" for table, pairs in _LAYOUT.items()
+                for key, attr in pairs.items()}
+    for attr in ("name", "model", "vllm_version", "measured", "source"):
+        _check_str(toml_key[attr], getattr(p, attr))
+    if not p.name:
+        raise ProfileError("engine.name: must not be empty")
+    if p.platform not in PLATFORMS:
+        raise ProfileError(f"engine.platform: must be one of {PLATFORMS}, got {p.platform!r}")
+    for attr, lo in _INTS.items():
+        _check_int(toml_key[attr], getattr(p, attr), lo)
+    for attr in _FLOATS:
+        _check_float(toml_key[attr], getattr(p, attr))
+    if not isinstance(p.prefix_caching, bool):
+        raise ProfileError(f"kv.prefix_caching: must be true or false, got {p.prefix_caching!r}")
+    if p.a_ms + p.b_decode_ms + p.b_prefill_ms + p.c_decode_ms <= 0:
+        raise ProfileError("step.a_ms: the step model must cost something (all terms are 0)")
+    if p.kv_capacity_tokens < p.kv_block_size:
+        raise ProfileError("kv.capacity_tokens: must hold at least one block (kv.block_size)")
+    for i, s in enumerate(p.samples):
+        key = f"samples[{i}]"
+        if not isinstance(s, Sample):
+            raise ProfileError(f"{key}: must be a Sample, got {type(s).__name__}")
+        if s.kind not in SAMPLE_KINDS:
+            raise ProfileError(f"{key}.kind: must be one of {SAMPLE_KINDS}, got {s.kind!r}")
+        _check_float(f"{key}.measured_ms", s.measured_ms)
+        _check_float(f"{key}.fit_ms", s.fit_ms)
+        if s.measured_ms <= 0:
+            raise ProfileError(f"{key}.measured_ms: must be > 0, got {s.measured_ms}")
+        _check_int(f"{key}.batch", s.batch, 1 if s.kind == "decode" else 0)
+        _check_int(f"{key}.prompt_tokens", s.prompt_tokens, 1 if s.kind == "prefill" else 0)
+        _check_int(f"{key}.cached_tokens", s.cached_tokens, 0)
+        _check_int(f"{key}.context_tokens", s.context_tokens, 0)
+        if s.cached_tokens > s.prompt_tokens:
+            raise ProfileError(f"{key}.cached_tokens: must be <= prompt_tokens")
+        if not isinstance(s.held_out, bool):
+            raise ProfileError(f"{key}.held_out: must be true or false, got {s.held_out!r}")
+
+
+# -- TOML ---------------------------------------------------------------------------------
+
+# table -> {TOML key: EngineProfile attribute}
+_LAYOUT: dict[str, dict[str, str]] = {
+    "engine": {k: k for k in ("name", "platform", "model", "vllm_version", "measured",
+                              "source")},
+    "scheduler": {k: k for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")},
+    "kv": {"capacity_tokens": "kv_capacity_tokens", "block_size": "kv_block_size",
+           "prefix_caching": "prefix_caching"},
+    "step": {k: k for k in ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms",
+                            "b_decode_context_ms", "c_prefill_ms")},
+    "front_end": {"tokens_per_s": "front_end_tokens_per_s",
+                  "request_overhead_ms": "request_overhead_ms"},
+}
+_SAMPLE_KEYS = tuple(f.name for f in fields(Sample))
+_SAMPLE_DEFAULTS = {f.name: f.default for f in fields(Sample)}
+
+
+def from_mapping(doc: Mapping[str, Any]) -> EngineProfile:
+    """An ``EngineProfile`` from a parsed TOML document; ``ProfileError`` names a bad key."""
+    fmt = doc.get("format")
+    if fmt != FORMAT:
+        raise ProfileError(f"format: must be {FORMAT!r}, got {fmt!r}")
+    unknown = set(doc) - {"format", "samples", *_LAYOUT}
+    if unknown:
+        raise ProfileError(f"{sorted(unknown)[0]}: unknown table or key")
+    kwargs: dict[str, Any] = {}
+    for table, pairs in _LAYOUT.items():
+        section = doc.get(table, {})
+        if not isinstance(section, Mapping):
+            raise ProfileError(f"{table}: must be a table")
+        for key in section:
+            if key not in pairs:
+                raise ProfileError(f"{table}.{key}: unknown key")
+        for key, attr in pairs.items():
+            if key in section:
+                kwargs[attr] = section[key]
+    if "name" not in kwargs:
+        raise ProfileError("engine.name: missing")
+    raw = doc.get("samples", [])
+    if not isinstance(raw, list):
+        raise ProfileError("samples: must be an array of tables ([[samples]])")
+    samples = []
+    for i, row in enumerate(raw):
+        if not isinstance(row, Mapping):
+            raise ProfileError(f"samples[{i}]: must be a table")
+        for key in row:
+            if key not in _SAMPLE_KEYS:
+                raise ProfileError(f"samples[{i}].{key}: unknown key")
+        if "kind" not in row or "measured_ms" not in row:
+            raise ProfileError(f"samples[{i}]: needs kind and measured_ms")
+        samples.append(Sample(**row))
+    return EngineProfile(**kwargs, samples=tuple(samples))
+
+
+def loads_profile(text: str, origin: str = "<string>") -> EngineProfile:
+    """Parse and validate a profile's TOML text; ``ProfileError`` says where and what."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{origin}: not valid TOML: {e}") from e
+    try:
+        return from_mapping(doc)
+    except ProfileError as e:
+        raise ProfileError(f"{e} (in {origin})") from e
+
+
+def load_profile(path: str | Path) -> EngineProfile:
+    """Read and validate the profile at ``path`` (blocking file I/O: callers on an event loop
+    use ``asyncio.to_thread``)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read: {e.strerror or e}") from e
+    return loads_profile(text, str(p))
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)  # finite (validated); repr round-trips exactly
+    s = str(v)
+    escaped = s.replace("\\", "\\\\").replace('"', '\\"')
+    escaped = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in escaped)
+    return f'"{escaped}"'
+
+
+def dumps_profile(p: EngineProfile) -> str:
+    """The TOML text of ``p``; ``loads_profile`` gives ``p`` back exactly."""
+    validate(p)
+    lines = [f"format = {_toml_value(FORMAT)}"]
+    for table, pairs in _LAYOUT.items():
+        lines += ["", f"[{table}]"]
+        lines += [f"{key} = {_toml_value(getattr(p, attr))}" for key, attr in pairs.items()]
+    for s in p.samples:  # keys at their default are left out (kind and measured_ms never)
+        lines += ["", "[[samples]]"]
+        lines += [f"{k} = {_toml_value(getattr(s, k))}" for k in _SAMPLE_KEYS
+                  if k in ("kind", "measured_ms") or getattr(s, k) != _SAMPLE_DEFAULTS[k]]
+    return "\n".join(lines) + "\n"
+
+
+def dump_profile(profile: EngineProfile, path: str | Path) -> None:
+    """Write ``profile`` to ``path`` as TOML (blocking file I/O)."""
+    Path(path).write_text(dumps_profile(profile), encoding="utf-8")
+
+
+# -- built-in profiles --------------------------------------------------------------------
+
+def builtin_names() -> list[str]:
+    """Names of the profiles shipped with gpumesh (``builtin_profile`` takes them)."""
+    folder = resources.files(BUILTIN_PACKAGE) / BUILTIN_FOLDER
+    return sorted(f.name[:-5] for f in folder.iterdir() if f.name.endswith(".toml"))
+
+
+@functools.lru_cache(maxsize=64)
+def builtin_profile(name: str) -> EngineProfile:
+    """The built-in profile ``name`` (case-insensitive); ``ProfileError`` if there is none."""
+    key = name.lower()
+    if key not in builtin_names():
+        raise ProfileError(f"unknown built-in profile {name!r}; known: {builtin_names()}")
+    f = resources.files(BUILTIN_PACKAGE) / BUILTIN_FOLDER / f"{key}.toml"
+    return loads_profile(f.read_text(encoding="utf-8"), f"built-in profile {key}")
