@@ -4,7 +4,8 @@
 the scheduler limits (max_num_seqs, max_num_batched_tokens), the KV capacity and block size,
 the context length and the heartbeat interval of the live nodes, and the step model of an
 engine profile (``step_a_ms``, ``step_b_decode_ms``, ``step_c_decode_ms``,
-``step_b_prefill_ms``; ``front_end_ms``: the node's fixed time per request, split into the
+``step_b_prefill_ms`` and the attention terms ``step_b_decode_context_ms``,
+``step_c_prefill_ms`` where the profile has them; ``front_end_ms``: the node's fixed time per request, split into the
 two one-way message delays). ``simulate_side`` replays the trace through the simulator with
 the router's real code (``core.Simulation``) for a few seeds (the seeds change the
 simulator's own random draws, e.g. power_of_two's sampling, not the trace).
@@ -38,7 +39,8 @@ METRICS = ("ttft_p50", "ttft_p90", "ttft_p99", "e2e_p50", "e2e_p99")
 BANDED = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")   # the +-25 % band applies to these
 BAND = 0.25
 TIE = 0.05   # two live values closer than this are a tie: no order to reproduce
-STEP_KEYS = ("step_a_ms", "step_b_decode_ms", "step_c_decode_ms", "step_b_prefill_ms")
+STEP_KEYS = ("step_a_ms", "step_b_decode_ms", "step_c_decode_ms", "step_b_prefill_ms",
+             "step_b_decode_context_ms", "step_c_prefill_ms")
 
 
 def sim_fleet(node_ids: Sequence[str], profile: dict[str, Any], *, max_num_seqs: int,

@@ -137,8 +137,9 @@ def add_arguments(p: Any) -> None:
                         "--cores)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--profile", default="",
-                   help="engine profile TOML for the simulator; default: fitted on the live "
-                        "engines first")
+                   help="engine profile for the simulator: a TOML file (gpumesh calibrate) "
+                        "or a built-in name (tiny-cpu); default: fitted on the live engines "
+                        "first")
     p.add_argument("--tenants", type=int, default=16)
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=1)
@@ -166,20 +167,21 @@ def _kv(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
-def load_profile(path: str) -> dict[str, Any]:
-    """The simulator's step model from an engine profile TOML (format
-    ``gpumesh.engine-profile/1``: ``[step]`` a_ms, b_decode_ms, c_decode_ms, b_prefill_ms;
-    ``[front_end]`` tokens_per_s and request_overhead_ms)."""
-    import tomllib
+def load_profile(name_or_path: str) -> dict[str, Any]:
+    """The simulator's step model from an engine profile (``gpumesh.profiles``): a TOML file
+    (the one ``gpumesh calibrate`` writes) or a built-in profile's name (``tiny-cpu``)."""
+    from gpumesh import profiles
 
-    with open(path, "rb") as f:
-        d = tomllib.load(f)
-    st, fe = d.get("step", {}), d.get("front_end", {})
-    return {"step_a_ms": float(st["a_ms"]), "step_b_decode_ms": float(st.get("b_decode_ms", 0)),
-            "step_c_decode_ms": float(st.get("c_decode_ms", 0)),
-            "step_b_prefill_ms": float(st.get("b_prefill_ms", 0)),
-            "front_end_tokens_per_s": float(fe.get("tokens_per_s", 0)),
-            "front_end_ms": float(fe.get("request_overhead_ms", 0)), "source": str(path)}
+    if Path(name_or_path).exists():
+        p = profiles.load_profile(name_or_path)
+    else:
+        p = profiles.builtin_profile(name_or_path)
+    return {"step_a_ms": p.a_ms, "step_b_decode_ms": p.b_decode_ms,
+            "step_c_decode_ms": p.c_decode_ms, "step_b_prefill_ms": p.b_prefill_ms,
+            "step_b_decode_context_ms": p.b_decode_context_ms,
+            "step_c_prefill_ms": p.c_prefill_ms,
+            "front_end_tokens_per_s": p.front_end_tokens_per_s,
+            "front_end_ms": p.request_overhead_ms, "source": f"profile {name_or_path}"}
 
 
 def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:

@@ -15,6 +15,8 @@ from gpumesh_bench.sim.cli import build_parser
 from gpumesh_bench.sim.validate import merge, validate
 
 PROFILE = """format = "gpumesh.engine-profile/1"
+[engine]
+name = "test"
 [step]
 a_ms = 8.0
 b_decode_ms = 0.4
