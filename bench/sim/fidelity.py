@@ -18,14 +18,20 @@ metric whether the simulator orders the policies as the live fleet does: every p
 policies whose live values differ by more than ``TIE`` (5 %) must come in the same order in
 the simulator (a pair the live fleet does not tell apart asks nothing of it; the strict
 order of all policies is reported beside it).
+
+``load_profile`` reads an engine profile for the simulator side, ``profile_toml`` writes a
+fitted step model in the profile format, ``merge`` folds several ``gpumesh sim validate``
+results into one comparison.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gpumesh.node.engines.sim import SimEngineConfig
@@ -167,3 +173,80 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += ["", f"Cells within the band: {c['cells_within_band']} of {c['cells']}; "
               f"same ranking: {c['rankings_same']} of {c['ranking_cells']}."]
     return "\n".join(lines) + "\n"
+
+
+def load_profile(name_or_path: str) -> dict[str, Any]:
+    """The simulator's step model from an engine profile (``gpumesh.profiles``): a TOML file
+    (the one ``gpumesh calibrate`` writes) or a built-in profile's name (``tiny-cpu``)."""
+    from gpumesh import profiles
+
+    if Path(name_or_path).exists():
+        p = profiles.load_profile(name_or_path)
+    else:
+        p = profiles.builtin_profile(name_or_path)
+    return {"step_a_ms": p.a_ms, "step_b_decode_ms": p.b_decode_ms,
+            "step_c_decode_ms": p.c_decode_ms, "step_b_prefill_ms": p.b_prefill_ms,
+            "step_b_decode_context_ms": p.b_decode_context_ms,
+            "step_c_prefill_ms": p.c_prefill_ms,
+            "front_end_tokens_per_s": p.front_end_tokens_per_s,
+            "front_end_ms": p.request_overhead_ms, "source": f"profile {name_or_path}"}
+
+
+def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
+    """The fitted step model as an engine profile TOML (the ``load_profile`` format), so
+    that later runs (``--profile``) simulate with the same one."""
+    return "\n".join([
+        'format = "gpumesh.engine-profile/1"', "[engine]", 'name = "live-fit"',
+        f'source = "{p.get("source", "")}"', "[scheduler]",
+        f"max_num_seqs = {live.get('max_num_seqs', 0)}",
+        f"max_num_batched_tokens = {live.get('max_num_batched_tokens', 0)}", "[kv]",
+        f"capacity_tokens = {live.get('kv_capacity_tokens', 0)}", "block_size = 16", "[step]",
+        f"a_ms = {p['step_a_ms']!r}", f"b_decode_ms = {p['step_b_decode_ms']!r}",
+        f"c_decode_ms = {p.get('step_c_decode_ms', 0.0)!r}",
+        f"b_prefill_ms = {p['step_b_prefill_ms']!r}", "[front_end]",
+        f"tokens_per_s = {p.get('front_end_tokens_per_s', 0.0)!r}",
+        f"request_overhead_ms = {p.get('front_end_ms', 0.0)!r}"]) + "\n"
+
+
+def merge(files: list[str], profile: dict[str, Any] | None = None,
+          sim_seeds: int = 3, step_scale: float = 1.0) -> dict[str, Any]:
+    """One document from several validate.json files (e.g. one policy each, each calibrated
+    in its own run): their live runs (a later file's (workload, policy) replaces an earlier
+    one's), and the simulator re-run on every trace with ONE profile: ``profile``, else each
+    step-model term's median over the files' fits; its step terms times ``step_scale``."""
+    from gpumesh_bench.sim import fidelity_trace as ft
+
+    docs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in files]
+    if profile is None:
+        keys = (*STEP_KEYS, "front_end_ms", "front_end_tokens_per_s")
+        profile = {k: statistics.median(float(d["profile"].get(k, 0.0)) for d in docs)
+                   for k in keys}
+        profile["source"] = f"median of {len(docs)} fits on the live engines"
+    if step_scale != 1.0:
+        profile = {**profile, "step_scale": step_scale,
+                   **{k: float(profile.get(k, 0.0)) * step_scale for k in STEP_KEYS}}
+    live, tr = docs[0]["live"], docs[0]["trace"]
+    out: dict[str, Any] = {"command": " ; ".join(d["command"] for d in docs),
+                           "merged": list(files), "live": live, "trace": tr,
+                           "profile": profile, "workloads": {}, "live_runs": {},
+                           "sim_runs": {}, "parts": [{"command": d["command"],
+                                                       "profile": d["profile"],
+                                                       "live": d["live"]} for d in docs]}
+    for d in docs:
+        out["workloads"].update(d["workloads"])
+        for wk, pols in d["live_runs"].items():
+            out["live_runs"].setdefault(wk, {}).update(pols)
+    sfleet = sim_fleet(
+        tuple(live["node_engines"]), profile, max_num_seqs=live["max_num_seqs"],
+        max_num_batched_tokens=live["max_num_batched_tokens"],
+        kv_capacity_tokens=min(live["kv_capacity_tokens"], 1 << 24),
+        max_context_length=live["max_model_len"])
+    for wk, pols in out["live_runs"].items():
+        info = out["workloads"][wk]
+        w = ft.build(wk, info["requests"], info["rate"], tr["seed"], tr["tenants"],
+                     tr["system_tokens"])
+        out["sim_runs"][wk] = {p: simulate_side(sfleet, w, p,
+                                                         tuple(range(1, sim_seeds + 1)))
+                               for p in pols}
+    out["comparison"] = compare(out["live_runs"], out["sim_runs"])
+    return out

@@ -26,7 +26,6 @@ and their ratio sim / live.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -167,84 +166,6 @@ def _kv(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
-def load_profile(name_or_path: str) -> dict[str, Any]:
-    """The simulator's step model from an engine profile (``gpumesh.profiles``): a TOML file
-    (the one ``gpumesh calibrate`` writes) or a built-in profile's name (``tiny-cpu``)."""
-    from gpumesh import profiles
-
-    if Path(name_or_path).exists():
-        p = profiles.load_profile(name_or_path)
-    else:
-        p = profiles.builtin_profile(name_or_path)
-    return {"step_a_ms": p.a_ms, "step_b_decode_ms": p.b_decode_ms,
-            "step_c_decode_ms": p.c_decode_ms, "step_b_prefill_ms": p.b_prefill_ms,
-            "step_b_decode_context_ms": p.b_decode_context_ms,
-            "step_c_prefill_ms": p.c_prefill_ms,
-            "front_end_tokens_per_s": p.front_end_tokens_per_s,
-            "front_end_ms": p.request_overhead_ms, "source": f"profile {name_or_path}"}
-
-
-def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
-    """The fitted step model as an engine profile TOML (the ``load_profile`` format), so
-    that later runs (``--profile``) simulate with the same one."""
-    return "\n".join([
-        'format = "gpumesh.engine-profile/1"', "[engine]", 'name = "live-fit"',
-        f'source = "{p.get("source", "")}"', "[scheduler]",
-        f"max_num_seqs = {live.get('max_num_seqs', 0)}",
-        f"max_num_batched_tokens = {live.get('max_num_batched_tokens', 0)}", "[kv]",
-        f"capacity_tokens = {live.get('kv_capacity_tokens', 0)}", "block_size = 16", "[step]",
-        f"a_ms = {p['step_a_ms']!r}", f"b_decode_ms = {p['step_b_decode_ms']!r}",
-        f"c_decode_ms = {p.get('step_c_decode_ms', 0.0)!r}",
-        f"b_prefill_ms = {p['step_b_prefill_ms']!r}", "[front_end]",
-        f"tokens_per_s = {p.get('front_end_tokens_per_s', 0.0)!r}",
-        f"request_overhead_ms = {p.get('front_end_ms', 0.0)!r}"]) + "\n"
-
-
-def merge(files: list[str], profile: dict[str, Any] | None = None,
-          sim_seeds: int = 3, step_scale: float = 1.0) -> dict[str, Any]:
-    """One document from several validate.json files (e.g. one policy each, each calibrated
-    in its own run): their live runs (a later file's (workload, policy) replaces an earlier
-    one's), and the simulator re-run on every trace with ONE profile: ``profile``, else each
-    step-model term's median over the files' fits; its step terms times ``step_scale``."""
-    from gpumesh_bench.sim import fidelity
-    from gpumesh_bench.sim import fidelity_trace as ft
-
-    docs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in files]
-    if profile is None:
-        keys = (*fidelity.STEP_KEYS, "front_end_ms", "front_end_tokens_per_s")
-        profile = {k: statistics.median(float(d["profile"].get(k, 0.0)) for d in docs)
-                   for k in keys}
-        profile["source"] = f"median of {len(docs)} fits on the live engines"
-    if step_scale != 1.0:
-        profile = {**profile, "step_scale": step_scale,
-                   **{k: float(profile.get(k, 0.0)) * step_scale for k in fidelity.STEP_KEYS}}
-    live, tr = docs[0]["live"], docs[0]["trace"]
-    out: dict[str, Any] = {"command": " ; ".join(d["command"] for d in docs),
-                           "merged": list(files), "live": live, "trace": tr,
-                           "profile": profile, "workloads": {}, "live_runs": {},
-                           "sim_runs": {}, "parts": [{"command": d["command"],
-                                                       "profile": d["profile"],
-                                                       "live": d["live"]} for d in docs]}
-    for d in docs:
-        out["workloads"].update(d["workloads"])
-        for wk, pols in d["live_runs"].items():
-            out["live_runs"].setdefault(wk, {}).update(pols)
-    sfleet = fidelity.sim_fleet(
-        tuple(live["node_engines"]), profile, max_num_seqs=live["max_num_seqs"],
-        max_num_batched_tokens=live["max_num_batched_tokens"],
-        kv_capacity_tokens=min(live["kv_capacity_tokens"], 1 << 24),
-        max_context_length=live["max_model_len"])
-    for wk, pols in out["live_runs"].items():
-        info = out["workloads"][wk]
-        w = ft.build(wk, info["requests"], info["rate"], tr["seed"], tr["tenants"],
-                     tr["system_tokens"])
-        out["sim_runs"][wk] = {p: fidelity.simulate_side(sfleet, w, p,
-                                                         tuple(range(1, sim_seeds + 1)))
-                               for p in pols}
-    out["comparison"] = fidelity.compare(out["live_runs"], out["sim_runs"])
-    return out
-
-
 def _live_metrics(results: list[Any], samples: list[dict[str, Any]], n: int,
                   nodes: tuple[str, ...], duration_s: float) -> dict[str, Any]:
     from gpumesh_bench.sim.fidelity import summarize
@@ -328,13 +249,14 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
         doc["live"].update(limits, kv_capacity_tokens=kv,
                            node_engines=await fleet.engines(policies[0]))
         if a.profile:
-            profile = load_profile(a.profile)
+            profile = fidelity.load_profile(a.profile)
         else:
             profile = await calibrate(fleet.node_address(fleet.node_ids[0]), "tiny", vocab,
                                       context=a.system_tokens + 48)
             profile["source"] = "fitted on the live engine e0 (gpumesh_bench.livecal)"
         doc["profile"] = profile
-        (out / "profile.toml").write_text(profile_toml(profile, doc["live"]), encoding="utf-8")
+        (out / "profile.toml").write_text(fidelity.profile_toml(profile, doc["live"]),
+                                          encoding="utf-8")
         sfleet = fidelity.sim_fleet(
             fleet.node_ids, profile,
             max_num_seqs=limits.get("max_num_seqs", engine_args["max_num_seqs"]),
@@ -397,8 +319,8 @@ def validate(a: Any) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.merge:
-        doc = merge(a.merge, load_profile(a.profile) if a.profile else None, a.sim_seeds,
-                    a.step_scale)
+        profile = fidelity.load_profile(a.profile) if a.profile else None
+        doc = fidelity.merge(a.merge, profile, a.sim_seeds, a.step_scale)
     else:
         doc = asyncio.run(_validate(a, out))
     md = fidelity.markdown(doc)

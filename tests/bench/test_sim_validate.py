@@ -12,7 +12,8 @@ import pytest
 
 from gpumesh_bench.sim import fidelity, fidelity_trace
 from gpumesh_bench.sim.cli import build_parser
-from gpumesh_bench.sim.validate import merge, validate
+from gpumesh_bench.sim.fidelity import merge
+from gpumesh_bench.sim.validate import validate
 
 PROFILE = """format = "gpumesh.engine-profile/1"
 [engine]
