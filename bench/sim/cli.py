@@ -14,6 +14,9 @@
   gpumesh sim plan  --fleet F [--fleet G ...] (--trace T.jsonl | --workload W) --slo TTFT:TPOT
                     [--rates R,...] [--attainment 0.99] [--policy P] [--out DIR]
   gpumesh sim trace --workload W --requests N --rate R --out T.jsonl [--seed S]
+  gpumesh sim validate [--model DIR] [--workloads shared-prefix,unique] [--policies P,...]
+                    [--requests 2000] [--rate R[,R2]] [--cores 0,1] [--engine-arg K=V ...]
+                    [--profile PROFILE.toml] --out DIR    (the simulator against real engines)
   gpumesh sim --fleet F ... --trace T --slo ...      (= plan)
 
 F: a built-in fleet (homo, hetero-speed, hetero-kv, hetero-kvspeed, large) or a fleet TOML.
@@ -32,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from gpumesh_bench.sim import capacity as cap_mod
-from gpumesh_bench.sim import fleets, grid, report
+from gpumesh_bench.sim import fleets, grid, report, validate
 from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.metrics import SLOSpec
 from gpumesh_bench.sim.smg_policy import POLICIES as SMG_POLICIES
 
-SUBCOMMANDS = ("run", "grid", "merge", "report", "plan", "trace")
+SUBCOMMANDS = ("run", "grid", "merge", "report", "plan", "trace", "validate")
 
 
 def _slo(s: str) -> SLOSpec:
@@ -159,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rate", type=float, required=True)
     t.add_argument("--seed", type=int, default=1)
     t.add_argument("--out", required=True)
+
+    v = sub.add_parser("validate", help="fidelity check: the same traces through real vLLM "
+                       "engines behind real routers and through the simulator")
+    validate.add_arguments(v)
     return p
 
 
@@ -263,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_run(a)
     if a.cmd == "plan":
         return _cmd_plan(a)
+    if a.cmd == "validate":
+        a.argv = args[1:]
+        return validate.validate(a)
     if a.cmd == "grid":
         caps = json.loads(Path(a.capacities).read_text()) if a.capacities else None
         path = grid.grid(a.fleets.split(","), a.workloads.split(","), a.loads,
