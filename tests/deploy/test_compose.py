@@ -2,8 +2,9 @@
 container engine: the compose files validate against the Compose Specification's JSON schema
 (compose-spec.json beside this test: compose-spec/compose-spec schema/compose-spec.json at
 commit 170098b, Apache-2.0) and agree with the configuration files they mount; the Dockerfile
-builds one image for routers and nodes from the package's wheel, and the wheel builds from
-exactly what its .dockerignore lets into the build context."""
+builds one image for routers and nodes from the package's wheel with the classic builder as
+well as BuildKit, and the wheel builds from exactly what its .dockerignore lets into the build
+context. test_smoke.py brings the stack up for real where a container engine runs."""
 
 from __future__ import annotations
 
@@ -65,14 +66,26 @@ def _env(svc: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in svc.get("environment", {}).items()}
 
 
+def _mounts(svc: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> host file of a service's bind mounts (relative to deploy/)."""
+    out = {}
+    for v in svc.get("volumes", []):
+        src, dst = v.split(":")[:2]
+        if src.startswith("."):
+            out[dst] = (DEPLOY / src).resolve()
+    return out
+
+
 def test_compose_runs_the_image_and_configs_of_the_manifests() -> None:
     c = load("compose.yaml")
     svcs = c["services"]
-    configs = {name: (DEPLOY / spec["file"]).resolve() for name, spec in c["configs"].items()}
-    assert configs["router-toml"] == (DEPLOY / "kubernetes/base/router.toml").resolve()
-    assert configs["node-toml"] == (DEPLOY / "kubernetes/base/node.toml").resolve()
-    router_cfg = tomllib.loads(configs["router-toml"].read_text())
-    node_cfg = tomllib.loads(configs["node-toml"].read_text())
+    # bind mounts, not `configs:` (Swarm-only in docker-compose 1.x) nor top-level `name:`
+    # (docker-compose 1.x rejects it)
+    assert "configs" not in c and "name" not in c
+    router_mounts = _mounts(svcs["router"])
+    assert router_mounts["/etc/gpumesh/router.toml"] == DEPLOY / "kubernetes/base/router.toml"
+    router_cfg = tomllib.loads(router_mounts["/etc/gpumesh/router.toml"].read_text())
+    node_cfg = tomllib.loads((DEPLOY / "kubernetes/base/node.toml").read_text())
     nodes = [n for n in svcs if n.startswith("node-")]
     assert len(nodes) >= 2 and svcs["router"]["deploy"]["replicas"] >= 2
     for name in ("router", *nodes):
@@ -80,7 +93,11 @@ def test_compose_runs_the_image_and_configs_of_the_manifests() -> None:
         assert s["build"]["dockerfile"] == "deploy/docker/Dockerfile"
         assert (DEPLOY / s["build"]["context"] / s["build"]["dockerfile"]).resolve() == DOCKERFILE
         assert s["command"][0] == ("router" if name == "router" else "node")
-        assert s["command"][1:] == ["--config", s["configs"][0]["target"]]
+        config = s["command"][2]
+        assert s["command"][1] == "--config" and _mounts(s)[config].is_file()
+        if name != "router":
+            assert _mounts(s)[config] == DEPLOY / "kubernetes/base/node.toml"
+        assert s["build"]["args"]["BASE_IMAGE"].startswith("${GPUMESH_BASE_IMAGE:-")
     # the router's port is what clients and nodes use
     port = router_cfg["port"]
     assert any(p.endswith(f":{port}") for p in svcs["router"]["ports"])
@@ -138,17 +155,69 @@ def _stages(text: str) -> dict[str, str]:
 def test_one_dockerfile_with_cpu_and_cuda_variants_installs_the_wheel() -> None:
     text = DOCKERFILE.read_text()
     stages = _stages(text)
-    assert {"wheel", "base-sim", "base-cpu", "base-cuda", "final"} <= set(stages)
+    assert {"build", "base-sim", "base-cpu", "base-cuda", "final"} <= set(stages)
     assert re.search(r"^FROM base-\$\{VARIANT\}\s*$", text, re.M)
-    assert "pip wheel --no-deps" in stages["wheel"]
-    assert '"[cpu]"' in stages["base-cpu"] and '"[gpu]"' in stages["base-cuda"]
+    assert "pip wheel --no-deps" in stages["build"]
+    assert 'cpu) extras="[cpu]"' in stages["build"] and 'cuda) extras="[gpu]"' in stages["build"]
+    # the classic builder builds every stage: the variant stages only set the environment
+    for v in ("sim", "cpu", "cuda"):
+        assert "RUN" not in stages[f"base-{v}"]
     final = stages["final"]
-    # the runtime stage gets the wheel, never the source folders
-    assert "COPY" not in final and "from=wheel" in final and "gpumesh-*.whl" in final
+    # the runtime stage gets the built environment, never the sources or the wheelhouse
+    copies = [ln for ln in final.splitlines() if ln.startswith("COPY")]
+    assert copies == ["COPY --from=build /opt/gpumesh /opt/gpumesh"]
     assert "USER 10001" in final and 'ENTRYPOINT ["gpumesh"]' in final
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     assert {"cpu", "gpu"} <= set(extras)
+
+
+def test_dockerfile_builds_without_buildkit_and_pulls_only_its_base() -> None:
+    """Debian's docker.io has no buildx: no BuildKit-only syntax (a `# syntax=` frontend
+    image, RUN --mount, heredocs, COPY --chmod/--link), and the only image from outside is
+    the BASE_IMAGE build argument (default the official Python image)."""
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
+    assert not re.search(r"--mount|<<\s*[A-Z]|--chmod|--link", text)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.1[1-9][\w.-]*\s*$", text, re.M)
+    for stage_from in re.findall(r"^FROM\s+(\S+)", text, re.M):
+        assert stage_from in ("${BASE_IMAGE}", "base-${VARIANT}"), stage_from
+    build = _stages(text)["build"]
+    # OFFLINE=1: pip never contacts an index; the wheelhouse is a folder in the context
+    assert "PIP_NO_INDEX=1" in build and "--find-links /wheelhouse" in build
+    assert "ARG WHEELHOUSE=deploy/docker/wheelhouse" in build
+    assert "sys.version_info" in build and "(3, 11)" in build
+
+
+def test_dockerfile_copies_only_what_its_build_context_admits() -> None:
+    files = _context_files()
+    text = DOCKERFILE.read_text()
+    sources: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("COPY") and "--from=" not in line:
+            sources += line.split()[1:-1]
+    sources = [s.replace("${WHEELHOUSE}", "deploy/docker/wheelhouse") for s in sources]
+    assert {"pyproject.toml", "gpumesh", "router", "node", "deploy/docker/wheelhouse"} <= set(
+        sources)
+    for src in sources:
+        assert any(f == src or f.startswith(src.rstrip("/") + "/") for f in files), src
+
+
+def test_registry_images_sit_in_a_profile_off_by_default() -> None:
+    """Every service but the mesh's own image (built locally) is in a Compose profile, so a
+    plain `up` pulls nothing; nothing the default services need depends on one of them, and
+    tracing is off unless its endpoint is given."""
+    for doc in (load("compose.yaml"), merged()):
+        svcs = doc["services"]
+        own = {n for n, s in svcs.items() if s["image"].startswith("${GPUMESH_IMAGE:-gpumesh}")}
+        assert {"router", "node-a", "node-b"} <= own
+        profiled = {n for n, s in svcs.items() if s.get("profiles")}
+        assert set(svcs) - own == profiled and "jaeger" in profiled
+        for name in own:
+            deps = svcs[name].get("depends_on", [])
+            assert not set(deps) & profiled, name
+    env = _env(load("compose.yaml")["services"]["router"])
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${GPUMESH_OTLP_ENDPOINT:-}"
 
 
 def _context_files() -> list[str]:
