@@ -38,6 +38,10 @@ from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 # only the retry sends such a call to another router. A call the client cancels itself is
 # never retried, and nothing is retried once output has arrived.
 _SERVICE_CONFIG = json.dumps({
+    # round_robin (SPREAD_OPTIONS) watches each address's gRPC health ("" name) and picks only
+    # SERVING ones: a router or node that starts draining (NOT_SERVING) gets no new calls and
+    # no retries; an address whose server has no health service counts as healthy.
+    "healthCheckConfig": {"serviceName": ""},
     "methodConfig": [{
         "name": [{"service": "gpumesh.v1.Inference", "method": "ListModels"},
                  {"service": "gpumesh.v1.Router"}],
