@@ -31,8 +31,17 @@ from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 # stream is never replayed after output (mid-stream failover is the router's, or
 # ``MeshClient.stream``'s in lookaside mode). A router that is up but still rebuilding its
 # fleet, or a router restarting behind its address, answers UNAVAILABLE with
-# grpc-retry-pushback-ms, which these policies honour.
+# grpc-retry-pushback-ms, which these policies honour. Generate and GenerateStream also retry
+# CANCELLED: a gRPC server that stops (a router on SIGTERM, after its drain, in
+# ``server.stop``) resets the calls that reached it in that instant and were not yet handed to
+# a handler with RST_STREAM(CANCEL), which the client sees as CANCELLED before any response;
+# only the retry sends such a call to another router. A call the client cancels itself is
+# never retried, and nothing is retried once output has arrived.
 _SERVICE_CONFIG = json.dumps({
+    # round_robin (SPREAD_OPTIONS) watches each address's gRPC health ("" name) and picks only
+    # SERVING ones: a router or node that starts draining (NOT_SERVING) gets no new calls and
+    # no retries; an address whose server has no health service counts as healthy.
+    "healthCheckConfig": {"serviceName": ""},
     "methodConfig": [{
         "name": [{"service": "gpumesh.v1.Inference", "method": "ListModels"},
                  {"service": "gpumesh.v1.Router"}],
@@ -42,7 +51,8 @@ _SERVICE_CONFIG = json.dumps({
         "name": [{"service": "gpumesh.v1.Inference", "method": "Generate"},
                  {"service": "gpumesh.v1.Inference", "method": "GenerateStream"}],
         "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "1s",
-                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]},
     }]})
 CHANNEL_OPTIONS = [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1),
                    ("grpc.keepalive_time_ms", 30_000)]

@@ -8,8 +8,10 @@
     await server.stop()
 
 ``serve(config)`` runs one until cancelled or SIGINT/SIGTERM. Shutdown order: health
-NOT_SERVING -> refuse new requests -> drain in-flight (up to the grace) -> end node streams ->
-``server.stop``.
+NOT_SERVING (round-robin clients of gpumesh.client stop picking this router) -> refuse new
+requests with UNAVAILABLE -> drain in-flight (up to the grace) -> end node streams ->
+``server.stop``. gRPC's ``server.stop`` resets a call that reached the server but no handler
+yet with CANCELLED; the client's retry policy retries that, like UNAVAILABLE, elsewhere.
 """
 
 from __future__ import annotations

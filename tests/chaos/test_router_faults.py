@@ -92,6 +92,31 @@ async def test_replica_restart_loses_nothing(make_mesh):
     assert tally.lost == 0 and tally.incomplete == 0
 
 
+async def test_repeated_replica_stops_lose_nothing(make_mesh):
+    """Two routers behind one round-robin client target, each stopped gracefully (SIGTERM)
+    three times in turn under a dense load of short streams, and restarted. The stopping
+    router refuses new work with UNAVAILABLE while it drains; calls that reach it in the
+    instant its gRPC server stops are reset with CANCELLED before any output, and the
+    client's retry policy must send those to the other router too: nothing is lost."""
+    mesh = await make_mesh(nodes=2, routers=2, time_scale=5.0)
+    tally, stop = Tally(), asyncio.Event()
+    # many short streams: many calls arrive at a stopping router around its server.stop
+    load = await _load(mesh, tally, stop, concurrency=64, max_tokens=4, stagger_s=0.3)
+    await asyncio.sleep(1.0)
+    for k in range(6):
+        i = k % 2
+        mesh.signal_router(i, signal.SIGTERM)
+        assert await asyncio.to_thread(mesh.routers[i].popen.wait, 30) == 0
+        mesh.start_router(i)
+        await mesh.wait_fleet(2, 30, router=i, watch=False)
+        await asyncio.sleep(0.2)
+    stop.set()
+    await asyncio.wait_for(load, 60)
+    print(f"\n{tally.line('6 graceful router stops (2 routers)')} examples={tally.examples}")
+    assert tally.succeeded > 0
+    assert tally.lost == 0 and tally.incomplete == 0, tally.examples
+
+
 async def test_overload_sheds_with_resource_exhausted_and_recovers(make_mesh):
     """3x what the fleet admits (2 nodes x 4 concurrent, queue 4): the excess is refused at
     once with RESOURCE_EXHAUSTED (not lost), admitted requests complete, and the fleet
