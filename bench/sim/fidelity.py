@@ -26,6 +26,7 @@ results into one comparison.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import statistics
@@ -208,6 +209,15 @@ def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
         f"request_overhead_ms = {p.get('front_end_ms', 0.0)!r}"]) + "\n"
 
 
+def read_doc(path: str | Path) -> dict[str, Any]:
+    """A validate.json document, plain or gzipped (``.gz``: how results are kept in the
+    repository)."""
+    raw = Path(path).read_bytes()
+    if str(path).endswith(".gz"):
+        raw = gzip.decompress(raw)
+    return json.loads(raw.decode("utf-8"))
+
+
 def merge(files: list[str], profile: dict[str, Any] | None = None,
           sim_seeds: int = 3, step_scale: float = 1.0) -> dict[str, Any]:
     """One document from several validate.json files (e.g. one policy each, each calibrated
@@ -216,7 +226,7 @@ def merge(files: list[str], profile: dict[str, Any] | None = None,
     step-model term's median over the files' fits; its step terms times ``step_scale``."""
     from gpumesh_bench.sim import fidelity_trace as ft
 
-    docs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in files]
+    docs = [read_doc(f) for f in files]
     if profile is None:
         keys = (*STEP_KEYS, "front_end_ms", "front_end_tokens_per_s")
         profile = {k: statistics.median(float(d["profile"].get(k, 0.0)) for d in docs)

@@ -26,6 +26,7 @@ in the cell's record), so a process stopped at any point keeps every unit it fin
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import time
@@ -103,10 +104,14 @@ def cell_key(rec: dict[str, Any]) -> Key:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a grid.jsonl ([] when it does not exist)."""
+    """The records of a grid.jsonl, plain or gzipped (``.gz``: how the repository keeps its
+    results); [] when it does not exist."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    raw = path.read_bytes()
+    if path.name.endswith(".gz"):
+        raw = gzip.decompress(raw)
+    return [json.loads(line) for line in raw.decode("utf-8").splitlines() if line.strip()]
 
 
 def merge_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,14 +29,9 @@ SHORT = {"weighted_least_load": "wll (default)", "least_request": "least_request
 def load_cells(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     """The cells of grid.jsonl files, one record per cell (``grid.merge_records``: a later
     file's policy runs replace an earlier one's)."""
-    from gpumesh_bench.sim.grid import merge_records
+    from gpumesh_bench.sim.grid import merge_records, read_records
 
-    cells = []
-    for p in paths:
-        for line in Path(p).read_text().splitlines():
-            if line.strip():
-                cells.append(json.loads(line))
-    return merge_records(cells)
+    return merge_records(r for p in paths for r in read_records(Path(p)))
 
 
 def _fmt(mean: float, ci: float, digits: int = 0) -> str:
