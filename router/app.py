@@ -147,6 +147,7 @@ class RouterServer:
                                     config.foreign_poll_interval_s)
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._ready: asyncio.Task[None] | None = None
         self.port = 0
 
     def _engine_of(self, model: str) -> str:
@@ -185,13 +186,34 @@ class RouterServer:
             raise RuntimeError(f"could not bind control port {self.config.control_port}")
         await server.start()
         self._server = server
-        for name in ("", *SERVICES, LIVENESS_SERVICE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        for name in ("", *SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_task(self._ready_once_rebuilt())
+        self._sweeper = loop.create_task(self._sweep())
         self.foreign.start()
         log.info("router %s listening on %s (policy %s)", self.config.router_id, self.address,
                  self.config.policy)
         return self.port
+
+    async def _ready_once_rebuilt(self) -> None:
+        """Readiness ("" and SERVICES) turns SERVING once a node has registered or the fleet
+        rebuild window (``fleet_rebuild_s``: one lease by default) has passed, whichever comes
+        first. A restarted router behind health-checked round_robin clients (gpumesh.client)
+        or a readiness probe then gets no request before it knows a node; a router with no
+        node at all is ready after the window."""
+        known = asyncio.Event()
+        self.registry.add_listener(lambda _models: known.set())   # on any registration
+        window = self.registry.started_at + self.registry.fleet_rebuild_s - self.registry.clock()
+        if not self.registry.fleet():
+            try:
+                await asyncio.wait_for(known.wait(), max(0.0, window))
+            except TimeoutError:
+                pass
+        if not self.inference.closing:
+            for name in ("", *SERVICES):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def _bind(self, server: grpc.aio.Server, port: int, require_client_cert: bool) -> int:
         address = f"{self.config.host}:{port}"
@@ -212,6 +234,8 @@ class RouterServer:
         if self._server is None:
             return
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        if self._ready is not None:
+            self._ready.cancel()   # never SERVING again once stopping
         for name in ("", *SERVICES):   # not ready; "liveness" stays SERVING while it drains
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.inference.closing = True

@@ -121,7 +121,7 @@ async def test_the_real_engine_reports_its_fitted_step_model(vllm_engine: object
     engine = vllm_engine
     rng = random.Random(7)
 
-    async def one(i: int) -> None:
+    async def one(i: str) -> None:
         n = rng.choice((8, 64, 200))
         req = EngineRequest(f"fit-{i}", tuple(rng.randrange(10, 500) for _ in range(n)),
                             Sampling(max_tokens=rng.choice((32, 96)), temperature=0.0,
@@ -130,11 +130,18 @@ async def test_the_real_engine_reports_its_fitted_step_model(vllm_engine: object
             pass
 
     loop = asyncio.get_running_loop()
-    t_end = loop.time() + 4.0
-    i = 0
-    while loop.time() < t_end:
-        await asyncio.gather(*(one(i + k) for k in range(3)))
-        i += 3
+    # three streams back to back, so the engine stays busy (a fit's spans are busy stretches
+    # of at least 0.25 s): at least 4 s, longer (up to 30 s) until the fit has its 8 spans
+    t_min, t_max = loop.time() + 4.0, loop.time() + 30.0
+
+    async def stream(k: int) -> None:
+        j = 0
+        while loop.time() < t_min or (engine.load().step_model is None  # type: ignore[attr-defined]
+                                      and loop.time() < t_max):
+            await one(f"{k}-{j}")
+            j += 1
+
+    await asyncio.gather(*(stream(k) for k in range(3)))
     load = engine.load()  # type: ignore[attr-defined]
     m = load.step_model
     assert m is not None, load

@@ -370,6 +370,8 @@ async def test_reflection_lists_services_and_stop_flips_health() -> None:
                 "grpc.health.v1.Health"} <= names
         health = health_pb2_grpc.HealthStub(ch)
         watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+        # no node: not ready until the fleet-rebuild window (one lease) has passed
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
         stopping = asyncio.ensure_future(router.stop(0.2))
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
