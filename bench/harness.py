@@ -8,7 +8,6 @@ generator's own CPU, and the run's labels. Rates and times are wall-clock.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -85,7 +84,3 @@ async def measure_capacity(target: str, requests: Iterable[BenchRequest], concur
 def median(xs: Sequence[float]) -> float:
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return percentile(xs, 50) if xs else math.nan
-
-
-def run_async(coro: Any) -> Any:
-    return asyncio.run(coro)

@@ -91,7 +91,7 @@ def summarize(results: Sequence[RequestResult], slo: SLO | None = None) -> dict[
 def window_metrics(results: Sequence[RequestResult], warmup_s: float,
                    window_s: float) -> dict[str, Any]:
     """Metrics over the window ``[warmup_s, warmup_s + window_s]`` (offsets of ``start_s``),
-    computed as the raw-vLLM reference tool computes them (.gpukit/tools/seed_table.py).
+    computed as the raw-vLLM reference tool computes them (``gpumesh_bench.gpu.reference``).
 
     - ``completed``, ``qps``: successful requests that started in the window and finished
       inside it, and their count per second of the window (this undercounts the completion

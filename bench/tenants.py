@@ -48,7 +48,7 @@ class TenantRequest:
     max_tokens: int
 
 
-def _words(rng: random.Random, n: int) -> str:
+def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
@@ -56,7 +56,7 @@ def iter_tenant_requests(spec: TenantSpec) -> Iterator[TenantRequest]:
     """The infinite deterministic request stream of ``spec``."""
     rng = random.Random(spec.seed)
     text_rng = random.Random(spec.seed ^ 0xC0FFEE)
-    systems = [f"tenant {t} system. " + _words(random.Random(t * 7919 + 1), spec.system_words)
+    systems = [f"tenant {t} system. " + words(random.Random(t * 7919 + 1), spec.system_words)
                for t in range(spec.tenants)]
     open_convs: list[list[list[str]]] = [[] for _ in range(spec.tenants)]  # per tenant: turns
     ids: dict[int, str] = {}
@@ -75,16 +75,16 @@ def iter_tenant_requests(spec: TenantSpec) -> Iterator[TenantRequest]:
             n_conv += 1
         else:
             conv = convs[rng.randrange(len(convs))]
-        user = " user: " + _words(text_rng, spec.turn_words)
+        user = " user: " + words(text_rng, spec.turn_words)
         if spec.unique:
-            prompt = (f"request {i}. " + _words(text_rng, spec.system_words)
+            prompt = (f"request {i}. " + words(text_rng, spec.system_words)
                       + "".join(conv) + user)
         else:
             prompt = systems[tenant] + "".join(conv) + user
         yield TenantRequest(i, t, tenant, ids[id(conv)], len(conv) // 2 + 1, prompt,
                             spec.max_tokens)
         conv.append(user)
-        conv.append(" assistant: " + _words(text_rng, spec.turn_words))
+        conv.append(" assistant: " + words(text_rng, spec.turn_words))
         if len(conv) // 2 >= spec.max_turns:
             convs.remove(conv)
             ids.pop(id(conv), None)

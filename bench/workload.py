@@ -22,12 +22,13 @@ token both in BPE tokenizers (leading space + word) and in the simulator's token
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 # Each is one token with a leading space in GPT/Qwen-style BPE vocabularies, and <= 4 chars.
@@ -81,7 +82,15 @@ class LengthDist:
         return max(1, round(v))
 
 
-# The raw-vLLM reference's workload (shared/gpu/seed_table.py): 32 prompt tokens and 256 output
+def length_arg(spec: str) -> LengthDist:
+    """``LengthDist.parse`` as an argparse ``type=`` (a bad spec is a usage error)."""
+    try:
+        return LengthDist.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+# The raw-vLLM reference's workload (gpumesh_bench.gpu.reference): 32 prompt tokens and 256 output
 # tokens a request. The GPU bench compares with the reference's figures only on it.
 REFERENCE_PROMPT = LengthDist("fixed", 32)
 REFERENCE_OUTPUT = LengthDist("fixed", 256)
@@ -169,7 +178,3 @@ def save_trace(requests: Iterable[BenchRequest], path: str | Path) -> int:
             f.write(json.dumps(rec) + "\n")
             n += 1
     return n
-
-
-def request_dict(r: BenchRequest) -> dict[str, object]:
-    return asdict(r)

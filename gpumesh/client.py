@@ -2,24 +2,28 @@
 
 Proxy mode (default): calls go to ``target`` (a router or a node), tokens come back through it.
 Lookaside mode (``lookaside=True``, target must be a router): the client asks the router's
-``Router.Pick`` for a node and a signed ticket, then streams from the node directly. A node
-failing before the first token is retried once with a fresh pick; one failing after it is
-replaced mid-stream (the stream continues on another node from the tokens delivered, as the
-router does in proxy mode; ``GenerateRequest.no_migration`` opts out); cancellation (closing the
-iterator, or the caller's task being cancelled) cancels the node call, which aborts in the
-engine.
+``Router.Pick`` for a node and a signed ticket, then streams from the node directly, through
+the same attempt layers the router runs in proxy mode (``gpumesh.attempts``) with its own
+transport: a node failing before the first token is retried once with a fresh pick; one
+failing after it is replaced mid-stream (the stream continues on another node from the tokens
+delivered; ``GenerateRequest.no_migration`` opts out); cancellation (closing the iterator, or
+the caller's task being cancelled) cancels the node call, which aborts in the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
+from gpumesh import attempts
 from gpumesh import metadata as md
+from gpumesh.migration import StreamProgress
 from gpumesh.security.client import ClientTls, bearer_interceptors, open_channel
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
@@ -232,63 +236,108 @@ class MeshClient:
                 else:
                     call.cancel()  # the caller stopped early: cancel, which aborts in the engine
             return
-        async for chunk in self._lookaside(request, timeout, metadata, result):
-            yield chunk
+        async with contextlib.aclosing(self._lookaside(request, timeout, metadata,
+                                                       result)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _lookaside(self, request: pb.GenerateRequest, timeout: float | None,
                          metadata: Sequence[tuple[str, str]], result: StreamResult
-                         ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        """Pick a node, stream from it; a node failing before the first token is retried
-        once with a fresh pick; after it the stream continues on another node from the
-        tokens delivered (``GenerateRequest.resume``, as the router does in proxy mode), at
-        most ``MAX_MIGRATIONS`` times, unless ``request.no_migration``."""
-        attempt = migrations = 0
-        failed: list[str] = []
-        delivered: list[int] = []
-        current = request
-        while True:
-            attempt += 1
-            pick = await self.router.Pick(cpb.PickRequest(request=current,
-                                                          exclude_node_ids=failed),
-                                          timeout=10.0, metadata=metadata)
-            req = pb.GenerateRequest()
-            req.CopyFrom(current)
-            req.ticket = pick.ticket
-            call = self._node_stub(pick.address).GenerateStream(req, timeout=timeout,
-                                                                metadata=metadata)
-            finished = False
-            try:
-                async for chunk in call:
-                    delivered.extend(chunk.token_ids)
-                    finished = finished or chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                    yield chunk
-                _fill(result, await _trailing(call))
-                result.attempts, result.migrations = attempt, migrations
-                return
-            except grpc.aio.AioRpcError as exc:
-                if finished:
-                    return   # the whole stream arrived; only its trailers were lost
-                if exc.code() not in _NODE_FAULTS:
-                    raise
-                if not delivered:
-                    if attempt >= 2:   # retry-before-first-token, once
-                        raise
-                elif request.no_migration or migrations >= MAX_MIGRATIONS:
-                    raise
-                else:
-                    migrations += 1
-                    current = pb.GenerateRequest()
-                    current.CopyFrom(request)
-                    current.resume.ids.extend(list(request.resume.ids) + delivered)
-                    s = request.sampling
-                    if s.HasField("max_tokens") and len(current.resume.ids) >= s.max_tokens:
-                        yield pb.GenerateStreamResponse(   # every token came: end the stream
-                            finish_reason=pb.FINISH_REASON_LENGTH,
-                            usage=pb.Usage(completion_tokens=len(current.resume.ids)))
-                        return
-                failed.append(pick.node_id)
-            finally:
-                call.cancel()
+                         ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
+        """The attempt layers the router runs (``gpumesh.attempts``) over the lookaside
+        transport: a node failing before the first token is retried once with a fresh pick;
+        after it the stream continues on another node from the tokens delivered
+        (``GenerateRequest.resume``), at most ``MAX_MIGRATIONS`` times, unless
+        ``request.no_migration``."""
+        state = attempts.Attempts(request=None if request.no_migration else request,
+                                  progress=StreamProgress())
+        transport = _LookasideTransport(self, request, timeout, metadata, result)
+        async with contextlib.aclosing(attempts.send(transport, _LookasideFailover(),
+                                                     state)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        result.attempts = state.attempt
+        result.migrations = state.progress.migrations if state.progress is not None else 0
+
+
+class _LookasideCall:
+    """One lookaside attempt: the node's stream, called directly with the router's ticket
+    (``gpumesh.attempts.NodeCall``)."""
+
+    def __init__(self, node_id: str, call: Any, result: StreamResult) -> None:
+        self.node_id = node_id
+        self._call = call
+        self._result = result
+
+    async def first(self) -> pb.GenerateStreamResponse | None:
+        return await self.next()
+
+    async def next(self) -> pb.GenerateStreamResponse | None:
+        chunk = await self._call.read()
+        if chunk is grpc.aio.EOF:
+            _fill(self._result, await _trailing(self._call))
+            return None
+        return chunk  # type: ignore[no-any-return]
+
+    def close(self, error: Exception | None) -> None:
+        self._call.cancel()   # a no-op once it ended; else the node aborts the request
+
+
+class _LookasideTransport:
+    """Lookaside mode's ``gpumesh.attempts.Transport``: the router's ``Pick`` chooses the
+    node (``exclude``: those that failed this request), the client calls it with the ticket."""
+
+    streaming = True
+    prompt_tokens = 0   # the client does not count the prompt
+
+    def __init__(self, client: MeshClient, request: pb.GenerateRequest, timeout: float | None,
+                 metadata: Sequence[tuple[str, str]], result: StreamResult) -> None:
+        self._client = client
+        self._request = request
+        self._timeout = timeout
+        self._metadata = metadata
+        self._result = result
+
+    async def open(self, request: pb.GenerateRequest | None,
+                   exclude: frozenset[str]) -> _LookasideCall:
+        current = self._request if request is None else request
+        pick = await self._client.router.Pick(
+            cpb.PickRequest(request=current, exclude_node_ids=sorted(exclude)),
+            timeout=10.0, metadata=self._metadata)
+        req = pb.GenerateRequest()
+        req.CopyFrom(current)
+        req.ticket = pick.ticket
+        call = self._client._node_stub(pick.address).GenerateStream(
+            req, timeout=self._timeout, metadata=self._metadata)
+        return _LookasideCall(pick.node_id, call, self._result)
+
+    def message(self, chunk: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:
+        return chunk
+
+    def encode(self, message: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:
+        return message
+
+
+class _LookasideFailover:
+    """Lookaside mode's ``gpumesh.attempts.Failover``: a node fault (``_NODE_FAULTS``) is
+    retried once before output and continued elsewhere ``MAX_MIGRATIONS`` times after it;
+    anything else reaches the caller as the node answered it."""
+
+    failures: tuple[type[Exception], ...] = (grpc.aio.AioRpcError,)
+
+    def retry(self, error: Exception, attempt: int, node_id: str) -> bool:
+        return _fault(error) and attempt < 2
+
+    def migrate(self, error: Exception, migrations: int, node_id: str,
+                delivered_tokens: int) -> bool:
+        return _fault(error) and migrations < MAX_MIGRATIONS
+
+    def after_output(self, error: Exception, node_id: str) -> BaseException:
+        return error
+
+
+def _fault(error: Exception) -> bool:
+    return isinstance(error, grpc.aio.AioRpcError) and error.code() in _NODE_FAULTS
 
 
 async def _trailing(call: grpc.aio.Call) -> dict[str, str]:

@@ -10,7 +10,8 @@ rules apply to every layer:
   names the key;
 - ``tuple[str, ...]``: a TOML array, or a comma-separated string (``a:1,b:2``); a flag may be
   repeated and each value may itself be comma-separated;
-- mappings: a TOML table, or in the environment a JSON object or ``k=v,k=v``.
+- mappings and settings sections (pydantic models such as ``RouterConfig.routing``): a TOML
+  table, or in the environment and on the command line a JSON object or ``k=v,k=v``.
 
 Who calls it: ``gpumesh.router.config`` and ``gpumesh.node.config`` (their ``load`` helpers)
 and the CLI through :func:`add_flags` / :func:`flag_overrides`.
@@ -26,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+
+from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T")
 
@@ -103,9 +106,16 @@ def coerce(tp: Any, key: str, value: Any) -> Any:
             return tuple(p.strip() for item in items for p in str(item).split(",") if p.strip())
         if origin is Mapping or origin is dict:
             return _mapping(key, value)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            # a settings section (e.g. RouterConfig.routing): a TOML table, or k=v,... / JSON
+            return tp.model_validate(value if isinstance(value, tp) else _mapping(key, value))
         if (args := get_args(tp)) and type(None) in args:  # Optional[X]
             inner = [a for a in args if a is not type(None)][0]
             return None if value is None else coerce(inner, key, value)
+    except ValidationError as exc:
+        problems = "; ".join(f"{key}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                             for e in exc.errors())
+        raise ConfigError(problems) from None
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise

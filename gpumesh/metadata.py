@@ -9,7 +9,8 @@ CHARGED_TOKENS = "x-gpumesh-charged-tokens"
 
 # Trailing metadata, router/node -> client.
 NODE_ID = "x-gpumesh-node-id"          # the node that served the request
+PREFILL_NODE_ID = "x-gpumesh-prefill-node-id"  # disaggregated: the node that ran the prompt
 ATTEMPTS = "x-gpumesh-attempts"        # dispatch attempts the router made (1 = no retry)
 MIGRATIONS = "x-gpumesh-migrations"    # of those, continuations of a stream after output
-RETRY_AFTER_MS = "x-gpumesh-retry-after-ms"  # RESOURCE_EXHAUSTED by a key's quota: retry after
+RETRY_AFTER_MS = "x-gpumesh-retry-after-ms"  # RESOURCE_EXHAUSTED (quota, SLO): retry after
 TRACE_ID = "x-gpumesh-trace-id"        # the OpenTelemetry trace id (hex), when tracing

@@ -21,7 +21,6 @@ engine goes, to busy spans of its steps (what a node reports as its ``StepModel`
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import deque
 from collections.abc import Sequence
 

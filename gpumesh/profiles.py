@@ -27,7 +27,7 @@ TOML layout (every key is described in docs/simulator.md, "Engine profiles")::
     format = "gpumesh.engine-profile/1"
     [engine]     name, platform ("cpu" | "cuda"), model, vllm_version, measured, source
     [scheduler]  max_num_seqs, max_num_batched_tokens, max_model_len
-    [kv]         capacity_tokens, block_size, prefix_caching
+    [kv]         capacity_tokens, block_size, prefix_caching, bytes_per_token
     [step]       a_ms, b_decode_ms, c_decode_ms, b_prefill_ms, b_decode_context_ms,
                  c_prefill_ms
     [front_end]  tokens_per_s (0 = no ceiling), request_overhead_ms
@@ -106,6 +106,10 @@ class EngineProfile:
     kv_capacity_tokens: int = 10_200_000
     kv_block_size: int = 16
     prefix_caching: bool = True
+    # bytes of KV cache one token takes (2 x layers x KV heads x head dim x dtype bytes,
+    # :func:`kv_bytes_per_token`): what moving a prompt's KV to another engine transfers;
+    # 0 = unknown
+    kv_bytes_per_token: int = 0
     # [step], ms
     a_ms: float = 0.0
     b_decode_ms: float = 0.0
@@ -167,6 +171,34 @@ class EngineProfile:
         return self.ttft_ms(s.prompt_tokens, s.cached_tokens)
 
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
+                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], kv_cache_dtype: str = "") -> int:
+    """Bytes of KV cache one token takes in a model with the Hugging Face ``config``
+    (``config.json``): 2 (K and V) x ``num_hidden_layers`` x ``num_key_value_heads`` x
+    ``head_dim`` x the bytes of ``kv_cache_dtype`` (default: the model's ``torch_dtype``).
+    ``head_dim`` defaults to ``hidden_size // num_attention_heads``, ``num_key_value_heads``
+    to ``num_attention_heads``. ``ProfileError`` when a field is missing or not a positive
+    integer, or the dtype is not known."""
+    def field(key: str, default: Any = None) -> int:
+        v = config.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ProfileError(f"model config {key}: must be a positive integer, got {v!r}")
+        return v
+
+    layers = field("num_hidden_layers")
+    heads = field("num_attention_heads")
+    kv_heads = field("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or field("hidden_size") // heads
+    dtype = kv_cache_dtype or str(config.get("torch_dtype") or config.get("dtype") or "")
+    if dtype not in _DTYPE_BYTES:
+        raise ProfileError(f"model config torch_dtype: unknown dtype {dtype!r}; known: "
+                           f"{sorted(_DTYPE_BYTES)}")
+    return 2 * layers * kv_heads * int(head_dim) * _DTYPE_BYTES[dtype]
+
+
 def prefill_pairs(computed: int, tokens: int) -> int:
     """(token, earlier token) pairs a prefill chunk of ``tokens`` after ``computed`` tokens
     attends over (each token attends to every token up to itself)."""
@@ -177,7 +209,7 @@ def prefill_pairs(computed: int, tokens: int) -> int:
 
 _INTS: dict[str, int] = {  # attribute -> minimum
     "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1,
-    "kv_capacity_tokens": 1, "kv_block_size": 1,
+    "kv_capacity_tokens": 1, "kv_block_size": 1, "kv_bytes_per_token": 0,
 }
 _FLOATS = ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms", "b_decode_context_ms",
            "c_prefill_ms", "front_end_tokens_per_s", "request_overhead_ms")
@@ -251,7 +283,7 @@ _LAYOUT: dict[str, dict[str, str]] = {
                               "source")},
     "scheduler": {k: k for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")},
     "kv": {"capacity_tokens": "kv_capacity_tokens", "block_size": "kv_block_size",
-           "prefix_caching": "prefix_caching"},
+           "prefix_caching": "prefix_caching", "bytes_per_token": "kv_bytes_per_token"},
     "step": {k: k for k in ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms",
                             "b_decode_context_ms", "c_prefill_ms")},
     "front_end": {"tokens_per_s": "front_end_tokens_per_s",

@@ -2,8 +2,8 @@
 (a tokenizer), so that the long calls do not stall the asyncio event loop.
 
 Users: the node's prompt encoder (prompt tokenization, one per node) and the router's
-tokenizer for stock vLLM gRPC workers (tokenization and detokenization, one per worker
-connection). The caller decides whether a call is short (the thresholds below, set for HF fast
+tokenizers (``gpumesh.router.tokenizers``: prompt tokenization and hashing for prefix locality,
+tokenization and detokenization for stock vLLM gRPC workers; one per tokenizer loaded). The caller decides whether a call is short (the thresholds below, set for HF fast
 tokenizers); a short call runs inline on the loop, but only while the thread is
 idle, so calls into the resource stay serial whichever way they run.
 """

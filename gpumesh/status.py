@@ -23,6 +23,12 @@ from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 
 SCHEMA = "gpumesh.status.v1"
 
+# A node's predictions drift when its observed / predicted TTFT ratio leaves
+# [1/DRIFT_SCALE, DRIFT_SCALE] or their median error exceeds DRIFT_ERROR (the router's
+# prediction feedback uses the same bounds).
+DRIFT_SCALE = 1.5
+DRIFT_ERROR = 0.5
+
 
 class Exit(enum.IntEnum):
     OK = 0
@@ -41,11 +47,29 @@ def reason_of(n: cpb.NodeStatus) -> str:
     return n.state_reason or n.quarantine_reason
 
 
+def drifting(n: cpb.NodeStatus) -> bool:
+    """The router's TTFT predictions for the node are off (no samples yet: False)."""
+    if n.prediction_scale <= 0:
+        return False
+    return (not 1 / DRIFT_SCALE <= n.prediction_scale <= DRIFT_SCALE
+            or n.ttft_error_p50 > DRIFT_ERROR)
+
+
+def prediction_cell(n: cpb.NodeStatus) -> str:
+    """``x1.05 12%``: observed / predicted TTFT and the median TTFT error; ``!`` marks
+    drift; ``-`` before any sample (or under a policy that does not predict)."""
+    if n.prediction_scale <= 0:
+        return "-"
+    return (f"x{n.prediction_scale:.2f} {n.ttft_error_p50 * 100:.0f}%"
+            + ("!" if drifting(n) else ""))
+
+
 def fleet_table(fleet: cpb.GetFleetResponse) -> str:
     # fe: the node's front-end processes over its engine (node.frontends); routers: how many
     # router processes the node reports to (their ids are in --json)
-    head = ("node", "address", "state", "models", "weight", "fe", "running", "waiting", "KV%",
-            "in flight", "tok/s", "step ms", "GPU util", "GPU mem", "hb age", "routers")
+    head = ("node", "address", "state", "role", "models", "weight", "fe", "running", "waiting",
+            "KV%", "in flight", "tok/s", "step ms", "GPU util", "GPU mem", "hb age", "routers",
+            "TTFT pred")
     rows = [head]
     for n in sorted(fleet.nodes, key=lambda n: n.node_id):
         ld = n.load
@@ -54,20 +78,24 @@ def fleet_table(fleet: cpb.GetFleetResponse) -> str:
                            for g in ld.gpus) or "-"
         age = f"{n.last_heartbeat_age_s:.1f}s" if n.last_heartbeat_age_s >= 0 else "-"
         rows.append((
-            n.node_id, n.address or "-", state_name(n.state),
+            n.node_id, n.address or "-", state_name(n.state), n.role or "both",
             ",".join(m.name for m in n.models) or "-",
             f"{max((m.capacity_weight for m in n.models), default=1.0):g}",
             str(len(n.frontend_addresses) or 1), str(ld.num_running), str(ld.num_waiting),
             f"{ld.kv_cache_usage * 100:.1f}",
             f"{n.router_in_flight}/{ld.in_flight}", f"{ld.generation_tokens_per_s:.0f}",
             f"{ld.decode_step_s * 1000:.1f}" if ld.decode_step_s > 0 else "-",
-            gpu_util, gpu_mem, age, str(len(n.router_ids))))
+            gpu_util, gpu_mem, age, str(len(n.router_ids)), prediction_cell(n)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     title = f"router {fleet.router_id}  policy {fleet.policy}  nodes {len(fleet.nodes)}"
     # why each node that is not healthy is in its state (quarantined: what it sent wrong)
     why = [f"{state_name(n.state)} {n.node_id}: {reason_of(n)}"
            for n in sorted(fleet.nodes, key=lambda n: n.node_id) if reason_of(n)]
+    # nodes whose engine profile no longer predicts them (router.fleet.predictions)
+    why += [f"prediction drift {n.node_id}: observed TTFT {n.prediction_scale:.2f}x the "
+            f"profile's prediction, median error {n.ttft_error_p50 * 100:.0f}%"
+            for n in sorted(fleet.nodes, key=lambda n: n.node_id) if drifting(n)]
     # the scaling signal per model (router.fleet.saturation)
     models = [f"model {m.model}: saturation {m.saturation:.2f} (slots {m.slot_utilization:.0%}, "
               f"KV {m.kv_utilization:.0%}, "
@@ -86,6 +114,7 @@ def _load_json(ld: cpb.LoadReport) -> dict[str, Any]:
         "prompt_tokens_per_s": ld.prompt_tokens_per_s,
         "prefill_capacity_tokens_per_s": ld.prefill_capacity_tokens_per_s,
         "decode_step_s": ld.decode_step_s, "draining": ld.draining,
+        "engine_epoch": ld.engine_epoch,
         "step_model": ({"a_ms": ld.step_model.a_ms, "b_decode_ms": ld.step_model.b_decode_ms,
                         "b_prefill_ms": ld.step_model.b_prefill_ms,
                         "spans": ld.step_model.spans, "rms_error": ld.step_model.rms_error}
@@ -111,10 +140,13 @@ def node_json(n: cpb.NodeStatus) -> dict[str, Any]:
                     "capacity_weight": m.capacity_weight,
                     "tensor_parallel_size": m.tensor_parallel_size,
                     "max_context_length": m.max_context_length} for m in n.models],
-        "engine": n.engine, "kind": n.kind, "gpu_model": n.gpu_model,
+        "engine": n.engine, "kind": n.kind, "gpu_model": n.gpu_model, "role": n.role or "both",
         "heartbeat_age_s": n.last_heartbeat_age_s if n.last_heartbeat_age_s >= 0 else None,
         "router_in_flight": n.router_in_flight,
         "load": _load_json(n.load),
+        # TTFT prediction feedback; null before the router has a sample
+        "prediction": ({"scale": n.prediction_scale, "ttft_error_p50": n.ttft_error_p50,
+                        "drifting": drifting(n)} if n.prediction_scale > 0 else None),
     }
 
 
@@ -184,8 +216,3 @@ async def run_status(router: str, *, as_json: bool = False, watch_s: float = 0.0
             if not watch_s or (count and shown >= count):
                 return code
             await asyncio.sleep(watch_s)
-
-
-async def print_fleet(router: str) -> int:
-    """The table once (kept for callers of the earlier entry point)."""
-    return await run_status(router)

@@ -36,7 +36,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,21 +62,17 @@ def _env_off(environ: Mapping[str, str], key: str) -> bool:
 
 def tracing_configured(environ: Mapping[str, str] | None = None) -> bool:
     """True when the environment asks for span export (an OTLP endpoint is set)."""
-    env = os.environ if environ is None else environ
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    if _env_off(env, "OTEL_TRACES_EXPORTER"):
-        return False
-    return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or
-                env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return _otlp_configured(os.environ if environ is None else environ, "TRACES")
 
 
-def _otlp_metrics_configured(env: Mapping[str, str]) -> bool:
+def _otlp_configured(env: Mapping[str, str], signal: str) -> bool:
+    """Whether ``signal`` (TRACES, METRICS) is exported over OTLP: an endpoint set for it or
+    for all, the SDK not disabled and its exporter not "none"."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    if _env_off(env, "OTEL_METRICS_EXPORTER"):
+    if _env_off(env, f"OTEL_{signal}_EXPORTER"):
         return False
-    return bool(env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or
+    return bool(env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or
                 env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
@@ -186,40 +182,46 @@ class Metrics:
         if self.enabled:
             self._reconnects.add(1, {"node": node, "peer": peer})
 
+    def histogram(self, name: str, unit: str = "", description: str = "",
+                  buckets: Sequence[float] | None = None
+                  ) -> Callable[[float, Mapping[str, str]], None]:
+        """Creates a histogram; returns its ``record(value, attributes)`` (a no-op when
+        disabled)."""
+        if not self.enabled:
+            return lambda _v, _a: None
+        h = self._meter.create_histogram(name, unit=unit, description=description,
+                                         explicit_bucket_boundaries_advisory=buckets)
+        return lambda v, a: h.record(v, dict(a))
+
     def gauge(self, name: str, callback: Gauges, unit: str = "", description: str = "") -> None:
         """Registers an observable gauge. ``callback()`` returns (value, attributes) pairs; it
         runs on the exporter's thread at each collection, so it must only read plain state."""
         if not self.enabled:
             return
-        from opentelemetry.metrics import Observation
-
-        def _cb(_options: Any) -> list[Observation]:
-            try:
-                return [Observation(v, dict(a)) for v, a in callback()]
-            except Exception:
-                # A broken gauge must not break the whole export.
-                log.debug("gauge %s callback failed", name, exc_info=True)
-                return []
-
-        self._meter.create_observable_gauge(name, callbacks=[_cb], unit=unit,
-                                            description=description)
+        self._meter.create_observable_gauge(name, callbacks=[_observe(name, callback)],
+                                            unit=unit, description=description)
 
     def counter_from(self, name: str, callback: Gauges, unit: str = "",
                      description: str = "") -> None:
         """Registers an observable (cumulative) counter read from ``callback()``."""
         if not self.enabled:
             return
-        from opentelemetry.metrics import Observation
+        self._meter.create_observable_counter(name, callbacks=[_observe(name, callback)],
+                                              unit=unit, description=description)
 
-        def _cb(_options: Any) -> list[Observation]:
-            try:
-                return [Observation(v, dict(a)) for v, a in callback()]
-            except Exception:
-                log.debug("counter %s callback failed", name, exc_info=True)
-                return []
 
-        self._meter.create_observable_counter(name, callbacks=[_cb], unit=unit,
-                                              description=description)
+def _observe(name: str, callback: Gauges) -> Callable[[Any], list[Any]]:
+    """An observable instrument's callback over ``callback()``'s (value, attributes) pairs."""
+    from opentelemetry.metrics import Observation
+
+    def observations(_options: Any) -> list[Observation]:
+        try:
+            return [Observation(v, dict(a)) for v, a in callback()]
+        except Exception:
+            # A broken instrument must not break the whole export.
+            log.debug("instrument %s callback failed", name, exc_info=True)
+            return []
+    return observations
 
 
 # --- the per-process handle -------------------------------------------------------------
@@ -270,7 +272,7 @@ def init(service_name: str, instance_id: str, *, gpu_model: str = "",
     """
     env = os.environ if environ is None else environ
     want_traces = tracing_configured(env)
-    want_otlp_metrics = _otlp_metrics_configured(env)
+    want_otlp_metrics = _otlp_configured(env, "METRICS")
     prom_port = env.get(PROMETHEUS_PORT_ENV, "").strip()
     if not (want_traces or want_otlp_metrics or prom_port):
         return Telemetry.disabled()

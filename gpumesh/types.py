@@ -89,6 +89,7 @@ class LoadReport:
     loaded_adapters: tuple[str, ...] = ()  # LoRA adapters loaded in the engine now
     adapter_load_s: float = 0.0          # mean seconds of a recent adapter load; 0 = unknown
     step_model: StepModel | None = None  # fitted online; None = not yet (or not fitted)
+    engine_epoch: int = 0                # engine start / prefix-cache reset count; 0 = unknown
     gpus: tuple[GpuSample, ...] = ()
     router_accounts: tuple[RouterAccount, ...] = ()
 
@@ -111,3 +112,4 @@ class Registration:
     max_concurrency: int = 0
     frontend_addresses: tuple[str, ...] = ()
     kind: str = "gpumesh"
+    role: str = "both"   # "both" | "prefill" | "decode" (disaggregated prefill/decode)

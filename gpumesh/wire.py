@@ -79,7 +79,7 @@ def load_report_to_proto(r: LoadReport) -> cpb.LoadReport:
         prompt_tokens_per_s=r.prompt_tokens_per_s, kv_capacity_tokens=r.kv_capacity_tokens,
         prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
         decode_step_s=r.decode_step_s, loaded_adapters=r.loaded_adapters,
-        adapter_load_s=r.adapter_load_s,
+        adapter_load_s=r.adapter_load_s, engine_epoch=r.engine_epoch,
         step_model=None if r.step_model is None else cpb.StepModel(
             a_ms=r.step_model.a_ms, b_decode_ms=r.step_model.b_decode_ms,
             b_prefill_ms=r.step_model.b_prefill_ms, spans=r.step_model.spans,
@@ -97,6 +97,7 @@ def load_report_from_proto(r: cpb.LoadReport) -> LoadReport:
         prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
         decode_step_s=r.decode_step_s,
         loaded_adapters=tuple(r.loaded_adapters), adapter_load_s=r.adapter_load_s,
+        engine_epoch=r.engine_epoch,
         step_model=StepModel(r.step_model.a_ms, r.step_model.b_decode_ms,
                              r.step_model.b_prefill_ms, r.step_model.spans,
                              r.step_model.rms_error) if r.HasField("step_model") else None,
@@ -108,7 +109,7 @@ def registration_to_proto(r: Registration) -> cpb.Registration:
     return cpb.Registration(
         node_id=r.node_id, address=r.address, incarnation=r.incarnation, engine=r.engine,
         gpu_model=r.gpu_model, max_concurrency=r.max_concurrency,
-        frontend_addresses=r.frontend_addresses,
+        frontend_addresses=r.frontend_addresses, role=r.role,
         models=[model_spec_to_proto(m) for m in r.models])
 
 
@@ -116,5 +117,5 @@ def registration_from_proto(r: cpb.Registration) -> Registration:
     return Registration(
         node_id=r.node_id, address=r.address, incarnation=r.incarnation, engine=r.engine,
         gpu_model=r.gpu_model, max_concurrency=r.max_concurrency,
-        frontend_addresses=tuple(r.frontend_addresses),
+        frontend_addresses=tuple(r.frontend_addresses), role=r.role or "both",
         models=tuple(model_spec_from_proto(m) for m in r.models))

@@ -10,7 +10,6 @@ ListModels and health stay open (they reveal what the router's ListModels does).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from gpumesh.security.handlers import wrap_handler
 from gpumesh.security.tls import peer_identity
 from gpumesh.v1 import inference_pb2
 
@@ -43,7 +43,14 @@ class RouterOnly(grpc.aio.ServerInterceptor):
         generate = method in _GENERATE
         if not generate and not method.startswith(_VLLM):
             return handler
-        return _guarded(handler, self, ticket_ok=generate)
+        # (a streaming-request method's check sees no request: no ticket either)
+        return wrap_handler(handler, self._ticketed if generate else self._router_only)
+
+    async def _router_only(self, request: Any, ctx: grpc.aio.ServicerContext) -> None:
+        await self.check(request, ctx, False)
+
+    async def _ticketed(self, request: Any, ctx: grpc.aio.ServicerContext) -> None:
+        await self.check(request, ctx, True)
 
     async def check(self, request: Any, ctx: grpc.aio.ServicerContext, ticket_ok: bool) -> None:
         ident = peer_identity(ctx)
@@ -59,54 +66,3 @@ class RouterOnly(grpc.aio.ServerInterceptor):
         await ctx.abort(grpc.StatusCode.PERMISSION_DENIED,
                         "this node accepts calls from routers only (a router certificate, or "
                         "a router's lookaside ticket)")
-
-
-def _guarded(h: grpc.RpcMethodHandler, auth: RouterOnly, ticket_ok: bool
-             ) -> grpc.RpcMethodHandler:
-    if h.unary_unary is not None:
-        inner = h.unary_unary
-
-        async def uu(request: Any, ctx: grpc.aio.ServicerContext) -> Any:
-            await auth.check(request, ctx, ticket_ok)
-            return await inner(request, ctx)
-        return grpc.unary_unary_rpc_method_handler(uu, h.request_deserializer,
-                                                   h.response_serializer)
-    if h.unary_stream is not None:
-        inner_s = h.unary_stream
-
-        async def us(request: Any, ctx: grpc.aio.ServicerContext) -> Any:
-            await auth.check(request, ctx, ticket_ok)
-            result = inner_s(request, ctx)
-            if inspect.isasyncgen(result):
-                try:
-                    async for item in result:
-                        yield item
-                finally:
-                    await result.aclose()   # at once: a cancelled call aborts in the engine
-            else:
-                await result   # a servicer that writes through the context
-        return grpc.unary_stream_rpc_method_handler(us, h.request_deserializer,
-                                                    h.response_serializer)
-    if h.stream_unary is not None:
-        inner_su = h.stream_unary
-
-        async def su(it: Any, ctx: grpc.aio.ServicerContext) -> Any:
-            await auth.check(None, ctx, False)
-            return await inner_su(it, ctx)
-        return grpc.stream_unary_rpc_method_handler(su, h.request_deserializer,
-                                                    h.response_serializer)
-    inner_ss = h.stream_stream
-
-    async def ss(it: Any, ctx: grpc.aio.ServicerContext) -> Any:
-        await auth.check(None, ctx, False)
-        result = inner_ss(it, ctx)
-        if inspect.isasyncgen(result):
-            try:
-                async for item in result:
-                    yield item
-            finally:
-                await result.aclose()
-        else:
-            await result
-    return grpc.stream_stream_rpc_method_handler(ss, h.request_deserializer,
-                                                 h.response_serializer)

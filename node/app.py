@@ -87,7 +87,8 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
             stream_interval=cfg.stream_interval, capacity_weight=cfg.weight,
             enable_lora=bool(cfg.adapters or cfg.adapter_dir), max_loras=cfg.max_loras,
             max_lora_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras,
-            kv_events=cfg.kv_events,
+            kv_events=cfg.kv_events, role=cfg.role,
+            kv_side_channel_host=cfg.advertised_host(), kv_side_channel_port=cfg.kv_port,
             extra=dict(cfg.engine_args)),
             # GPU samples: the main process's (the node's report carries them)
             gpu_sampler=GpuSampler() if frontend is None else None,
@@ -148,7 +149,7 @@ class NodeServer:
             incarnation=self.incarnation, engine=self.engine.kind,
             gpu_model=getattr(self.engine, "gpu_model", "") or "",
             max_concurrency=self.cfg.max_concurrency,
-            frontend_addresses=self.state.frontend_addresses)
+            frontend_addresses=self.state.frontend_addresses, role=self.cfg.role)
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:

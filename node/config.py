@@ -17,6 +17,7 @@ from typing import Any
 from gpumesh.config import load_config
 
 ENV_PREFIX = "GPUMESH_NODE_"
+ROLES = ("both", "prefill", "decode")   # NodeConfig.role (docs/disaggregation.md)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,13 @@ class NodeConfig:
     # the node's per-token work is no longer capped by one process's core
     # (gpumesh.node.frontends).
     frontends: int = 1
+    # Disaggregated prefill/decode (docs/disaggregation.md): "both" serves whole requests;
+    # "prefill" runs prompts and hands their KV to decode nodes; "decode" continues from a
+    # prefill node's KV (and serves whole requests too). prefill/decode start vLLM with a KV
+    # connector (NIXL; an engine_args kv_transfer_config replaces it); kv_port is its side
+    # channel's TCP port (0: a free one), reached at the advertised host.
+    role: str = "both"
+    kv_port: int = 0
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs
     sim: Mapping[str, Any] = field(default_factory=dict)          # SimEngineConfig fields
     # LoRA adapters (gpumesh.node.adapters), served by name on GenerateRequest.adapter and
@@ -107,11 +115,25 @@ class NodeConfig:
             raise ValueError("frontends > 1 needs engine = 'vllm' (the simulator has one process)")
         if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 0:
             raise ValueError("max_loras and max_lora_rank must be >= 1, max_cpu_loras >= 0")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role != "both" and self.engine != "vllm":
+            raise ValueError(f"role {self.role!r} needs engine = 'vllm' (the KV transfer is "
+                             "vLLM's; the simulator models pools in gpumesh sim)")
+        if not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_port must be a TCP port (0 = any free one), got {self.kv_port}")
         if not self.stream_messages_per_s >= 0:
             raise ValueError(f"stream_messages_per_s must be >= 0, got {self.stream_messages_per_s}")
 
     def resolved_node_id(self, bound_port: int) -> str:
         return self.node_id or f"{socket.gethostname()}-{bound_port}".replace(".", "-")
+
+    def advertised_host(self) -> str:
+        """The host other nodes and routers reach this node at: the advertised address's,
+        else the bound host (the machine's name when bound to every interface)."""
+        host = self.advertise_address.rsplit(":", 1)[0] if self.advertise_address else self.host
+        host = host.strip("[]")
+        return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
     def resolved_served_name(self) -> str:
         if self.served_name:

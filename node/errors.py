@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 
@@ -14,28 +16,19 @@ class RequestError(Exception):
         self.message = message
 
 
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def _status(code: grpc.StatusCode) -> Callable[[str], RequestError]:
+    """A RequestError factory for one status: ``invalid(message)`` and the rest below."""
+    def refuse(message: str) -> RequestError:
+        return RequestError(code, message)
+    return refuse
 
 
-def not_found(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.NOT_FOUND, message)
-
-
-def out_of_range(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.OUT_OF_RANGE, message)
-
-
-def unavailable(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.UNAVAILABLE, message)
-
-
-def already_exists(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.ALREADY_EXISTS, message)
-
-
-def permission_denied(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.PERMISSION_DENIED, message)
+invalid = _status(grpc.StatusCode.INVALID_ARGUMENT)
+not_found = _status(grpc.StatusCode.NOT_FOUND)
+out_of_range = _status(grpc.StatusCode.OUT_OF_RANGE)
+unavailable = _status(grpc.StatusCode.UNAVAILABLE)
+already_exists = _status(grpc.StatusCode.ALREADY_EXISTS)
+permission_denied = _status(grpc.StatusCode.PERMISSION_DENIED)
 
 
 def from_engine_exception(exc: BaseException) -> RequestError:
@@ -55,7 +48,7 @@ def from_engine_exception(exc: BaseException) -> RequestError:
     if isinstance(exc, InvalidRequest):
         return invalid(f"engine rejected the request: {exc}")
     if isinstance(exc, EngineUnavailable):
-        return RequestError(grpc.StatusCode.UNAVAILABLE, f"engine not serving: {exc}")
+        return unavailable(f"engine not serving: {exc}")
     if isinstance(exc, AdapterLoadFailed):
         return RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"adapter not loadable: {exc}")
     if isinstance(exc, EngineOverloaded):

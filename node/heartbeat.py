@@ -9,7 +9,9 @@ stream first, and its status and reason are logged at WARNING (``REFUSALS``). A
 router's RouterHello may list peer processes (multi-worker routers): the node opens a stream
 to each of them too. A DrainOrder from any router starts the node's drain, an UndrainOrder
 ends an operator's drain. ``wake()`` sends the next heartbeat at once (used when draining
-starts). Each heartbeat lists the router ids of the node's live streams.
+starts). Each heartbeat lists the router ids of the node's live streams, and carries the
+engine epoch of its prefix-cache publishers (``LoadReport.engine_epoch``; ``gpumesh.node.cache``):
+a router that sees it move forgets the node's indexed blocks even before the cleared update.
 
 Router discovery (``gpumesh.node.discovery``) calls ``set_discovered`` with the addresses a
 DNS name resolves to: streams to new addresses start, streams to addresses no longer listed
@@ -120,9 +122,17 @@ class HeartbeatClient:
         self._seq += 1
         return self._seq
 
+    def _report(self) -> cpb.LoadReport:
+        """The node's load now, stamped with its engine epoch (the newest of its KV
+        publishers'; left as the node set it without publishers)."""
+        load = self._load()
+        if self._kv:
+            load.engine_epoch = max(p.epoch for p in self._kv)
+        return load
+
     def _heartbeat(self) -> cpb.NodeMessage:
         return cpb.NodeMessage(heartbeat=cpb.Heartbeat(
-            seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=self._load(),
+            seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=self._report(),
             router_ids=self.router_ids()))
 
     async def _messages(self, stop: asyncio.Event, kv: Sequence[KvSubscription] = (),
@@ -147,7 +157,7 @@ class HeartbeatClient:
             # turns busy or idle is reported within one busy interval (an idle node's last
             # busy report would otherwise stand for up to the idle interval, and routers that
             # did not see its requests end would count them until then).
-            load = self._load()
+            load = self._report()
             busy = bool(load.in_flight or load.num_running or load.num_waiting)
             now = loop.time()
             went_idle, was_busy = was_busy and not busy, busy

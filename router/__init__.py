@@ -1,1 +1,1 @@
-"""gpumesh router: fleet registry from heartbeats, weighted least-load routing, dispatch."""
+"""gpumesh router: fleet registry from heartbeats, predicted-latency routing, dispatch."""

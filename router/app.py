@@ -42,15 +42,15 @@ from gpumesh.router.dispatch import Dispatcher
 from gpumesh.router.fleet import Registry
 from gpumesh.router.fleet.saturation import SaturationPolicy, SaturationTracker
 from gpumesh.router.fleet.quarantine import Quarantine
-from gpumesh.router.scheduling import WaitModel, build_profile, default_filters
+from gpumesh.router.scheduling import build_policy, default_filters
 from gpumesh.router.fleet.locality import PrefixLocality
 from gpumesh.router.fleet.prefix_index import PrefixIndexes
 from gpumesh.router.fleet.sessions import SessionTable
-from gpumesh.router.scheduling.steering import SteeringModel, steer
 from gpumesh.router.auth import AuthCounters, KeyStore, RouterAuth
 from gpumesh.router.auth.metrics import register_auth_metrics
 from gpumesh.router.api.intake import estimate_prompt_tokens
 from gpumesh.router.telemetry import RouterTelemetry
+from gpumesh.router.tokenizers import RouterTokenizers
 from gpumesh.security.tls import TlsFiles, channel_credentials, check_bind, server_credentials
 from gpumesh.security.guard import GuardedServer
 
@@ -87,25 +87,24 @@ class RouterServer:
             credentials=(lambda: channel_credentials(self.tls.ca, self.tls.cert, self.tls.key))
             if self.tls.enabled else None)
         self.registry.add_removal_listener(lambda e: self.channels.forget(e.node_id))
-        wait_model = WaitModel.from_config(config)
-        # Session affinity and LoRA adapters on top of the load profile (scheduling.steering).
-        self.profile = steer(build_profile(config.policy, config.scorer_weights, wait_model),
-                             SteeringModel(config.affinity_weight,
-                                           config.affinity_epsilon,
-                                           config.adapter_weight, config.adapter_load_s,
-                                           config.wait_scale_s))
+        # The routing policy (router.scheduling; docs/routing.md): sessions, prefixes and
+        # adapters are inside its prediction.
+        self.profile = build_policy(config.routing)
         self.sessions = SessionTable(config.affinity_max_keys, config.affinity_ttl_s, clock)
+        # The router's tokenizers (router.tokenizers): each loaded once, shared by prefix
+        # locality and the stock vLLM gRPC workers.
+        self.tokenizers = RouterTokenizers(
+            dict(t.split("=", 1) for t in config.prefix_tokenizers), engine_of=self._engine_of)
         # Prefix-cache locality: the per-model prefix index, fed by nodes' KV events
         # (control plane) or the router's own record of what it sent where.
         self.locality = PrefixLocality(
             config.prefix_locality,
             PrefixIndexes(config.prefix_index_max_entries, config.prefix_approx_ttl_s,
-                          config.prefix_pending_ttl_s), clock,
-            dict(t.split("=", 1) for t in config.prefix_tokenizers),
-            engine_of=self._engine_of)
+                          config.prefix_pending_ttl_s), clock, self.tokenizers)
         self.registry.add_removal_listener(lambda e: self.locality.node_left(e.node_id))
-        # a model's prefix tokenizer loads when the model first registers, not on a request
-        self.registry.add_listener(self.locality.models_changed)
+        if self.locality.enabled:
+            # a model's prefix tokenizer loads when the model first registers, not on a request
+            self.registry.add_listener(self.tokenizers.models_changed)
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
                                      default_filters(config.kv_hard_threshold),
                                      rng or random.Random(), clock, sessions=self.sessions,
@@ -114,6 +113,7 @@ class RouterServer:
         self.telemetry = telemetry or RouterTelemetry(
             otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)
         self.telemetry.register_gauges()
+        self.dispatcher.tracer = self.telemetry.tel.tracer   # disaggregated legs' spans
         # Who may call what (router.auth): API keys and quotas, operator credentials.
         self.auth_counters = AuthCounters()
         self.auth = RouterAuth(
@@ -144,7 +144,7 @@ class RouterServer:
         self.health = health.aio.HealthServicer()
         # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
         self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,
-                                    config.foreign_poll_interval_s)
+                                    self.tokenizers, config.foreign_poll_interval_s)
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._ready: asyncio.Task[None] | None = None
@@ -251,7 +251,7 @@ class RouterServer:
         await self._server.stop(min(grace, 1.0))
         await self.foreign.stop()
         await self.channels.aclose()
-        self.locality.close()
+        self.tokenizers.close()
         self._server = None
         await asyncio.to_thread(self.telemetry.tel.shutdown)
 

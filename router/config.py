@@ -3,12 +3,13 @@
 Who calls it: ``gpumesh.cli`` (``add_arguments`` + ``from_args``), tests (``RouterConfig(...)``
 or ``dataclasses.replace``), and ``router.app`` which only reads it.
 
-- TOML: top-level keys are the field names below; scorer weights live in a ``[scorer_weights]``
-  table (``expected_wait = 1.0``). An optional ``[router]`` table is read the same way.
-- Environment: ``GPUMESH_ROUTER_<FIELD>`` (upper case), e.g. ``GPUMESH_ROUTER_POLICY``;
-  ``GPUMESH_ROUTER_SCORER_WEIGHTS="expected_wait=1,kv_headroom=0.2"``. The ticket secret is also
+- TOML: top-level keys are the field names below; the routing settings live in a
+  ``[routing]`` table (``policy = "least_request"``). An optional ``[router]`` table is read
+  the same way.
+- Environment: ``GPUMESH_ROUTER_<FIELD>`` (upper case), e.g. ``GPUMESH_ROUTER_PORT``;
+  ``GPUMESH_ROUTER_ROUTING="policy=least_request,sample_size=16"``. The ticket secret is also
   read from ``GPUMESH_TICKET_SECRET`` (shared with nodes, see ``gpumesh.tickets``).
-- Flags: ``--<field-with-dashes>``; ``--scorer-weight NAME=W`` may repeat.
+- Flags: ``--<field-with-dashes>``; ``--routing policy=least_request,objective=min_ttft``.
 
 Units are in the field names (``_s`` seconds, ``_ms`` milliseconds).
 """
@@ -20,16 +21,13 @@ import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any
 
-from gpumesh.config import ConfigError, add_flags, flag_overrides, load_config
+from gpumesh.config import add_flags, flag_overrides, load_config
+from gpumesh.router.scheduling.settings import POLICIES as SCHEDULING_POLICIES
+from gpumesh.router.scheduling.settings import RoutingSettings
 
-POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
-
-DEFAULT_SCORER_WEIGHTS: Mapping[str, float] = MappingProxyType(
-    {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 8.0}
-)
+POLICIES = SCHEDULING_POLICIES
 
 ENV_PREFIX = "GPUMESH_ROUTER_"
 
@@ -52,77 +50,22 @@ class RouterConfig:
     control_port: int = 0
     shutdown_grace_s: float = 5.0
 
-    # --- routing policy
-    policy: str = "weighted_least_load"
-    scorer_weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_SCORER_WEIGHTS))
-    # Expected-wait model (router.scheduling.scorers): throughput floor per unit of capacity
-    # weight when a node reports none (or a tiny one), prompt tokens per second.
-    reference_prompt_tokens_per_s: float = 8000.0
-    # Measure the expected wait in each node's own seconds when it reports its prefill
-    # capacity: prompt tokens / that capacity (instead of max(observed rate, the floor above))
-    # and the decode term in its measured step time (below). Off: the floor and the constants.
-    prefill_from_capacity: bool = True
-    # With prefill_from_capacity: a running request costs this many of the node's measured
-    # decode steps (average running / generation tokens/s, scorers.py) in place of
-    # decode_s_per_request / weight; 0 = keep the constant. Dimensionless: no time scaling.
-    decode_steps_per_request: float = 1.0
-    # weighted_least_load adds the request's own expected service time on each node (its
-    # prompt / the node's prefill capacity + its output tokens x the node's decode step) to
-    # the wait, times this (docs/routing.md); 0 = the wait alone. Dimensionless.
-    service_weight: float = 1.0
-    # Output tokens (max_tokens) counted at most per request in that service time.
-    output_tokens_cap: int = 1024
-    # weighted_least_load adds, times this, the wait for a running slot on a node whose last
-    # report had requests waiting: (waiting + unreported + 1) x the request's output tokens x
-    # the node's decode step / its running count (docs/routing.md); 0 = none.
-    admission_weight: float = 2.0
-    # The output term of that service time at decode_s_per_request / weight per token (the
-    # node's declared speed) instead of its measured decode step, which moves with its load.
-    service_step_from_weight: bool = True
-    # Weight of the output term (output tokens x decode step) within that service time,
-    # relative to the prompt's prefill (part of the first token's wait).
-    output_weight: float = 0.6
-    # weighted_least_load adds, times this, the price of a prefix miss: on a node that lacks
-    # part of the longest prompt prefix some node holds, that part's prefill x (1 + the
-    # requests running there), the batch it stalls (docs/routing.md); 0 = none.
-    miss_weight: float = 1.0
-    # The decode step: the node's own measurement (LoadReport.decode_step_s, timed between the
-    # engine's steps) where it reports one; off, or from a node without it: inferred as
-    # average running / generation tokens/s.
+    # --- routing (router.scheduling.settings: the policy, its objective, sample size and
+    # defaults; a [routing] table, GPUMESH_ROUTER_ROUTING="k=v,...", --routing k=v,...)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
+    # The node's decode step: its own measurement (LoadReport.decode_step_s, timed between
+    # the engine's steps) where it reports one; off, or from a node without it: inferred as
+    # average running / generation tokens/s (router.fleet.speed).
     step_from_report: bool = True
-    # c in c * k / (1 - k) (docs/routing.md): a larger c sends bursts onto the node with the
-    # lowest KV usage (docs/benchmarks.md, "Which routing policy balances best").
-    kv_penalty_s: float = 0.2
-    kv_usage_cap: float = 0.98      # k is capped here so the penalty stays finite
-    # KV tokens each of this router's unreported requests is expected to add beyond its prompt
-    # (its output), when the node reports its KV capacity: k moves by (C + U * this) / K.
-    kv_output_allowance_tokens: float = 512.0
-    # The decode term per running request, per unit of weight, where no step time is measured
-    # (no capacity reported, prefill_from_capacity off, or a node never busy yet).
-    decode_s_per_request: float = 0.002
-    wait_scale_s: float = 0.5       # expected wait that scores 0.5
     kv_hard_threshold: float = 0.92  # filter: avoid nodes at or above while some are below
-    # Score a random sample of this many candidates per decision (power-of-d choices) when a
-    # model has more nodes; exact (every node scored) up to it. 0 = always score every node.
-    decision_sample_size: int = 32
     chars_per_token: float = 4.0    # prompt-size estimate for text/chat prompts
-
-    # --- routing-key affinity (GenerateRequest.routing_key; scheduling.scorers.affinity)
-    # Weight of the session_affinity score (1 on the node that served the key last, while it
-    # is within its bounded load) added to weighted_least_load's total; >= 1: within the bound
-    # the session node always wins; 0 = off.
-    affinity_weight: float = 1.0
-    # Bounded load: affinity never puts a node above ceil((1 + epsilon) x its fair share of
-    # this router's in-flight requests (by capacity weight).
-    affinity_epsilon: float = 0.25
+    # Prompt tokens per second per unit of weight the scaling signal assumes for a node that
+    # reports no prefill capacity (router.fleet.saturation).
+    reference_prompt_tokens_per_s: float = 8000.0
+    # --- routing-key affinity (GenerateRequest.routing_key; fleet.sessions): the node a key
+    # went to last, which the prediction counts as an expected prefix hit
     affinity_max_keys: int = 100_000  # routing keys remembered (LRU, fixed-size entries); 0 = off
     affinity_ttl_s: float = 600.0     # a key unused this long is forgotten
-    # --- LoRA adapters (GenerateRequest.adapter; scheduling.scorers.adapter)
-    # Weight of the adapter score (1 where the adapter is loaded, less where it must be
-    # loaded first) added to weighted_least_load's total; 0 = ignore where adapters are loaded.
-    adapter_weight: float = 1.0
-    # Seconds an adapter load is assumed to take on a node that has measured none yet.
-    adapter_load_s: float = 1.0
 
     # --- membership
     heartbeat_interval_ms: int = 250  # asked of nodes in RouterHello
@@ -158,6 +101,11 @@ class RouterConfig:
     stall_check_interval_s: float = 0.1   # how often stalled calls on STALE nodes are looked for
     stall_s: float = 1.0               # a stream whose node reported nothing and that moved
     #                                   nothing for this long fails over (>= freshness_s)
+    # --- disaggregated prefill/decode (router.dispatch.disagg; docs/disaggregation.md)
+    disagg_min_prompt_tokens: int = 512   # shorter prompts are served whole while a
+    #                                       "both" node serves the model
+    disagg_leg_timeout_s: float = 10.0    # bound on the prefill leg, and on the decode leg's
+    #                                       first token (the KV transfer); past it: served whole
     outlier_consecutive_failures: int = 3  # node faults in a row -> ejected (0 = off)
     outlier_latency_factor: float = 5.0    # first-response EWMA > this x peers' median -> ejected
     outlier_base_ejection_s: float = 1.0   # k-th ejection in a row lasts base x 2^(k-1) ...
@@ -208,6 +156,14 @@ class RouterConfig:
     foreign_nodes: tuple[str, ...] = ()
     foreign_poll_interval_s: float = 0.25  # GetLoads while no pushed load record arrives
 
+    # --- service-level objectives (router.dispatch.slo): per model, "MODEL=MS" (a request's
+    # own ttft_slo_ms / tpot_slo_ms, else its API key's, else these); what admission does with
+    # a request no node is predicted to meet: "queue" (wait while its TTFT budget lasts, then
+    # RESOURCE_EXHAUSTED with a retry-after), "reject" (at once) or "off"
+    slo_ttft_ms: tuple[str, ...] = ()
+    slo_tpot_ms: tuple[str, ...] = ()
+    slo_admission: str = "queue"
+
     # --- scaling signal (router.fleet.saturation): the SLO and target it is measured against
     saturation_slo_ttft_s: float = 2.0   # queued prefill worth this much wait = saturated
     saturation_target: float = 0.8       # nodes_wanted keeps saturation at or below this
@@ -221,16 +177,10 @@ class RouterConfig:
                              "saturation_default_slots >= 1, saturation_half_life_s > 0")
         if "." in self.router_id or not self.router_id:
             raise ValueError(f"router_id must be non-empty and contain no '.': {self.router_id!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        weights = dict(DEFAULT_SCORER_WEIGHTS)
-        weights.update({k: float(v) for k, v in dict(self.scorer_weights).items()})
-        unknown = set(weights) - set(DEFAULT_SCORER_WEIGHTS)
-        if unknown:
-            raise ValueError(f"unknown scorer(s) {sorted(unknown)}; known {list(DEFAULT_SCORER_WEIGHTS)}")
-        if any(w < 0 for w in weights.values()) or not any(w > 0 for w in weights.values()):
-            raise ValueError("scorer weights must be >= 0 with at least one > 0")
-        object.__setattr__(self, "scorer_weights", MappingProxyType(weights))
+        if isinstance(self.routing, Mapping):
+            object.__setattr__(self, "routing", RoutingSettings(**self.routing))
+        if not isinstance(self.routing, RoutingSettings):
+            raise ValueError("routing must be RoutingSettings or a mapping of its keys")
         object.__setattr__(self, "peer_addresses", tuple(self.peer_addresses))
         object.__setattr__(self, "foreign_nodes", tuple(self.foreign_nodes))
         object.__setattr__(self, "prefix_tokenizers", tuple(self.prefix_tokenizers))
@@ -242,30 +192,25 @@ class RouterConfig:
                              "prefix_pending_ttl_s must be >= 0")
         if any("=" not in t for t in self.prefix_tokenizers):
             raise ValueError("prefix_tokenizers entries are MODEL=SPEC")
+        from gpumesh.router.dispatch.slo import MODES, model_slos
+        object.__setattr__(self, "slo_ttft_ms", tuple(self.slo_ttft_ms))
+        object.__setattr__(self, "slo_tpot_ms", tuple(self.slo_tpot_ms))
+        model_slos(self.slo_ttft_ms, self.slo_tpot_ms)   # ValueError naming a bad entry
+        if self.slo_admission not in MODES:
+            raise ValueError(f"slo_admission must be one of {', '.join(MODES)}")
         for name in ("lease_ttl_s", "freshness_s", "reference_prompt_tokens_per_s",
-                     "wait_scale_s", "request_timeout_s", "first_token_timeout_s", "ticket_ttl_s",
+                     "request_timeout_s", "first_token_timeout_s", "ticket_ttl_s",
                      "foreign_poll_interval_s", "first_token_min_s", "stall_check_interval_s",
-                     "stall_s",
+                     "stall_s", "disagg_leg_timeout_s",
                      "outlier_base_ejection_s", "outlier_max_ejection_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        if not 0 < self.kv_hard_threshold <= 1 or not 0 < self.kv_usage_cap < 1:
-            raise ValueError("kv_hard_threshold must be in (0, 1] and kv_usage_cap in (0, 1)")
+        if not 0 < self.kv_hard_threshold <= 1:
+            raise ValueError("kv_hard_threshold must be in (0, 1]")
         if self.peer_share_half_life_s < 0:
             raise ValueError("peer_share_half_life_s must be >= 0 (0 = ignore peers)")
-        if (self.service_weight < 0 or self.output_tokens_cap < 0 or self.admission_weight < 0
-                or self.output_weight < 0 or self.miss_weight < 0):
-            raise ValueError("service_weight, output_tokens_cap, admission_weight, "
-                             "output_weight and miss_weight must be >= 0")
-        if (self.affinity_weight < 0 or self.affinity_epsilon < 0
-                or self.affinity_max_keys < 0 or self.affinity_ttl_s <= 0
-                or self.adapter_weight < 0 or self.adapter_load_s < 0):
-            raise ValueError("affinity_weight, affinity_epsilon, affinity_max_keys, "
-                             "adapter_weight, adapter_load_s must be >= 0 and affinity_ttl_s > 0")
-        if self.decode_steps_per_request < 0:
-            raise ValueError("decode_steps_per_request must be >= 0 (0 = the constant)")
-        if self.decision_sample_size < 0 or self.kv_output_allowance_tokens < 0:
-            raise ValueError("decision_sample_size and kv_output_allowance_tokens must be >= 0")
+        if self.affinity_max_keys < 0 or self.affinity_ttl_s <= 0:
+            raise ValueError("affinity_max_keys must be >= 0 and affinity_ttl_s > 0")
         if (self.node_max_models < 1 or self.node_max_aliases < 0
                 or self.node_max_name_length < 1 or not self.node_max_capacity_weight > 0
                 or self.node_max_heartbeats_per_s < 0 or self.quarantine_s < 0):
@@ -278,6 +223,16 @@ class RouterConfig:
                              "outlier_consecutive_failures, outlier_latency_factor must be >= 0")
         if self.max_attempts < 1 or self.queue_bound < 0 or self.max_concurrency_default < 0:
             raise ValueError("max_attempts >= 1, queue_bound >= 0, max_concurrency_default >= 0")
+
+    @property
+    def policy(self) -> str:
+        """The routing policy's name (``routing.policy``)."""
+        return self.routing.policy
+
+    @property
+    def decision_sample_size(self) -> int:
+        """Candidates predicted per decision on a large fleet (``routing.sample_size``)."""
+        return self.routing.sample_size
 
     @property
     def ticket_secret_bytes(self) -> bytes:
@@ -300,37 +255,23 @@ class RouterConfig:
         return replace(self, **changes)
 
 
-def _parse_weights(items: list[str]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for item in items:
-        for part in (p for p in item.split(",") if p.strip()):
-            name, sep, weight = part.partition("=")
-            if not sep:
-                raise ConfigError(f"scorer weight must be NAME=W, got {part!r}")
-            out[name.strip()] = float(weight)
-    return out
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--config`` and one flag per field (all default to None = not given)."""
     parser.add_argument("--config", help="router TOML config file")
-    add_flags(parser, RouterConfig, skip=("scorer_weights", "ticket_secret", "router_id",
-                                          "join_token"),
+    add_flags(parser, RouterConfig, skip=("ticket_secret", "router_id", "join_token"),
               what="router")
-    # secrets do not belong on a command line; weights have their own flag
+    # secrets do not belong on a command line
     parser.add_argument("--router-id", dest="router_id", default=None,
                         help="router router_id (default: random per process)")
-    parser.add_argument("--scorer-weight", dest="scorer_weight", action="append", default=None,
-                        metavar="NAME=W", help="scorer weight, may repeat")
+    parser.add_argument("--policy", dest="routing_policy", default=None, choices=POLICIES,
+                        help="the routing policy: --routing policy=P in short")
 
 
 def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterConfig:
     """The config for parsed CLI args (see ``add_arguments``)."""
     ns = vars(args)
     overrides = flag_overrides(args, RouterConfig)
-    if ns.get("scorer_weight"):
-        env_or_file = RouterConfig.load(ns.get("config"), env)
-        weights = dict(env_or_file.scorer_weights)
-        weights.update(_parse_weights(ns["scorer_weight"]))
-        overrides["scorer_weights"] = weights
+    if ns.get("routing_policy"):
+        routing = RouterConfig.load(ns.get("config"), env, overrides).routing
+        overrides["routing"] = routing.model_copy(update={"policy": ns["routing_policy"]})
     return RouterConfig.load(ns.get("config"), env, overrides)

@@ -19,6 +19,11 @@ client's W3C context. Attributes:
   candidates by total score
   ``gpumesh.routing.candidate.<i>.node_id`` / ``.total`` / ``.score.<scorer>`` /
   ``.expected_wait_s`` (i = 0 is the best).
+- The decision's prediction for the chosen node (a predictive policy):
+  ``gpumesh.predicted_ttft_s`` / ``gpumesh.predicted_completion_s`` (seconds from the
+  dispatch), and what happened: ``gpumesh.observed_ttft_s`` (dispatch -> first chunk) and
+  ``gpumesh.observed_completion_s`` (dispatch -> the end of a request that succeeded); the
+  router learns from the difference (``router.fleet.predictions``).
 - ``gpumesh.routing.attempts`` (dispatch attempts), ``gpumesh.node.id`` (the serving node),
   ``gpumesh.chunks`` (stream messages forwarded), ``gpumesh.ttft_s`` (router receipt ->
   first chunk forwarded).
@@ -39,7 +44,9 @@ state 0 healthy / 1 stale / 2 draining), ``gpumesh.router.heartbeat_age`` (s),
 kv_utilization, prefill_backlog, at_limit_fraction, nodes, nodes_wanted}``); counters ``gpumesh.router.lease_expiries``,
 ``gpumesh.router.stale_transitions``, ``gpumesh.heartbeat.reconnects`` (a node id registering
 again with a new stream); ``gpumesh.requests`` / ``gpumesh.request.duration`` /
-``gpumesh.request.time_to_first_token`` with ``model``, ``node``, ``status``.
+``gpumesh.request.time_to_first_token`` with ``model``, ``node``, ``status``; the histogram
+``gpumesh.router.prediction.error`` (|predicted - observed| / observed, per ``node`` and
+``kind`` "ttft" or "completion"; one sample per observation the prediction feedback takes).
 
 Who calls it: ``router.api`` (``RouterTelemetry.start`` per request, then the
 ``RouterRequestTrace`` hooks) and ``router.dispatch`` (``attempt`` via its ``on_attempt``
@@ -74,6 +81,8 @@ TOP_N = 3                # candidates recorded per decision (large fleets: the b
 MAX_FILTERED = 8         # filtered-out nodes listed per decision
 
 _STATE_VALUE = {"healthy": 0, "stale": 1, "draining": 2}
+# relative prediction errors (0.1 = 10 %)
+PREDICTION_ERROR_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 
 
 def decision_attributes(decision: Decision, report_age_s: float, queue_wait_s: float,
@@ -89,6 +98,10 @@ def decision_attributes(decision: Decision, report_age_s: float, queue_wait_s: f
     }
     if decision.sampled_from:
         attrs["gpumesh.routing.sampled_from"] = decision.sampled_from
+    for key, value in (("gpumesh.predicted_ttft_s", decision.predicted_ttft_s),
+                       ("gpumesh.predicted_completion_s", decision.predicted_completion_s)):
+        if value is not None and math.isfinite(value):
+            attrs[key] = value
     if decision.filtered:
         attrs["gpumesh.routing.filtered"] = [
             f"{n}: {r}" for n, r in sorted(decision.filtered.items())[:MAX_FILTERED]]
@@ -136,6 +149,7 @@ class RouterRequestTrace:
         self._method = method
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
+        self._t_sent: float | None = None   # the last attempt's dispatch (its node call)
         self._attempt_span: trace.Span | None = None
         self._attempts = 0
         self._model = ""
@@ -180,6 +194,7 @@ class RouterRequestTrace:
         code = getattr(grpc.StatusCode, prev.error, None) if prev is not None and prev.error else None
         self._end_attempt(True, code, "attempt failed; retried on another node")
         self._attempts += 1
+        self._t_sent = time.perf_counter()
         assert self._span is not None
         attrs = decision_attributes(slot.decision, self._report_age(slot.node_id),
                                     slot.queued_s)
@@ -250,6 +265,11 @@ class RouterRequestTrace:
                 attrs["gpumesh.node.id"] = last.node_id
             if ttft is not None:
                 attrs["gpumesh.ttft_s"] = ttft
+            sent = self._t_sent
+            if sent is not None and self._t_first is not None and self._t_first >= sent:
+                attrs["gpumesh.observed_ttft_s"] = self._t_first - sent
+                if self._error is None and self._status == "OK":
+                    attrs["gpumesh.observed_completion_s"] = self._t0 + duration - sent
             if self._error is not None:
                 gt.set_error(span, *self._error)
             elif self._status == "CANCELLED":
@@ -282,6 +302,13 @@ class RouterTelemetry:
         self._fleet: list[tuple[str, dict[str, float]]] = []
         self._queues: list[tuple[str, int]] = []
         self._seen: dict[str, tuple[int, str]] = {}   # node id -> (stream id, state)
+        self._prediction_error = self.metrics.histogram(
+            "gpumesh.router.prediction.error", unit="1",
+            description="Relative error |predicted - observed| / observed of the router's "
+                        "predictions, per node and kind (ttft, completion)",
+            buckets=PREDICTION_ERROR_BUCKETS)
+        if registry is not None and self.metrics.enabled:
+            registry.predictions.add_listener(self.prediction_sample)
 
     @classmethod
     def disabled(cls) -> RouterTelemetry:
@@ -307,6 +334,10 @@ class RouterTelemetry:
             if key := current_key_name.get():   # the API key's name (router.auth), never the key
                 span.set_attribute("gpumesh.api_key", key)
         return RouterRequestTrace(self, span, method, record)
+
+    def prediction_sample(self, node_id: str, kind: str, error: float) -> None:
+        """One relative prediction error (``router.fleet.predictions``' listener)."""
+        self._prediction_error(error, {"node": node_id, "kind": kind})
 
     # --- fleet metrics -------------------------------------------------------------------
     def on_sweep(self, expired: Sequence[str], queue_length: Callable[[str], int]) -> None:

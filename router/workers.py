@@ -48,7 +48,6 @@ def worker_configs(cfg: RouterConfig, n: int) -> list[RouterConfig]:
 
 def _picklable(cfg: RouterConfig) -> dict[str, object]:
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    values["scorer_weights"] = dict(cfg.scorer_weights)
     return values
 
 

@@ -81,12 +81,12 @@ def test_documented_flags_exist(heading: str, command: str) -> None:
 
 def test_router_example_loads() -> None:
     cfg = RouterConfig.load(EXAMPLES / "router.toml", env={})
-    assert cfg.policy == "weighted_least_load"
+    assert cfg.policy == "predicted_latency" and cfg.routing.objective == "max_slo_attainment"
     assert cfg.port == 50050
     assert cfg.router_id == "router-eu1-a"
     assert cfg.queue_bound == 512
     assert cfg.max_attempts == 2
-    assert cfg.scorer_weights["expected_wait"] == 1.0
+    assert cfg.routing.sample_size == 32 and cfg.routing.output_tokens_default == 256
     assert cfg.foreign_nodes == ()
 
 

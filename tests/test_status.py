@@ -13,7 +13,7 @@ def test_fleet_table_shows_each_nodes_load_step_and_gpus() -> None:
                        models=[cpb.ServedModel(name="m", capacity_weight=1.0)],
                        load=cpb.LoadReport(), last_heartbeat_age_s=2.0),
         cpb.NodeStatus(node_id="a", state=cpb.NODE_STATE_HEALTHY, router_in_flight=3,
-                       address="h:1", router_ids=["r1", "r2"],
+                       address="h:1", router_ids=["r1", "r2"], role="decode",
                        frontend_addresses=["h:1", "h:2"],
                        models=[cpb.ServedModel(name="m", capacity_weight=2.0)],
                        load=cpb.LoadReport(num_running=12, num_waiting=1, kv_cache_usage=0.25,
@@ -25,14 +25,14 @@ def test_fleet_table_shows_each_nodes_load_step_and_gpus() -> None:
                        last_heartbeat_age_s=0.21)])
     lines = fleet_table(fleet).splitlines()
     assert lines[0] == "router r1  policy weighted_least_load  nodes 2"
-    assert lines[1].split() == ["node", "address", "state", "models", "weight", "fe", "running", "waiting", "KV%",
+    assert lines[1].split() == ["node", "address", "state", "role", "models", "weight", "fe", "running", "waiting", "KV%",
                                 "in", "flight", "tok/s", "step", "ms", "GPU", "util", "GPU",
-                                "mem", "hb", "age", "routers"]
-    assert lines[2].split() == ["a", "h:1", "healthy", "m", "2", "2", "12", "1", "25.0", "3/5", "1234",
-                                "9.8", "50%", "3.0/80G", "0.2s", "2"]
+                                "mem", "hb", "age", "routers", "TTFT", "pred"]
+    assert lines[2].split() == ["a", "h:1", "healthy", "decode", "m", "2", "2", "12", "1", "25.0", "3/5", "1234",
+                                "9.8", "50%", "3.0/80G", "0.2s", "2", "-"]
     # A node with nothing measured: dashes, not zeros that read as measurements.
-    assert lines[3].split() == ["b", "h:9", "stale", "m", "1", "1", "0", "0", "0.0", "0/0", "0", "-", "-",
-                                "-", "2.0s", "0"]
+    assert lines[3].split() == ["b", "h:9", "stale", "both", "m", "1", "1", "0", "0", "0.0", "0/0", "0", "-", "-",
+                                "-", "2.0s", "0", "-"]
     assert lines[4] == "stale b: last report 2.0s old"
 
 
@@ -61,3 +61,27 @@ def test_status_json_document_keeps_its_schema() -> None:
                                              "first_token_requests": 0,
                                              "finished_requests": None}]
     assert q["state_reason"] == "bad weight" and q["heartbeat_age_s"] is None
+
+
+def test_prediction_scale_and_error_show_and_drift_is_flagged() -> None:
+    from gpumesh.status import fleet_json
+
+    fleet = cpb.GetFleetResponse(router_id="r1", policy="p", nodes=[
+        cpb.NodeStatus(node_id="ok", state=cpb.NODE_STATE_HEALTHY, prediction_scale=1.05,
+                       ttft_error_p50=0.12),
+        cpb.NodeStatus(node_id="slow", state=cpb.NODE_STATE_HEALTHY, prediction_scale=2.31,
+                       ttft_error_p50=0.4),
+        cpb.NodeStatus(node_id="noisy", state=cpb.NODE_STATE_HEALTHY, prediction_scale=1.0,
+                       ttft_error_p50=0.8),
+        cpb.NodeStatus(node_id="new", state=cpb.NODE_STATE_HEALTHY)])
+    lines = fleet_table(fleet).splitlines()
+    cells = {ln.split()[0]: " ".join(ln.split()[-2:]) for ln in lines[2:6]}
+    assert cells == {"new": "0 -", "noisy": "x1.00 80%!", "ok": "x1.05 12%",
+                     "slow": "x2.31 40%!"}
+    assert lines[6:] == [
+        "prediction drift noisy: observed TTFT 1.00x the profile's prediction, median error 80%",
+        "prediction drift slow: observed TTFT 2.31x the profile's prediction, median error 40%"]
+    nodes = {n["node_id"]: n["prediction"] for n in fleet_json(fleet, "r")["nodes"]}
+    assert nodes["new"] is None
+    assert nodes["ok"] == {"scale": 1.05, "ttft_error_p50": 0.12, "drifting": False}
+    assert nodes["slow"]["drifting"] and nodes["noisy"]["drifting"]

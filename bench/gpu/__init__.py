@@ -1,8 +1,9 @@
 """GPU measurement of the mesh: vLLM CUDA nodes direct vs through the router vs raw vLLM.
 
 Driven by ``bench/gpu/kit/run_mesh_gpu.sh`` on a GPU host (one invocation per group of
-phases, the vLLM kit of ``bench/gpu/kit`` installed); also runs on CPU with ``--engine sim`` (simulated nodes, same
-processes, same router, same load generator) to check the logic before device time is spent.
+phases, the vLLM kit of ``bench/gpu/kit`` installed); also runs on CPU with ``--engine sim``
+(simulated nodes, same processes, same router, same load generator) to check the logic before
+a GPU is used. ``gpumesh bench gpu ...`` is the same command.
 
   python -m gpumesh_bench.gpu run --phases p05,share,unequal --out DIR [--engine vllm|sim]
   python -m gpumesh_bench.gpu report DIR/results.json[.gz]... --md OUT.md --png OUT.png
@@ -49,17 +50,17 @@ Phases (each starts its own nodes and routers and stops them, GPUs freed, before
   rounds (legs ``router-x``, ``direct-x``); every engine then gets 0.28 of its GPU's memory.
   ``--vs-legs`` keeps only the named legs.
 - ``doors05`` / ``doors7``: the same engines behind four front doors on one GPU, interleaved
-  over ``--rounds``: the bare engine (``bare_engine``), the gpumesh router and node, ``vllm
-  serve`` behind nginx least_conn, SMG (gRPC) in front of the same nodes; one engine per door
-  and two sharing the GPU (``--door-engines``, ``--doors``, ``--door-concurrency``); see
-  ``doors``. ``uneq05``: two nodes on one GPU, one with a quarter of the other's KV, under
-  least_request, weighted least-load and nginx least_conn. Device side:
-  ``kit/run_doors.sh`` (packs: ``kit/pack_doors.sh``); tables: ``doorsreport``.
+  over ``--rounds``: the bare engine (``frontdoors.bare_engine``), the gpumesh router and
+  node, ``vllm serve`` behind nginx least_conn, SMG (gRPC) in front of the same nodes; one
+  engine per door and two sharing the GPU (``--door-engines``, ``--doors``,
+  ``--door-concurrency``); see ``frontdoors``. ``uneq05``: two nodes on one GPU, one with a
+  quarter of the other's KV, under least_request, weighted least-load and nginx least_conn.
+  On the GPU host: ``kit/run_doors.sh`` (packs: ``kit/pack_doors.sh``); tables: ``frontdoors.report``.
 - ``prefix05`` / ``prefix7``: cache-aware routing on two engines of the shape (0.5B, 7B)
   sharing GPU 0 with prefix caching on: gpumesh least_request, precise and approximate
   locality and SMG ``cache_aware`` over the same nodes, interleaved over ``--rounds`` on a
   multi-tenant shared-prefix workload, every bench's prompts salted apart; see ``prefix``;
-  tables: ``prefixreport``.
+  tables: ``prefix.report``.
 - ``msg05`` / ``msg7``: the node's stream-message budget on and off on the same nodes,
   interleaved: requests with the node's default interval (the budget widens it under load)
   vs requests asking for the base 20 ms themselves (kept as asked: the old fixed interval);
@@ -72,12 +73,12 @@ computed as the reference computes it: requests that started in the window and f
 inside it, divided by the window (this undercounts the completion rate by about latency /
 window; ``done_qps``, completions in the window per second, is reported beside it). Latency
 and TTFT percentiles are over the same requests. Load comes from ``gpumesh bench``'s own
-multi-process generator (``gpumesh_bench.cli.run_multi``, what ``gpumesh bench run --procs N``
+multi-process generator (``gpumesh_bench.multiproc.run_multi``, what ``gpumesh bench run --procs N``
 runs) and routers run with ``--workers N``.
 
 ``--pin on|both`` (data-parallel and main-table phases): each node's process tree (front end,
 engine core) runs on physical cores of its own near its GPU, routers and load on the rest
-(``gpumesh_bench.affinity``); ``both`` runs each data-parallel setup unpinned then pinned.
+(``gpumesh_bench.gpu.affinity``); ``both`` runs each data-parallel setup unpinned then pinned.
 
 Every bench also records the cores each process group used in its window (``CpuSampler``:
 node front end, vLLM engine processes, router, load generator, whole machine), which says
@@ -87,8 +88,17 @@ Nodes disable prefix caching: the synthetic tokenizer maps every benchmark word 
 all prompts would share their prefix, while the reference's random-id prompts never hit.
 
 Modules: ``env`` (settings, node/router specs, node TOML), ``group`` (a phase's processes),
-``doors``, ``doorload``, ``frontdoors``, ``bare_engine`` and ``doorsreport`` (the front doors),
 ``samplers`` and ``measure`` (one bench), ``reference`` (raw vLLM, engine loop), ``phases``
 and ``vsraw`` (the phases), ``cli`` (``run``), ``records``, ``pairs``, ``report`` and ``plot``
-(the report); ``kit/`` holds the GPU host's shell harness and the kit's builders.
+(the report), ``affinity`` (CPU placement), ``dummy_model`` (the weightless models); the
+packages ``frontdoors`` (the front-door phases) and ``prefix`` (the cache-aware phases);
+``kit/`` holds the GPU host's shell harness and the kit's builders. Raw results: ``results/``.
 """
+
+from gpumesh_bench.commands import Command
+
+QUESTION = "what the mesh does on real GPUs (vLLM CUDA nodes, front doors, raw vLLM)"
+COMMANDS = (
+    Command("gpu", "the GPU phases on this host ('gpu run ...') and their report "
+            "('gpu report ...')", "gpumesh_bench.gpu.cli", own_args=True),
+)

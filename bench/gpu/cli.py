@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -14,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import gpumesh_bench.gpu as package
-from gpumesh_bench.gpu.doors import (
+from gpumesh_bench.gpu.frontdoors.phases import (
     DOORS,
     UNEQ_CONCURRENCY,
     doors_need,
     phase_doors,
     phase_uneq,
 )
-from gpumesh_bench.gpu.doorsreport import doors_markdown
+from gpumesh_bench.gpu.frontdoors.report import doors_markdown
 from gpumesh_bench.gpu.env import POLICIES, Env
 from gpumesh_bench.gpu.group import nvidia_smi, wait_gpus_free
 from gpumesh_bench.gpu.phases import (
@@ -36,8 +37,8 @@ from gpumesh_bench.gpu.phases import (
     phase_unequal,
 )
 from gpumesh_bench.gpu.plot import plot
-from gpumesh_bench.gpu.prefix import PREFIX_PHASES, PrefixWorkload, phase_prefix, prefix_need
-from gpumesh_bench.gpu.prefixreport import prefix_markdown
+from gpumesh_bench.gpu.prefix.phases import PREFIX_PHASES, PrefixWorkload, phase_prefix, prefix_need
+from gpumesh_bench.gpu.prefix.report import prefix_markdown
 from gpumesh_bench.gpu.reference import phase_eng, phase_raw
 from gpumesh_bench.gpu.report import cmd_report, report_markdown
 from gpumesh_bench.gpu.vsraw import VSRAW_LEGS, VSRAW_START_S, phase_vsraw, vsraw_need
@@ -78,7 +79,7 @@ def _name_value(kv: str, flag: str) -> tuple[str, Any]:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from gpumesh_bench.dummy_model import build_dummy_model
+    from gpumesh_bench.gpu.dummy_model import build_dummy_model
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,8 +119,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                                              "output": env.output})
     env.call = len(env.meta["calls"])
     env.save()
-    budget_end = env.budget_end = time.monotonic() + a.budget
-    # Rough worst cases (s) of each phase, so a call stops before its limit, not in a phase.
+    budget_end = env.budget_end = time.monotonic() + a.budget if a.budget > 0 else math.inf
+    # Rough worst cases (s) of each phase, so a bounded run stops before its end, not in a phase.
     # eng05/eng7: one engine start, then two at once (raw7, a phase of that shape, took 155 s).
     need = {"raw": 90, "raw7": 200, "rawdp05": 150, "p05": 290, "p05q": 170, "share": 100, "unequal": 150, "unequal2": 150,
             "tp05": 120, "p7": 260, "tp7": 150, "ab7": 230, "ab05": 200, "dp05": 120,
@@ -147,7 +148,8 @@ def cmd_run(a: argparse.Namespace) -> int:
             env.meta.setdefault("not_run", []).append(ph)
             continue
         t = time.monotonic()
-        print(f"[gpu-bench] === phase {ph} ({left:.0f}s of budget left)", flush=True)
+        print(f"[gpu-bench] === phase {ph}"
+              + (f" ({left:.0f}s of budget left)" if math.isfinite(left) else ""), flush=True)
         try:
             {"raw": lambda: phase_raw(env), "raw7": lambda: phase_raw(env, "7b", gpus >= 2),
              "rawdp05": lambda: phase_raw(env, "0.5b", gpus >= 2), "p05": lambda: phase_p05(env, gpus),
@@ -233,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="--engine sim: scale the nodes' flush and heartbeat intervals and the "
                         "router's freshness window and lease by --sim-time-scale (the GPU "
                         "system's heartbeats per request and tokens per message)")
-    r.add_argument("--policy", default="weighted_least_load", choices=POLICIES,
+    r.add_argument("--policy", default="predicted_latency", choices=POLICIES,
                    help="policy of the data-parallel router in ab7/ab05/dp05/dp7")
     r.add_argument("--rounds", type=int, default=2,
                    help="dp05/dp7, msg05/msg7, vsraw*: interleaved rounds")
@@ -268,8 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(gpumesh.client.spread_target) instead of one hashed connection each")
     r.add_argument("--pin", choices=["off", "on", "both"], default="off",
                    help="dp05/dp7: node process trees on physical cores of their own near their "
-                        "GPUs, routers and load on the rest (gpumesh_bench.affinity); both: each "
-                        "setup unpinned then pinned")
+                        "GPUs, routers and load on the rest (gpumesh_bench.gpu.affinity); both: "
+                        "each setup unpinned then pinned")
     r.add_argument("--prompt", default=str(REFERENCE_PROMPT),
                    help="prompt tokens of the main benches (gpumesh bench's length syntax)")
     r.add_argument("--output", default=str(REFERENCE_OUTPUT),
@@ -289,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="prefix05/prefix7: closed-loop concurrency of every balancer (each node's KV "
                         "is sized from it and the workload: gpu.prefix.PrefixWorkload)")
     r.add_argument("--raw-tool", default="")
-    r.add_argument("--budget", type=float, default=560.0, help="seconds for all phases")
+    r.add_argument("--budget", type=float, default=0.0,
+                   help="seconds for all phases: a phase or round that would not fit is skipped "
+                        "(recorded in meta.not_run / meta.cut); 0 = no bound")
     r.set_defaults(func=cmd_run)
     rep = sub.add_parser("report")
     rep.add_argument("files", nargs="+")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from gpumesh.node.config import NodeConfig
 from gpumesh_bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
 
 SERVED = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
-POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
+POLICIES = ("predicted_latency", "least_request", "power_of_two", "round_robin")
 
 
 @dataclass
@@ -32,7 +33,7 @@ class GpuNodeSpec:
 @dataclass
 class GpuRouterSpec:
     name: str
-    policy: str = "weighted_least_load"
+    policy: str = "predicted_latency"
     members: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)   # on top of Env.router_env
 
@@ -56,7 +57,7 @@ class Env:
     # router's freshness window and lease by sim_time_scale, so that heartbeats per request
     # lifetime and messages per token are those of the unscaled (GPU) system.
     sim_scale_intervals: bool = False
-    policy: str = "weighted_least_load"   # the data-parallel phases' router policy
+    policy: str = "predicted_latency"   # the data-parallel phases' router policy
     router_env: dict[str, str] = field(default_factory=dict)  # extra env for every router
     # dp05/dp7: a second data-parallel router "r2b" with this env on top, fronting the same
     # two nodes, benched interleaved with r2 (an A/B of router settings on the same nodes)
@@ -68,7 +69,7 @@ class Env:
     # Load processes round-robin over a multi-worker router's processes (bench --spread-workers)
     spread_workers: bool = False
     # Data-parallel phases: "off", "on" (every bench with node processes on physical cores of
-    # their own, gpumesh_bench.affinity), "both" (each setup unpinned then pinned, interleaved)
+    # their own, gpumesh_bench.gpu.affinity), "both" (each setup unpinned then pinned, interleaved)
     pin: str = "off"
     # The reference's workload by default; another output length mix (e.g. uniform:128:384)
     # keeps a closed loop's streams from finishing in lock-step waves
@@ -94,6 +95,19 @@ class Env:
         p = self.out / "logs"
         p.mkdir(parents=True, exist_ok=True)
         return p
+
+    def out_of_time(self, tag: str, phase: str, k: int, rounds: int,
+                    per_round: float | None, margin: float = 0.0) -> bool:
+        """Whether round ``k`` of a phase would end past the run's ``--budget``; when so (never
+        for the first round, nor before a round's length is known) it is said and recorded in
+        ``meta["cut"]``."""
+        left = self.budget_end - time.monotonic()
+        if not k or per_round is None or left >= per_round + margin:
+            return False
+        print(f"[{tag}] {phase}: stopped after {k} of {rounds} rounds ({left:.0f}s of the budget "
+              f"left, a round takes ~{per_round:.0f}s)", flush=True)
+        self.meta.setdefault("cut", []).append(f"{phase}: {k} of {rounds} rounds")
+        return True
 
     def save(self) -> None:
         doc = {"meta": self.meta, "records": self.records}

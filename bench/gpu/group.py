@@ -19,7 +19,7 @@ from gpumesh.launcher import ChildProcess, free_port, wait_serving, wait_until
 from gpumesh_bench.gpu.env import Env, GpuNodeSpec, GpuRouterSpec, node_toml
 
 if TYPE_CHECKING:
-    from gpumesh_bench.affinity import Placement
+    from gpumesh_bench.gpu.affinity import Placement
 
 
 class Group:
@@ -36,8 +36,8 @@ class Group:
 
     def placement(self) -> Placement:
         """Each node's process tree on physical cores of its own (near its GPUs), routers
-        and the load generator on the rest (gpumesh_bench.affinity)."""
-        from gpumesh_bench.affinity import Placement
+        and the load generator on the rest (gpumesh_bench.gpu.affinity)."""
+        from gpumesh_bench.gpu.affinity import Placement
 
         kids = {c.name: c for c in self.children}
         nodes = {kids[s.name].popen.pid: [int(g) for g in s.gpus.split(",")]

@@ -14,7 +14,7 @@ from gpumesh_bench.gpu.env import Env
 from gpumesh_bench.gpu.samplers import CpuSampler, FleetSampler
 
 if TYPE_CHECKING:
-    from gpumesh_bench.affinity import Placement
+    from gpumesh_bench.gpu.affinity import Placement
 
 def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurrency: int,
           prompt: str = "", output: str = "", poll: str = "",
@@ -31,7 +31,7 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
     ``split``: instead of ``target``, these nodes directly, the concurrency and the load
     processes divided evenly between them (a client that spreads its own streams: data
     parallel without a router, the measure of what the router costs at that load)."""
-    from gpumesh_bench.cli import StreamSpec, run_multi, start_instant
+    from gpumesh_bench.multiproc import StreamSpec, run_multi, start_instant
     from gpumesh_bench.loadgen import LoadConfig
     from gpumesh_bench.stats import window_metrics
     from gpumesh_bench.workload import LengthDist, WorkloadSpec
@@ -99,7 +99,7 @@ def bench(env: Env, *, phase: str, setup: str, shape: str, target: str, concurre
         if sampler.status_text:
             rec["status_table"] = sampler.status_text
     rec.update(extra or {})
-    if res and len(ok) < len(res) / 2:  # a broken setup: stop the phase, keep the device time
+    if res and len(ok) < len(res) / 2:  # a broken setup: stop the phase, keep the GPU's time
         env.records.append(rec)
         env.save()
         raise RuntimeError(f"{setup}: {len(res) - len(ok)} of {len(res)} requests failed: "

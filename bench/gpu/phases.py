@@ -11,7 +11,7 @@ from gpumesh_bench.gpu.measure import bench
 from gpumesh_bench.gpu.records import RAW_CONCURRENCY
 
 if TYPE_CHECKING:
-    from gpumesh_bench.affinity import Placement
+    from gpumesh_bench.gpu.affinity import Placement
 
 def _pair(env: Env, shape: str, gpus: int) -> tuple[str, str, list[GpuNodeSpec], list[GpuRouterSpec]]:
     """Node A on GPU 0 behind router r1; with two GPUs also node B on GPU 1 and router r2

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import math
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from gpumesh_bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
@@ -115,3 +117,49 @@ def dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         last[(_call(r), r["phase"], r["setup"], r["shape"], r["concurrency"], r.get("prompt"),
               r.get("output"))] = r
     return list(last.values())
+
+
+def median_of(xs: Sequence[float | None]) -> float:
+    """The median of the finite values (NaN when there is none)."""
+    kept = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(kept) if kept else math.nan
+
+
+def median_field(recs: Sequence[dict[str, Any]], key: str) -> float:
+    """The median of one field over records (``median_of``)."""
+    return median_of([r[key] for r in recs])
+
+
+def spread(xs: Sequence[float | None], nd: int = 1) -> str:
+    """``median (min–max)`` of the finite values; the value alone when there is one."""
+    kept = [x for x in xs if x is not None and not math.isnan(x)]
+    if not kept:
+        return "–"
+    m = statistics.median(kept)
+    if len(kept) == 1:
+        return f"{m:.{nd}f}"
+    return f"{m:.{nd}f} ({min(kept):.{nd}f}–{max(kept):.{nd}f})"
+
+
+def ms(x: float | None) -> str:
+    """Seconds as whole milliseconds ("–" for none)."""
+    return "–" if x is None or math.isnan(x) else f"{x * 1000:.0f}"
+
+
+def report_cli(prog: str, doc: str | None, argv: Sequence[str] | None,
+               render: Callable[[list[dict[str, Any]], dict[str, Any], int], str]) -> int:
+    """The command line of a one-kind report: ``FILES... [--md OUT.md] [--from-round N]``;
+    ``render(records, meta, from_round)`` makes the markdown, printed and written to --md."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--md", default="")
+    ap.add_argument("--from-round", type=int, default=0,
+                    help="leave each run's rounds before N out (warm rounds only)")
+    a = ap.parse_args(argv)
+    records, meta = load_results(a.files)
+    md = render(records, meta, a.from_round)
+    if a.md:
+        Path(a.md).write_text(md)
+    print(md)
+    return 0

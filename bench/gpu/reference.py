@@ -103,10 +103,10 @@ def _max(xs: Sequence[Any]) -> Any:
 
 def phase_eng(env: Env, shape: str, gpus: int) -> None:
     """The node's own engine in a closed loop in one process, without gRPC
-    (``gpumesh bench engine-loop``, gpumesh_bench.engine_loop), on the node TOML a node of this
-    shape gets in the other phases (same engine arguments, ``--engine-arg`` included), at the
-    raw reference's concurrency C: one loop on GPU 0, then (two GPUs or more) two loops at
-    once on GPUs 0 and 1, C/2 each, starting their load together, recorded as one row the way
+    (``gpumesh bench engine-loop``, gpumesh_bench.overhead.engine_loop), on the node TOML a node
+    of this shape gets in the other phases (same engine arguments, ``--engine-arg`` included),
+    at the raw reference's concurrency C: one loop on GPU 0, then (two GPUs or more) two loops
+    at once on GPUs 0 and 1, C/2 each, starting their load together, recorded as one row the way
     ``phase_raw`` combines its data-parallel pair (QPS and tokens/s summed, latency percentiles
     the worse of the two). Raw vs these rows is the node's engine configuration; these rows vs
     the node direct is the node's serving path (servicer, coalescing, gRPC)."""

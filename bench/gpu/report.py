@@ -179,8 +179,8 @@ def report_markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    from gpumesh_bench.gpu.doorsreport import doors_markdown
-    from gpumesh_bench.gpu.prefixreport import prefix_markdown
+    from gpumesh_bench.gpu.frontdoors.report import doors_markdown
+    from gpumesh_bench.gpu.prefix.report import prefix_markdown
 
     records, meta = load_results(a.files)
     # front-door and cache-aware records have tables of their own

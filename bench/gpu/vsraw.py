@@ -4,7 +4,6 @@ not fit its budget)."""
 
 from __future__ import annotations
 
-import time
 
 from gpumesh_bench.gpu.env import Env, GpuNodeSpec, GpuRouterSpec
 from gpumesh_bench.gpu.group import Group
@@ -18,10 +17,10 @@ VSRAW_GPU_MEM = 0.42   # the node's and the raw engine's share of GPU 0 (as phas
 VSRAW_GPU_MEM_VARIANT = 0.28
 VSRAW_LEGS = ("raw", "eng", "router", "router-x", "direct", "direct-x")
 # A round's legs (s). Raw: the raw tool's engine start (warm compile cache), its window and
-# exit; a node bench: the load generator's start, warm-up and window. Measured on warm H200
-# machines: phase raw 55.5 s (0.5B, engine start 15.8-18.6 s), raw7 with data parallel
-# 155.5 s; a 0.5B bench ~23 s; vsraw05's rounds of raw + 2 benches ~100 s each. A machine's
-# first raw run also compiles (~+50 s).
+# exit; a node bench: the load generator's start, warm-up and window. Measured on H200 hosts
+# with vLLM's compile cache already filled: phase raw 55.5 s (0.5B, engine start 15.8-18.6 s),
+# raw7 with data parallel 155.5 s; a 0.5B bench ~23 s; vsraw05's rounds of raw + 2 benches
+# ~100 s each. A host's first raw run also compiles (~+50 s).
 VSRAW_RAW_S = {"0.5b": 55, "7b": 80}
 VSRAW_BENCH_S = {"0.5b": 28, "7b": 36}
 VSRAW_ENG_S = {"0.5b": 60, "7b": 80}   # --vs-eng: an engine loop's start, window and exit
@@ -117,11 +116,7 @@ def phase_vsraw(env: Env, shape: str, phase: str, rounds: int = 3, dp: bool = Fa
         legs = vsraw_legs(env)
         per_round = vsraw_round_s(shape, env)
         for k in range(rounds):
-            left = env.budget_end - time.monotonic()
-            if k and left < per_round:
-                print(f"[gpu-bench] {phase}: stopped after {k} of {rounds} rounds ({left:.0f}s "
-                      f"of the budget left, a round needs ~{per_round}s)", flush=True)
-                env.meta.setdefault("cut", []).append(f"{phase}: {k} of {rounds} rounds")
+            if env.out_of_time("gpu-bench", phase, k, rounds, per_round):
                 break
             for leg in (legs if k % 2 == 0 else tuple(reversed(legs))):
                 x = {"round": k, "leg": leg, "base_setup": base, "gpu_mem": mem}

@@ -46,7 +46,7 @@ def _workload(trace: wl.Workload | None, workload: str, fleet: FleetSpec, n: int
 
 def plan(fleet: FleetSpec, slo: SLOSpec, *, trace: wl.Workload | None = None,
          workload: str = "lognormal", rates: Sequence[float] = (), policy: str =
-         "weighted_least_load", seeds: Sequence[int] = (1, 2, 3), n: int | None = None,
+         "predicted_latency", seeds: Sequence[int] = (1, 2, 3), n: int | None = None,
          attainment: float = 0.99, ttft_p99_ms: float = math.inf,
          e2e_p99_ms: float = math.inf) -> tuple[list[PlanPoint], float]:
     """The sweep and the highest rate that holds (0 when none does). ``n``: requests per run

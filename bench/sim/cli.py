@@ -13,15 +13,20 @@
   gpumesh sim report DIR/grid.jsonl... --out DIR
   gpumesh sim plan  --fleet F [--fleet G ...] (--trace T.jsonl | --workload W) --slo TTFT:TPOT
                     [--rates R,...] [--attainment 0.99] [--policy P] [--out DIR]
+  gpumesh sim pd    [--workloads prompt-512,...] [--loads 0.5,0.8,0.95] [--splits agg,2P2D,...]
+                    [--shape 7b-h200] [--gpus 4] [--seeds 3] [--requests 2000]
+                    [--link-gbytes 25] [--link-latency-ms 1] --out DIR
+                    (when prefill/decode pools beat aggregated serving on the same GPUs)
   gpumesh sim trace --workload W --requests N --rate R --out T.jsonl [--seed S]
   gpumesh sim validate [--model DIR] [--workloads shared-prefix,unique] [--policies P,...]
                     [--requests 2000] [--rate R[,R2]] [--cores 0,1] [--engine-arg K=V ...]
                     [--profile PROFILE.toml] --out DIR    (the simulator against real engines)
   gpumesh sim --fleet F ... --trace T --slo ...      (= plan)
 
-F: a built-in fleet (homo, hetero-speed, hetero-kv, hetero-kvspeed, large) or a fleet TOML.
+F: a built-in fleet (homo, hetero-speed, hetero-kv, hetero-kvspeed, large), a fleet TOML or
+an inline fleet (2xprefill:7b-h200,2xdecode:7b-h200; 4x0.5b-h200).
 W: lognormal, bimodal, long-output, long-prompt, mixed, bursty, ramp, join-leave, slowdown,
-conversations. Times are simulated seconds; --slo in milliseconds.
+conversations, prompt-N. Times are simulated seconds; --slo in milliseconds.
 """
 
 from __future__ import annotations
@@ -35,12 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from gpumesh_bench.sim import capacity as cap_mod
-from gpumesh_bench.sim import fleets, grid, report, validate
+from gpumesh_bench.sim import fleets, grid, pdtable, report, validate
 from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.metrics import SLOSpec
 from gpumesh_bench.sim.smg_policy import POLICIES as SMG_POLICIES
 
-SUBCOMMANDS = ("run", "grid", "merge", "report", "plan", "trace", "validate")
+SUBCOMMANDS = ("run", "grid", "merge", "report", "plan", "trace", "validate", "pd")
 
 
 def _slo(s: str) -> SLOSpec:
@@ -49,6 +54,13 @@ def _slo(s: str) -> SLOSpec:
         return SLOSpec(float(t), float(p) if p else float("inf"))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--slo takes TTFT_MS:TPOT_MS, got {s!r}") from e
+
+
+def _workload(s: str) -> str:
+    try:
+        return wl.check_name(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _floats(s: str) -> list[float]:
@@ -100,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="one fleet, one workload, several policies and seeds")
     r.add_argument("--fleet", default="hetero-speed")
-    r.add_argument("--workload", default="lognormal", choices=wl.WORKLOADS)
+    r.add_argument("--workload", default="lognormal", type=_workload,
+                   help="a named workload or prompt-N")
     r.add_argument("--trace", default="")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--load", type=float, default=None,
@@ -118,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--slo", type=_slo, default=SLOSpec())
     r.add_argument("--json", default="")
     r.add_argument("--md", default="")
+    pdtable.add_pd_arguments(r)
 
     gr = sub.add_parser("grid", help="fleets x workloads x loads, every policy")
     gr.add_argument("--fleets", default="hetero-speed,homo")
@@ -140,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help='JSON {"fleet/workload": req/s} of capacities already measured')
     gr.add_argument("--router", action="append", default=[], metavar="KEY=VALUE",
                     help="a router setting (RouterConfig field) for every run, e.g. "
-                         "service_weight=0.3; repeatable")
+                         "kv_hard_threshold=0.9 or routing=objective=min_ttft; repeatable")
     gr.add_argument("--skip", default="",
                     help="fleet/workload,... pairs to leave out of the grid")
     gr.add_argument("--no-report", action="store_true", help="skip grid.md and the PNGs")
@@ -163,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1)
     t.add_argument("--out", required=True)
 
+    pd = sub.add_parser("pd", help="when prefill/decode pools beat aggregated serving on the "
+                        "same GPUs, by prompt length and load (the table)")
+    pdtable.add_arguments(pd)
+
     v = sub.add_parser("validate", help="fidelity check: the same traces through real vLLM "
                        "engines behind real routers and through the simulator")
     validate.add_arguments(v)
@@ -179,7 +197,7 @@ def _plan_args(pl: argparse.ArgumentParser, required: bool = True) -> None:
     pl.add_argument("--attainment", type=float, default=0.99)
     pl.add_argument("--ttft-p99-ms", type=float, default=float("inf"))
     pl.add_argument("--e2e-p99-ms", type=float, default=float("inf"))
-    pl.add_argument("--policy", default="weighted_least_load")
+    pl.add_argument("--policy", default="predicted_latency")
     pl.add_argument("--seeds", type=_seeds, default=_seeds("3"))
     pl.add_argument("--requests", type=_positive, default=None,
                     help="requests per run (default: all of the trace; 5,000 of a workload)")
@@ -210,7 +228,7 @@ def _run_trace(a: argparse.Namespace, fleet: fleets.FleetSpec) -> dict[str, Any]
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
-    fleet = fleets.resolve(a.fleet)
+    fleet = pdtable.pd_overrides(a, fleets.resolve(a.fleet))
     if a.trace:
         run = _run_trace(a, fleet)
     else:
@@ -232,13 +250,22 @@ def _cmd_run(a: argparse.Namespace) -> int:
     md = (f"{fleet.name} / {rec['workload']} at {rec['rate']:.1f} req/s, {n} requests x "
           f"{len(a.seeds)} seeds ({time.process_time() - t0:.1f} s CPU)\n\n"
           + report.ci_label(rec) + report.warnings_md(rec) + "\n\n"
-          + report.cell_table(rec) + "\n\n" + report.share_table(rec) + "\n")
+          + report.cell_table(rec) + "\n\n" + report.share_table(rec) + "\n"
+          + (_pd_line(rec, fleet) if fleet.disaggregated else ""))
     sys.stdout.write(md)
     if a.md:
         Path(a.md).write_text(md, encoding="utf-8")
     if a.json:
         Path(a.json).write_text(json.dumps(rec) + "\n", encoding="utf-8")
     return 0
+
+
+def _pd_line(rec: dict[str, Any], fleet: fleets.FleetSpec) -> str:
+    """A disaggregated fleet's link, rule and the share of requests disaggregated."""
+    share = ", ".join(f"{p} {sum(m['disaggregated'] for m in runs) / len(runs):.1%}"
+                      for p, runs in rec["runs"].items())
+    return (f"\nKV link {fleet.link.bandwidth_bytes_per_s / 1e9:g} GB/s + "
+            f"{fleet.link.latency_s * 1000:g} ms; disaggregated (mean over seeds): {share}\n")
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
@@ -270,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_run(a)
     if a.cmd == "plan":
         return _cmd_plan(a)
+    if a.cmd == "pd":
+        return pdtable.command(a)
     if a.cmd == "validate":
         a.argv = args[1:]
         return validate.validate(a)

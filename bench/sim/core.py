@@ -8,12 +8,15 @@ What runs as in production (the same objects, driven by the virtual clock):
   ``router.dispatch.AdmissionQueue``'s decision (filters, the profile, sampling on large
   fleets) and the proxy charge the dispatcher makes (``Registry.charge``; the credit's
   ``first_token`` at the first token, ``finish`` at the end); ``Registry.expire`` every 0.5 s;
-  the profile wrapped in the session-affinity and adapter terms (``scheduling.steering``) and
-  the ``SessionTable`` the dispatcher reads and updates for an arrival with a routing key;
+  the policy (``scheduling.build_policy``) and the ``SessionTable`` the dispatcher reads and updates for an arrival with a routing key;
 - per node: ``node.engines.sim.SimScheduler`` (continuous batching, chunked prefill, KV
   blocks, preemption, the step-time model, the prefix cache, the load signals), the node's
   ``AdmissionLedger`` (per-router accounts) and ``node.report.build_load_report`` (the
   heartbeat's ``LoadReport``), pushed to every router every ``heartbeat_interval_s``.
+
+The nodes and routers are ``actors``' ``SimNode`` and ``SimRouter``; an SMG gateway can take
+a router's place (``smg_policy``); in a fleet with prefill and decode nodes, ``disagg.PdFlow``
+runs the disaggregated requests (the pool choice and the rule: ``pools``).
 
 Messages (request to node, first token and end to the router, heartbeats, registrations)
 take ``network_delay_s`` one way. What does not run: gRPC, the servicers, streaming
@@ -29,32 +32,24 @@ from __future__ import annotations
 import heapq
 import logging
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from gpumesh.node.accounting import Admission, AdmissionLedger
-from gpumesh.node.engines.sim.scheduler import SimRequest, SimScheduler, SimStep
+from gpumesh.node.engines.sim.scheduler import SimRequest
 from gpumesh.node.report import build_load_report
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.dispatch.admission import AdmissionQueue
-from gpumesh.router.fleet import Credit, Registry
-from gpumesh.router.fleet.locality import PrefixLocality, prefill_tokens
-from gpumesh.router.fleet.prefix_index import PrefixIndexes
-from gpumesh.router.fleet.sessions import SessionTable
-from gpumesh.router.scheduling import (
-    NoCandidate,
-    RequestInfo,
-    WaitModel,
-    build_profile,
-    default_filters,
-)
-from gpumesh.router.scheduling.steering import SteeringModel, steer
+from gpumesh.router.fleet.locality import prefill_tokens
+from gpumesh.config import coerce
+from gpumesh.router.scheduling import NoCandidate, RequestInfo, RoutingSettings
 from gpumesh.types import ModelSpec, Registration
-from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec
-from gpumesh_bench.sim.smg_policy import POLICIES as SMG_POLICIES
-from gpumesh_bench.sim.smg_policy import SmgCacheAware, SmgConfig, WorkerLoad
+from gpumesh_bench.sim import smg_policy
+from gpumesh_bench.sim.actors import RequestRecord, RunResult, SimNode, SimRouter
+from gpumesh_bench.sim.disagg import PREFILL_RECV, PdFlow, whole_filter, whole_nodes
+from gpumesh_bench.sim.fleets import FleetSpec
+from gpumesh_bench.sim.smg_policy import SmgConfig, WorkerLoad
 from gpumesh_bench.sim.workloads import Arrival, FleetEvent, Workload
+
+__all__ = ["MODEL", "RequestRecord", "RunResult", "Simulation", "simulate"]
 
 MODEL = "sim-model"
 SWEEP_S = 0.5
@@ -62,118 +57,6 @@ SWEEP_S = 0.5
 # event kinds
 _ARRIVE, _NODE_RECV, _STEP_END, _HB_SEND, _HB_RECV, _FIRST_RECV, _END_RECV, _FLEET, \
     _REG_RECV, _DEREG_RECV, _SWEEP, _KV_RECV = range(12)
-
-
-@dataclass
-class RequestRecord:
-    """One request's outcome (simulated seconds from the run's start)."""
-
-    index: int
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    node_id: str = ""
-    router: int = 0
-    first_s: float = -1.0   # first token at the router
-    end_s: float = -1.0     # last token at the router
-    error: str = ""
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_s - self.arrival_s
-
-    @property
-    def e2e_s(self) -> float:
-        return self.end_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.end_s - self.first_s) / (self.output_tokens - 1)
-
-
-class _KvEvents:
-    """A node's prefix-cache block events, collected over a step and sent to the routers
-    at its end (vLLM publishes its KV events per step too)."""
-
-    __slots__ = ("ops",)
-
-    def __init__(self) -> None:
-        self.ops: list[tuple[str, tuple[int, ...]]] = []
-
-    def stored(self, hashes: Any) -> None:
-        self.ops.append(("stored", tuple(hashes)))
-
-    def removed(self, hashes: Any) -> None:
-        self.ops.append(("removed", tuple(hashes)))
-
-    def cleared(self) -> None:
-        self.ops.append(("cleared", ()))
-
-
-class _Node:
-    __slots__ = ("admissions", "busy", "hb_seq", "incarnation", "kv", "ledger", "present",
-                 "sched", "spec", "step")
-
-    def __init__(self, spec: NodeSpec) -> None:
-        self.spec = spec
-        self.sched = SimScheduler(spec.engine)
-        # prefix-cache block events for the routers' prefix indexes (precise locality)
-        self.kv = _KvEvents()
-        if self.sched.prefix is not None:
-            self.sched.prefix.sink = self.kv
-        self.ledger = AdmissionLedger()
-        self.admissions: dict[str, Admission] = {}
-        self.step: SimStep | None = None
-        self.busy = False
-        self.hb_seq = 0
-        self.present = True
-        self.incarnation = f"{spec.node_id}-0"
-
-
-class _Router:
-    __slots__ = ("admission", "credits", "locality", "registry", "router_id", "sessions", "smg")
-
-    def __init__(self, router_id: str, config: RouterConfig, clock: Callable[[], float],
-                 rng: random.Random) -> None:
-        self.router_id = router_id
-        self.registry = Registry(router_id, lease_ttl_s=config.lease_ttl_s,
-                                 freshness_s=config.freshness_s,
-                                 max_concurrency_default=config.max_concurrency_default,
-                                 known_model_retention_s=config.known_model_retention_s,
-                                 peer_share_half_life_s=config.peer_share_half_life_s,
-                                 step_from_report=config.step_from_report, clock=clock)
-        # as router.app builds them: the profile with the request terms, the session table
-        profile = steer(build_profile(config.policy, config.scorer_weights,
-                                      WaitModel.from_config(config)),
-                        SteeringModel(config.affinity_weight, config.affinity_epsilon,
-                                      config.adapter_weight, config.adapter_load_s,
-                                      config.wait_scale_s))
-        self.sessions = SessionTable(config.affinity_max_keys, config.affinity_ttl_s, clock)
-        self.admission = AdmissionQueue(self.registry, profile,
-                                        default_filters(config.kv_hard_threshold), rng, clock,
-                                        queue_bound=config.queue_bound,
-                                        decision_sample_size=config.decision_sample_size)
-        self.credits: dict[int, Credit] = {}
-        # prefix locality (router.fleet.locality): prompts' block ids are their hashes
-        self.locality = (PrefixLocality(config.prefix_locality, PrefixIndexes(
-            config.prefix_index_max_entries, config.prefix_approx_ttl_s,
-            config.prefix_pending_ttl_s), clock)
-            if config.prefix_locality != "off" else None)
-        # an SMG gateway in this router's place (a comparison policy, smg_policy)
-        self.smg: SmgCacheAware | None = None
-
-
-@dataclass(frozen=True)
-class RunResult:
-    records: list[RequestRecord]
-    node_ids: tuple[str, ...]
-    sim_s: float
-    preemptions: int
-    events: int
-    # requests whose output was cut to fit the node's context (prompt + output > context)
-    cut_outputs: int = 0
 
 
 class Simulation:
@@ -195,17 +78,20 @@ class Simulation:
         overrides = {**fleet.router, **(router_overrides or {})}
         overrides.pop("policy", None)   # the run's policy argument decides
         overrides.pop("router_id", None)
-        smg_mode = SMG_POLICIES.get(policy)
-        self.config = RouterConfig(router_id="r0", policy="least_request" if smg_mode
-                                   else policy, **overrides)
+        gateways = smg_policy.gateways(policy, smg, seed, fleet.routers, self._worker_load)
+        given = coerce(RoutingSettings, "routing", overrides.pop("routing", None) or {})
+        routing = given.model_copy(update={"policy": "least_request" if gateways else policy})
+        self.config = RouterConfig(router_id="r0", routing=routing, **overrides)
         clock = self._clock
-        self.routers = [_Router(f"r{i}", replace(self.config, router_id=f"r{i}"), clock,
-                                random.Random(seed * 7919 + i)) for i in range(fleet.routers)]
-        if smg_mode:
-            for i, r in enumerate(self.routers):
-                r.smg = SmgCacheAware(smg_mode, smg or SmgConfig(),
-                                      random.Random(seed * 104729 + i), self._worker_load)
-        self.nodes = {n.node_id: _Node(n) for n in fleet.nodes}
+        # a disaggregated fleet: whole requests only to the nodes that serve them (disagg.py)
+        roles = {n.node_id: n.role for n in fleet.nodes}
+        extra = [whole_filter(whole_nodes(roles))] if fleet.disaggregated else []
+        self.routers = [SimRouter(f"r{i}", replace(self.config, router_id=f"r{i}"), clock,
+                                  random.Random(seed * 7919 + i), extra)
+                        for i in range(fleet.routers)]
+        for r, g in zip(self.routers, gateways or ()):
+            r.smg = g
+        self.nodes = {n.node_id: SimNode(n) for n in fleet.nodes}
         self.delay = fleet.network_delay_s
         self.hb = fleet.heartbeat_interval_s
         self.records: list[RequestRecord] = []
@@ -214,6 +100,7 @@ class Simulation:
         self._tok_rng = random.Random(seed ^ 0xC0FFEE)
         self._events = 0
         self.cut_outputs = 0
+        self.pd = PdFlow(self) if fleet.disaggregated else None
 
     def _clock(self) -> float:
         return self.now
@@ -221,9 +108,7 @@ class Simulation:
     def _worker_load(self, node_id: str, now: float) -> WorkerLoad:
         """A node's load record as its VllmEngine service sends it (an SMG gateway's input)."""
         n = self.nodes[node_id]
-        e = n.sched.load_at(now)
-        return WorkerLoad(e.num_waiting, e.kv_cache_usage, n.ledger.pending_prefill_tokens,
-                          e.generation_tokens_per_s)
+        return smg_policy.worker_load(n.sched.load_at(now), n.ledger.pending_prefill_tokens)
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -231,13 +116,13 @@ class Simulation:
 
     # --- membership ------------------------------------------------------------------
 
-    def _registration(self, n: _Node) -> Registration:
+    def _registration(self, n: SimNode) -> Registration:
         e = n.spec.engine
         model = ModelSpec(MODEL, (), e.max_context_length, 1, n.spec.weight)
         return Registration(n.spec.node_id, f"sim://{n.spec.node_id}", (model,),
                             n.incarnation, engine="sim")
 
-    def _join(self, n: _Node) -> None:
+    def _join(self, n: SimNode) -> None:
         n.present = True
         reg = self._registration(n)
         for r in range(len(self.routers)):
@@ -245,7 +130,7 @@ class Simulation:
         self._heartbeat(n)
         self._push(self.now + self.hb, _HB_SEND, n.spec.node_id)
 
-    def _heartbeat(self, n: _Node) -> None:
+    def _heartbeat(self, n: SimNode) -> None:
         n.hb_seq += 1
         load = build_load_report(n.sched.load_at(self.now), n.ledger, False)
         for r in range(len(self.routers)):
@@ -281,12 +166,13 @@ class Simulation:
         loc = router.locality
         if loc is not None and a.blocks:
             info = loc.annotate(replace(info, prefix_hashes=a.blocks))
+        if self.pd is not None and self.pd.arrive(a, rec, router, MODEL):
+            return
         try:
             if router.smg is not None:
-                present = [n for n, x in self.nodes.items() if x.present]
-                if not present:
-                    raise NoCandidate(False, {})
-                node_id = router.smg.choose(present, a.prompt_tokens, a.blocks, self.now)
+                node_id = smg_policy.choose_present(
+                    router.smg, [n for n, x in self.nodes.items() if x.present],
+                    a.prompt_tokens, a.blocks, self.now)
             else:
                 node_id = router.admission.decide(info).node_id
         except NoCandidate:
@@ -323,22 +209,29 @@ class Simulation:
         if not n.busy:
             self._start_step(n)
 
-    def _start_step(self, n: _Node) -> None:
+    def _start_step(self, n: SimNode) -> None:
         step = n.sched.begin_step()
         n.step = step
         n.busy = step is not None
         if step is not None:
             self._push(self.now + step.duration_s, _STEP_END, n.spec.node_id)
+        if self.pd is not None:
+            self.pd.transfers(n)
 
-    def _step_end(self, n: _Node) -> None:
+    def _step_end(self, n: SimNode) -> None:
         step = n.step
         assert step is not None
         firsts, done = n.sched.end_step(step, self.now)
         t = self.now + self.delay
         for req in firsts:
+            if req.keep_kv:
+                continue   # a prefill leg's token is not the client's (disagg.py)
             n.admissions[req.id].first_token()
             self._push(t, _FIRST_RECV, int(req.id))
         for req in done:
+            if req.keep_kv and self.pd is not None:
+                self.pd.prefill_done(n, req, t)
+                continue
             n.admissions.pop(req.id).finish()
             self._push(t, _END_RECV, int(req.id))
         if n.kv.ops:
@@ -348,7 +241,7 @@ class Simulation:
         self._start_step(n)
 
     @staticmethod
-    def _kv_recv(router: _Router, node_id: str, ops: list[tuple[str, tuple[int, ...]]]) -> None:
+    def _kv_recv(router: SimRouter, node_id: str, ops: list[tuple[str, tuple[int, ...]]]) -> None:
         """A node's block events into the router's index (precise locality; the same as
         ``PrefixLocality.apply`` does with the control plane's updates, without the seq), or
         into an SMG gateway's event index."""
@@ -477,6 +370,8 @@ class Simulation:
             elif kind == _KV_RECV:
                 ri, node_id, ops = p
                 self._kv_recv(routers[ri], node_id, ops)
+            elif kind >= PREFILL_RECV and self.pd is not None:
+                self.pd.handle(kind, p)
         self._events = events
         # times relative to the first arrival
         t0 = warm

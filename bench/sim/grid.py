@@ -41,7 +41,7 @@ from gpumesh_bench.sim.metrics import SLOSpec, aggregate, run_metrics
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("weighted_least_load", "least_request", "power_of_two", "round_robin")
+POLICIES = ("predicted_latency", "least_request", "power_of_two", "round_robin")
 
 
 def capacity(fleet: fleets_mod.FleetSpec, workload: str, seed: int = 1000,

@@ -6,8 +6,9 @@ end-to-end p50/p99 (milliseconds), throughput (completions per simulated second 
 measured arrival to the last measured end), **goodput** (requests meeting both SLO halves per
 second of *offered* time: from the first to the last measured arrival, so that one straggler
 finishing late cannot set it), the fraction meeting the SLO (SLO attainment, reported beside
-goodput), the share of requests per node, and ``cut_outputs`` (requests whose output was cut
-at the context length, ``RunResult.cut_outputs``).
+goodput), the share of requests per node, ``cut_outputs`` (requests whose output was cut
+at the context length, ``RunResult.cut_outputs``) and ``disaggregated`` (the share whose
+prefill ran on a prefill node).
 
 Over seeds (``aggregate``): each metric's mean and the half-width of its 95 % confidence
 interval, Student's t over the per-seed values (seeds are independent replications).
@@ -84,6 +85,8 @@ def run_metrics(result: RunResult, slo: SLOSpec, warmup: float = 0.05) -> dict[s
         "share": {n: share.get(n, 0) / max(len(ok), 1) for n in result.node_ids},
         "preemptions": result.preemptions, "sim_s": result.sim_s,
         "cut_outputs": result.cut_outputs,
+        # disaggregated serving: the share of measured requests whose prefill ran elsewhere
+        "disaggregated": sum(1 for r in ok if r.prefill_node) / max(len(ok), 1),
     }
 
 

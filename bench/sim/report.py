@@ -20,9 +20,9 @@ from typing import Any
 from gpumesh_bench.sim.fleets import HETEROGENEOUS
 from gpumesh_bench.sim.metrics import mean_ci, ratio_ci
 
-DEFAULT = "weighted_least_load"
+DEFAULT = "predicted_latency"
 BASE = "least_request"
-SHORT = {"weighted_least_load": "wll (default)", "least_request": "least_request",
+SHORT = {"predicted_latency": "predicted (default)", "least_request": "least_request",
          "power_of_two": "power_of_two", "round_robin": "round_robin"}
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from gpumesh.kvblocks import block_hashes
 from gpumesh.node.engines.sim import SimEngineConfig
-from gpumesh_bench.prefix_bench import SHAPE_7B, _model_sim
+from gpumesh_bench.locality.live import SHAPE_7B, _model_sim
 from gpumesh_bench.sim.core import Simulation
 from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec
 from gpumesh_bench.sim.smg_policy import SmgConfig
@@ -46,9 +46,9 @@ from gpumesh_bench.tenants import TenantSpec, trace
 
 #: gpumesh setups of the prefix bench the simulator replays: (policy, prefix_locality)
 ROUTER_SETUPS = {"least_request": ("least_request", "off"),
-                 "wll": ("weighted_least_load", "off"),
-                 "approximate": ("weighted_least_load", "approximate"),
-                 "precise": ("weighted_least_load", "precise")}
+                 "wll": ("predicted_latency", "off"),
+                 "approximate": ("predicted_latency", "approximate"),
+                 "precise": ("predicted_latency", "precise")}
 
 
 def live_fleet(args: dict[str, Any], locality: str = "off") -> FleetSpec:
@@ -61,7 +61,7 @@ def live_fleet(args: dict[str, Any], locality: str = "off") -> FleetSpec:
                   for i in range(int(args["nodes"])))
     return FleetSpec(f"prefix-{len(nodes)}x7b", nodes, heartbeat_interval_s=0.25 / ts,
                      network_delay_s=0.0,
-                     router={"prefix_locality": locality, "affinity_weight": 0.0})
+                     router={"prefix_locality": locality, "affinity_max_keys": 0})
 
 
 def rebuild(doc: dict[str, Any], k: int, tokenizer: Any) -> Workload:

@@ -60,6 +60,9 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from gpumesh.node.engines.base import EngineLoad
+from gpumesh.router.scheduling import NoCandidate
+
 #: policy name -> affinity mode
 POLICIES = {"smg_cache_aware": "event", "smg_cache_aware_approx": "approximate"}
 BLOCK = 16
@@ -279,3 +282,33 @@ class SmgCacheAware:
         if self.mode == "approximate" or not any(self.cached.values()):
             self.tree.insert(blocks, worker, now)
         return worker
+
+
+# --- the simulator's hook: SMG gateways in the routers' place -----------------------------
+
+def worker_load(load: EngineLoad, pending_prefill_tokens: int) -> WorkerLoad:
+    """A simulated node's load record as its VllmEngine service sends it (a gateway's input):
+    from its engine's load and its admission ledger's pending prefill tokens."""
+    return WorkerLoad(load.num_waiting, load.kv_cache_usage, pending_prefill_tokens,
+                      load.generation_tokens_per_s)
+
+
+def gateways(policy: str, config: SmgConfig | None, seed: int, routers: int,
+             load_of: Callable[[str, float], WorkerLoad]) -> list[SmgCacheAware] | None:
+    """One gateway per router when ``policy`` is an SMG reference (``POLICIES``), each with
+    its own seeded RNG and state (SMG replicas without their mesh); None for a router
+    policy."""
+    mode = POLICIES.get(policy)
+    if mode is None:
+        return None
+    return [SmgCacheAware(mode, config or SmgConfig(), random.Random(seed * 104729 + i), load_of)
+            for i in range(routers)]
+
+
+def choose_present(gateway: SmgCacheAware, present: Sequence[str], prompt_tokens: int,
+                   blocks: Sequence[int], now: float) -> str:
+    """The gateway's choice among the nodes present; ``NoCandidate`` when none is (as the
+    router's own decision raises)."""
+    if not present:
+        raise NoCandidate(False, {})
+    return gateway.choose(present, prompt_tokens, blocks, now)

@@ -120,7 +120,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--model", default="models/tiny",
                    help="model folder the live engines serve (models/tiny is built if absent)")
     p.add_argument("--workloads", default="shared-prefix,unique")
-    p.add_argument("--policies", default="least_request,weighted_least_load,round_robin")
+    p.add_argument("--policies", default="least_request,predicted_latency,round_robin")
     p.add_argument("--requests", type=int, default=2000, help="per live run")
     p.add_argument("--rate", default="8",
                    help="req/s of the trace: one value, or one per workload (R1,R2)")
@@ -150,7 +150,7 @@ def add_arguments(p: Any) -> None:
                    help="no live runs: fold earlier validate.json files (e.g. one policy "
                         "each) into one comparison in --out, the simulator re-run with one "
                         "profile (--profile, else the median of the files' fits)")
-    p.add_argument("--out", default="bench/results/fidelity")
+    p.add_argument("--out", default="bench/sim/results/fidelity")
 
 
 def _kv(items: list[str], what: str) -> dict[str, Any]:
@@ -206,8 +206,8 @@ def _proc_cpu(children: list[Any]) -> dict[str, float]:
 
 async def _validate(a: Any, out: Path) -> dict[str, Any]:
     from gpumesh_bench.fleet import group_cpu_s
-    from gpumesh_bench.livecal import calibrate
-    from gpumesh_bench.livefleet import LiveFleet, LiveSpec, run_trace, token_request
+    from gpumesh_bench.sim.livecal import calibrate
+    from gpumesh_bench.sim.livefleet import LiveFleet, LiveSpec, run_trace, token_request
     from gpumesh_bench.sim import fidelity
     from gpumesh_bench.sim import fidelity_trace as ft
 

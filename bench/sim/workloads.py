@@ -19,6 +19,9 @@ Named workloads (``WORKLOADS``; lengths are ``gpumesh_bench.workload.LengthDist`
 - ``join-leave``: lognormal; two nodes leave at 30 % of the run and rejoin at 70 %.
 - ``slowdown``: lognormal; the first fast (or first) node runs at a quarter of its speed from
   40 % of the run on.
+- ``prompt-N`` (any N >= 1, e.g. ``prompt-8192``): prompts of about N tokens (lognormal,
+  median N, sigma 0.25, at most 1.5 N) and outputs lognormal, median 128, sigma 0.5, at most
+  512; Poisson arrivals (the disaggregation table's workloads, ``pdtable``).
 - ``conversations``: multi-tenant multi-turn chats with shared prefixes: each tenant has a
   system prompt (its own blocks), each conversation grows turn by turn, and every prompt
   carries its token-block structure (``Arrival.blocks``: block ids, equal ids = equal
@@ -86,6 +89,27 @@ WORKLOADS = ("lognormal", "bimodal", "long-output", "long-prompt", "mixed", "bur
              "join-leave", "slowdown", "conversations")
 
 
+def prompt_lengths(name: str) -> tuple[str, str] | None:
+    """The length specs of a ``prompt-N`` workload (module docstring); None for another
+    name. ValueError for a malformed N."""
+    if not name.startswith("prompt-"):
+        return None
+    try:
+        n = int(name[len("prompt-"):])
+    except ValueError as e:
+        raise ValueError(f"workload {name!r}: prompt-N wants a whole number N") from e
+    if n < 1:
+        raise ValueError(f"workload {name!r}: N must be >= 1")
+    return f"lognormal:{n}:0.25:{max(1, int(1.5 * n))}", "lognormal:128:0.5:512"
+
+
+def check_name(name: str) -> str:
+    """``name`` when it is a named workload or ``prompt-N``; else ValueError listing them."""
+    if name in WORKLOADS or prompt_lengths(name) is not None:
+        return name
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}, prompt-N")
+
+
 def _lengths(name: str, rng: random.Random) -> tuple[int, int]:
     if name == "mixed":
         u = rng.random()
@@ -94,7 +118,7 @@ def _lengths(name: str, rng: random.Random) -> tuple[int, int]:
                 return _lengths(sub, rng)
             u -= p
         return _lengths(MIXED[-1][0], rng)
-    p, o = (LengthDist.parse(x) for x in LENGTHS[name])
+    p, o = (LengthDist.parse(x) for x in (LENGTHS.get(name) or prompt_lengths(name) or ()))
     u = rng.random()
     return p.sample(rng, u), o.sample(rng, u)
 
@@ -182,7 +206,8 @@ def build(name: str, n: int, rate: float, seed: int, node_ids: list[str],
         times = _onoff_times(n, rate, gaps)
     elif name == "ramp":
         times = _ramp_times(n, rate, gaps)
-    elif name in LENGTHS or name in ("mixed", "join-leave", "slowdown"):
+    elif (name in LENGTHS or name in ("mixed", "join-leave", "slowdown")
+          or prompt_lengths(name) is not None):
         times = _poisson_times(n, rate, gaps)
     else:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")

@@ -14,11 +14,12 @@ Who calls it: ``router.app`` and ``node.app`` when they register services.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
+
+from gpumesh.security.handlers import wrap_handler
 
 
 class _Unparseable:
@@ -48,47 +49,19 @@ def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], A
     return parse
 
 
-def _guard(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    if inspect.isasyncgenfunction(behavior):
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if request is UNPARSEABLE:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, DETAILS)
-            inner = behavior(request, context)
-            try:
-                async for item in inner:
-                    yield item
-            finally:
-                # closed now, not when collected: a cancelled call aborts in the engine at once
-                await inner.aclose()
-        return stream
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request is UNPARSEABLE:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, DETAILS)
-        return await behavior(request, context)
-    return unary
+async def _parsed(request: Any, context: grpc.aio.ServicerContext) -> None:
+    """Ends a call whose request did not parse with INVALID_ARGUMENT."""
+    if request is UNPARSEABLE:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, DETAILS)
 
 
 def guard_handlers(handlers: Mapping[str, grpc.RpcMethodHandler]
                    ) -> dict[str, grpc.RpcMethodHandler]:
     """The same method handlers with lenient deserializers and guarded unary-request
-    behaviours."""
-    out: dict[str, grpc.RpcMethodHandler] = {}
-    for name, h in handlers.items():
-        des = _lenient(h.request_deserializer)
-        if h.unary_unary is not None:
-            out[name] = grpc.unary_unary_rpc_method_handler(
-                _guard(h.unary_unary), des, h.response_serializer)
-        elif h.unary_stream is not None:
-            out[name] = grpc.unary_stream_rpc_method_handler(
-                _guard(h.unary_stream), des, h.response_serializer)
-        elif h.stream_unary is not None:
-            out[name] = grpc.stream_unary_rpc_method_handler(
-                h.stream_unary, des, h.response_serializer)
-        else:
-            out[name] = grpc.stream_stream_rpc_method_handler(
-                h.stream_stream, des, h.response_serializer)
-    return out
+    behaviours (``gpumesh.security.handlers``)."""
+    return {name: wrap_handler(h, None if h.request_streaming else _parsed,
+                               deserializer=_lenient(h.request_deserializer))
+            for name, h in handlers.items()}
 
 
 class GuardedServer:

@@ -38,7 +38,7 @@ class ServedModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., capacity_weight: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("node_id", "address", "models", "incarnation", "engine", "gpu_model", "max_concurrency", "frontend_addresses")
+    __slots__ = ("node_id", "address", "models", "incarnation", "engine", "gpu_model", "max_concurrency", "frontend_addresses", "role")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Registration(_message.Message):
     GPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ServedModel]
@@ -55,7 +56,8 @@ class Registration(_message.Message):
     gpu_model: str
     max_concurrency: int
     frontend_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., incarnation: _Optional[str] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., frontend_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    role: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., incarnation: _Optional[str] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., frontend_addresses: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class GpuStats(_message.Message):
     __slots__ = ("index", "utilization", "memory_used_bytes", "memory_total_bytes")
@@ -86,7 +88,7 @@ class RouterAccount(_message.Message):
     def __init__(self, router_id: _Optional[str] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., first_token_requests: _Optional[int] = ..., first_token_prompt_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "pending_prefill_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "in_flight", "gpus", "draining", "router_accounts", "prompt_tokens_per_s", "kv_capacity_tokens", "prefill_capacity_tokens_per_s", "decode_step_s", "loaded_adapters", "adapter_load_s", "step_model")
+    __slots__ = ("num_running", "num_waiting", "pending_prefill_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "in_flight", "gpus", "draining", "router_accounts", "prompt_tokens_per_s", "kv_capacity_tokens", "prefill_capacity_tokens_per_s", "decode_step_s", "loaded_adapters", "adapter_load_s", "step_model", "engine_epoch")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class LoadReport(_message.Message):
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     STEP_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     pending_prefill_tokens: int
@@ -121,7 +124,8 @@ class LoadReport(_message.Message):
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     adapter_load_s: float
     step_model: StepModel
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., draining: _Optional[bool] = ..., router_accounts: _Optional[_Iterable[_Union[RouterAccount, _Mapping]]] = ..., prompt_tokens_per_s: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_capacity_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., adapter_load_s: _Optional[float] = ..., step_model: _Optional[_Union[StepModel, _Mapping]] = ...) -> None: ...
+    engine_epoch: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., draining: _Optional[bool] = ..., router_accounts: _Optional[_Iterable[_Union[RouterAccount, _Mapping]]] = ..., prompt_tokens_per_s: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_capacity_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., adapter_load_s: _Optional[float] = ..., step_model: _Optional[_Union[StepModel, _Mapping]] = ..., engine_epoch: _Optional[int] = ...) -> None: ...
 
 class StepModel(_message.Message):
     __slots__ = ("a_ms", "b_decode_ms", "b_prefill_ms", "spans", "rms_error")
@@ -168,7 +172,7 @@ class NodeMessage(_message.Message):
     def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., deregistration: _Optional[_Union[Deregistration, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheUpdate, _Mapping]] = ...) -> None: ...
 
 class KvCacheUpdate(_message.Message):
-    __slots__ = ("model", "seq", "snapshot", "cleared", "stored", "removed", "block_size")
+    __slots__ = ("model", "seq", "snapshot", "cleared", "stored", "removed", "block_size", "epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +180,7 @@ class KvCacheUpdate(_message.Message):
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     seq: int
     snapshot: bool
@@ -183,7 +188,8 @@ class KvCacheUpdate(_message.Message):
     stored: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
-    def __init__(self, model: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, model: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RouterHello(_message.Message):
     __slots__ = ("router_id", "peer_addresses", "heartbeat_interval_ms", "lease_ttl_ms")
@@ -240,7 +246,7 @@ class GetFleetRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "state", "models", "load", "last_heartbeat_age_s", "router_in_flight", "engine", "gpu_model", "kind", "frontend_addresses", "quarantine_reason", "state_reason", "router_ids")
+    __slots__ = ("node_id", "address", "state", "models", "load", "last_heartbeat_age_s", "router_in_flight", "engine", "gpu_model", "kind", "frontend_addresses", "quarantine_reason", "state_reason", "router_ids", "prediction_scale", "ttft_error_p50", "role")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +261,9 @@ class NodeStatus(_message.Message):
     QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     ROUTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_SCALE_FIELD_NUMBER: _ClassVar[int]
+    TTFT_ERROR_P50_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     state: NodeState
@@ -269,7 +278,10 @@ class NodeStatus(_message.Message):
     quarantine_reason: str
     state_reason: str
     router_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ..., frontend_addresses: _Optional[_Iterable[str]] = ..., quarantine_reason: _Optional[str] = ..., state_reason: _Optional[str] = ..., router_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    prediction_scale: float
+    ttft_error_p50: float
+    role: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., router_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., gpu_model: _Optional[str] = ..., kind: _Optional[str] = ..., frontend_addresses: _Optional[_Iterable[str]] = ..., quarantine_reason: _Optional[str] = ..., state_reason: _Optional[str] = ..., router_ids: _Optional[_Iterable[str]] = ..., prediction_scale: _Optional[float] = ..., ttft_error_p50: _Optional[float] = ..., role: _Optional[str] = ...) -> None: ...
 
 class GetFleetResponse(_message.Message):
     __slots__ = ("router_id", "policy", "nodes", "worker_addresses", "models")
@@ -316,18 +328,20 @@ class PickRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PickResponse(_message.Message):
-    __slots__ = ("node_id", "address", "ticket", "expires_unix_ms", "model")
+    __slots__ = ("node_id", "address", "ticket", "expires_unix_ms", "model", "predicted_ttft_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     ticket: str
     expires_unix_ms: int
     model: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., ticket: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    predicted_ttft_s: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., ticket: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., model: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ...) -> None: ...
 
 class DrainNodeRequest(_message.Message):
     __slots__ = ("node_id", "reason")

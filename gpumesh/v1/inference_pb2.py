@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agpumesh/v1/inference.proto\x12\ngpumesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.gpumesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdc\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"[\n\rStreamOptions\x12\x19\n\x11\x66lush_interval_ms\x18\x01 \x01(\r\x12\x1c\n\x14max_tokens_per_chunk\x18\x02 \x01(\r\x12\x11\n\tper_token\x18\x03 \x01(\x08\"\xf6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.gpumesh.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.gpumesh.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.gpumesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x13\n\x0brouting_key\x18\x07 \x01(\t\x12\x31\n\x0estream_options\x18\x08 \x01(\x0b\x32\x19.gpumesh.v1.StreamOptions\x12\x0e\n\x06ticket\x18\t \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\n \x01(\t\x12$\n\x06resume\x18\x0b \x01(\x0b\x32\x14.gpumesh.v1.TokenIds\x12\x14\n\x0cno_migration\x18\x0c \x01(\x08\x42\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xa0\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.gpumesh.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.gpumesh.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x9a\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.gpumesh.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.gpumesh.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"\xa1\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_weight\x18\x05 \x01(\x01\x12\x10\n\x08node_ids\x18\x06 \x03(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x07 \x03(\t\"W\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.gpumesh.v1.ModelInfo\x12\x1a\n\x12\x66rontend_addresses\x18\x02 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x01\n\tInference\x12\x45\n\x08Generate\x12\x1b.gpumesh.v1.GenerateRequest\x1a\x1c.gpumesh.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.gpumesh.v1.GenerateRequest\x1a\".gpumesh.v1.GenerateStreamResponse0\x01\x12K\n\nListModels\x12\x1d.gpumesh.v1.ListModelsRequest\x1a\x1e.gpumesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agpumesh/v1/inference.proto\x12\ngpumesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.gpumesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdc\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"[\n\rStreamOptions\x12\x19\n\x11\x66lush_interval_ms\x18\x01 \x01(\r\x12\x1c\n\x14max_tokens_per_chunk\x18\x02 \x01(\r\x12\x11\n\tper_token\x18\x03 \x01(\x08\"\xbc\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.gpumesh.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.gpumesh.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.gpumesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x13\n\x0brouting_key\x18\x07 \x01(\t\x12\x31\n\x0estream_options\x18\x08 \x01(\x0b\x32\x19.gpumesh.v1.StreamOptions\x12\x0e\n\x06ticket\x18\t \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\n \x01(\t\x12$\n\x06resume\x18\x0b \x01(\x0b\x32\x14.gpumesh.v1.TokenIds\x12\x14\n\x0cno_migration\x18\x0c \x01(\x08\x12\x13\n\x0bttft_slo_ms\x18\r \x01(\r\x12\x13\n\x0btpot_slo_ms\x18\x0e \x01(\r\x12\x1a\n\x12kv_transfer_params\x18\x0f \x01(\tB\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xbc\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.gpumesh.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.gpumesh.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1a\n\x12kv_transfer_params\x18\x06 \x01(\t\"\xb6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.gpumesh.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.gpumesh.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1a\n\x12kv_transfer_params\x18\x06 \x01(\t\"\x13\n\x11ListModelsRequest\"\xa1\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_weight\x18\x05 \x01(\x01\x12\x10\n\x08node_ids\x18\x06 \x03(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x07 \x03(\t\"W\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.gpumesh.v1.ModelInfo\x12\x1a\n\x12\x66rontend_addresses\x18\x02 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x01\n\tInference\x12\x45\n\x08Generate\x12\x1b.gpumesh.v1.GenerateRequest\x1a\x1c.gpumesh.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.gpumesh.v1.GenerateRequest\x1a\".gpumesh.v1.GenerateStreamResponse0\x01\x12K\n\nListModels\x12\x1d.gpumesh.v1.ListModelsRequest\x1a\x1e.gpumesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpumesh.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1518
-  _globals['_FINISHREASON']._serialized_end=1638
+  _globals['_FINISHREASON']._serialized_start=1644
+  _globals['_FINISHREASON']._serialized_end=1764
   _globals['_CHATMESSAGE']._serialized_start=42
   _globals['_CHATMESSAGE']._serialized_end=86
   _globals['_CHATMESSAGES']._serialized_start=88
@@ -44,19 +44,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMOPTIONS']._serialized_start=395
   _globals['_STREAMOPTIONS']._serialized_end=486
   _globals['_GENERATEREQUEST']._serialized_start=489
-  _globals['_GENERATEREQUEST']._serialized_end=863
-  _globals['_USAGE']._serialized_start=865
-  _globals['_USAGE']._serialized_end=922
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=925
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1085
-  _globals['_GENERATERESPONSE']._serialized_start=1088
-  _globals['_GENERATERESPONSE']._serialized_end=1242
-  _globals['_LISTMODELSREQUEST']._serialized_start=1244
-  _globals['_LISTMODELSREQUEST']._serialized_end=1263
-  _globals['_MODELINFO']._serialized_start=1266
-  _globals['_MODELINFO']._serialized_end=1427
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1429
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1516
-  _globals['_INFERENCE']._serialized_start=1641
-  _globals['_INFERENCE']._serialized_end=1885
+  _globals['_GENERATEREQUEST']._serialized_end=933
+  _globals['_USAGE']._serialized_start=935
+  _globals['_USAGE']._serialized_end=992
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=995
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1183
+  _globals['_GENERATERESPONSE']._serialized_start=1186
+  _globals['_GENERATERESPONSE']._serialized_end=1368
+  _globals['_LISTMODELSREQUEST']._serialized_start=1370
+  _globals['_LISTMODELSREQUEST']._serialized_end=1389
+  _globals['_MODELINFO']._serialized_start=1392
+  _globals['_MODELINFO']._serialized_end=1553
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1555
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1642
+  _globals['_INFERENCE']._serialized_start=1767
+  _globals['_INFERENCE']._serialized_end=2011
 # @@protoc_insertion_point(module_scope)

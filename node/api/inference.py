@@ -1,9 +1,9 @@
-"""The node's Inference servicer: a thin adapter (proto in -> validated request -> engine ->
-coalesced chunks -> proto out). The same contract the router serves.
+"""The node's Inference servicer: a thin adapter (proto in -> validated ``Prepared`` -> the
+node's generation loop -> coalesced chunks -> proto out). The same contract the router serves.
 
 Who calls it: grpc.aio, per request. Cancellation or deadline: grpc cancels this handler's
-task, which closes the engine generator (vLLM aborts the request); ``finally`` also calls
-``engine.abort`` in case the engine had not noticed.
+task, which closes the generation loop (``node.api.generation``), and the loop aborts the
+request in the engine.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import dataclasses
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -23,14 +23,13 @@ from gpumesh import metadata as md
 from gpumesh import tickets, wire
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
-from gpumesh.node.accounting import Admission
 from gpumesh.node.adapters import AdapterCatalog
+from gpumesh.node.api.generation import PER_OUTPUT, GenerationLoop, Prepared
 from gpumesh.node.api.sampling import check_sampling_ranges
 from gpumesh.node.engines.base import (
     AdapterRef,
     Engine,
     EngineError,
-    EngineOutput,
     EngineRequest,
     Finish,
     Sampling,
@@ -47,7 +46,6 @@ from gpumesh.node.errors import (
 )
 from gpumesh.node.state import ServingState
 from gpumesh.node.streaming.budget import CoalescePolicy
-from gpumesh.node.streaming.coalesce import coalesce
 from gpumesh.node.telemetry import NOOP, NodeTelemetry, Trace
 
 log = logging.getLogger(__name__)
@@ -55,15 +53,23 @@ log = logging.getLogger(__name__)
 _FINISH = {Finish.STOP: pb.FINISH_REASON_STOP, Finish.LENGTH: pb.FINISH_REASON_LENGTH,
            Finish.ABORT: pb.FINISH_REASON_ABORT}
 DEFAULT_MAX_TOKENS = 16
+MAX_KV_PARAMS_BYTES = 64 * 1024   # GenerateRequest.kv_transfer_params, encoded
 
 
-@dataclass(frozen=True)
-class Prepared:
-    request: EngineRequest
-    router_id: str
-    charged_tokens: int | None
-    coalescing: CoalescePolicy
-    resumed: int = 0   # output tokens another node already delivered (GenerateRequest.resume)
+def _kv_params(raw: str) -> dict[str, Any] | None:
+    """GenerateRequest.kv_transfer_params: None when empty, else a JSON object (bounded);
+    the engine checks its shape."""
+    if not raw:
+        return None
+    if len(raw) > MAX_KV_PARAMS_BYTES:
+        raise invalid(f"kv_transfer_params is over {MAX_KV_PARAMS_BYTES} bytes")
+    try:
+        params = json.loads(raw)
+    except ValueError:
+        raise invalid("kv_transfer_params is not valid JSON") from None
+    if not isinstance(params, dict):
+        raise invalid("kv_transfer_params must be a JSON object")
+    return params
 
 
 def _sampling(p: pb.SamplingParams) -> Sampling:
@@ -93,13 +99,10 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
         self._prompts = prompts or PromptEncoder(engine)
         self._telemetry = telemetry or NodeTelemetry.disabled()
         self._state = state
+        self._loop = GenerationLoop(engine, state)
         self._default_coalescing = default_coalescing
         self._secret = ticket_secret
         self._require_ticket = require_ticket
-
-    def _streams(self) -> int:
-        # Past their first token: requests still queued in the engine send no messages yet.
-        return self._state.ledger.streaming
 
     # --- validation ---------------------------------------------------------------------
     def _resolve_model(self, name: str) -> None:
@@ -199,74 +202,22 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
             ids = ids + resumed
             sampling = dataclasses.replace(sampling,
                                            max_tokens=sampling.max_tokens - len(resumed))
-        return Prepared(EngineRequest(request_id, tuple(ids), sampling, adapter), router_id,
-                        charged, policy, len(resumed))
-
-    # --- the generation loop shared by unary and streaming ------------------------------
-    async def _run(self, prep: Prepared, coalescing: CoalescePolicy,
-                   trace: Trace = NOOP) -> AsyncIterator[EngineOutput]:
-        req = prep.request
-        # pending prefill counts what the engine still computes: less the cached prefix
-        # (gpumesh.node.cache) where the node knows it
-        cached = self._state.cached_prefix_tokens
-        prefill = len(req.prompt_token_ids) - (cached(req.prompt_token_ids) if cached else 0)
-        self._state.claim_request_id(req.request_id)   # ALREADY_EXISTS for an id in flight
-        admission: Admission = self._state.ledger.admit(prep.router_id, prefill,
-                                                        prep.charged_tokens)
-        finished = False
-        trace.admitted()
-        try:
-            async for out in coalesce(self._engine.generate(req), coalescing,
-                                      streams=self._streams):
-                if out.token_ids:
-                    admission.first_token()
-                trace.output(out)
-                finished = out.finish is not None
-                yield out
-        except RequestError:
-            raise
-        except Exception as exc:  # the engine's, mapped once here
-            raise from_engine_exception(exc) from exc
-        finally:
-            admission.finish()
-            if not finished:
-                # Client went away, deadline passed or an error: make sure the engine drops it.
-                trace.engine_abort()
-                try:
-                    await self._engine.abort(req.request_id)
-                except Exception:
-                    log.debug("abort of %s failed", req.request_id, exc_info=True)
-            self._state.request_ids.discard(req.request_id)
+        return Prepared(EngineRequest(request_id, tuple(ids), sampling, adapter,
+                                      _kv_params(req.kv_transfer_params)),
+                        router_id, charged, policy, len(resumed))
 
     def _trailing(self, context: grpc.aio.ServicerContext,
                   trace: Trace = NOOP) -> None:
         context.set_trailing_metadata(((md.NODE_ID, self._state.node_id), *trace.trailing()))
 
-    async def GenerateStream(self, request: pb.GenerateRequest,
-                             context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        trace = self._telemetry.start("GenerateStream", request, context)
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, request: pb.GenerateRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[Trace]:
+        """One Generate / GenerateStream call's span: a ``RequestError`` ends the call with
+        its status (the span and trailing metadata told first), a cancelled one is marked."""
+        trace = self._telemetry.start(method, request, context)
         try:
-            prep = await self._prepare(request, context)
-            trace.prepared(prep.request, prep.router_id)
-            first = True
-            completion = prep.resumed   # a continuation's usage counts what was delivered
-            # aclosing: a cancelled stream aborts in the engine at once, not when the
-            # generator is garbage-collected.
-            async with contextlib.aclosing(self._run(prep, prep.coalescing, trace)) as outs:
-                async for out in outs:
-                    completion += len(out.token_ids)
-                    msg = pb.GenerateStreamResponse(text=out.text, token_ids=out.token_ids)
-                    if first:
-                        msg.request_id = prep.request.request_id
-                        first = False
-                    if out.finish is not None:
-                        msg.finish_reason = _FINISH[out.finish]
-                        msg.usage.prompt_tokens = (len(prep.request.prompt_token_ids)
-                                                   - prep.resumed)
-                        msg.usage.completion_tokens = completion
-                        self._trailing(context, trace)
-                    yield msg
+            yield trace
         except RequestError as err:
             trace.fail(err.code, err.message)
             self._trailing(context, trace)
@@ -277,38 +228,59 @@ class NodeInferenceServicer(pb_grpc.InferenceServicer):
         finally:
             trace.end()
 
+    async def GenerateStream(self, request: pb.GenerateRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async with self._call("GenerateStream", request, context) as trace:
+            prep = await self._prepare(request, context)
+            trace.prepared(prep.request, prep.router_id)
+            first = True
+            completion = prep.resumed   # a continuation's usage counts what was delivered
+            # aclosing: a cancelled stream aborts in the engine at once, not when the
+            # generator is garbage-collected.
+            async with contextlib.aclosing(self._loop.run(prep, trace)) as outs:
+                async for out in outs:
+                    completion += len(out.token_ids)
+                    msg = pb.GenerateStreamResponse(text=out.text, token_ids=out.token_ids)
+                    if first:
+                        msg.request_id = prep.request.request_id
+                        first = False
+                    if out.finish is not None:
+                        if out.kv_transfer_params is not None:
+                            msg.kv_transfer_params = json.dumps(out.kv_transfer_params)
+                        msg.finish_reason = _FINISH[out.finish]
+                        msg.usage.prompt_tokens = (len(prep.request.prompt_token_ids)
+                                                   - prep.resumed)
+                        msg.usage.completion_tokens = completion
+                        self._trailing(context, trace)
+                    yield msg
+
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        trace = self._telemetry.start("Generate", request, context)
-        try:
+        async with self._call("Generate", request, context) as trace:
             prep = await self._prepare(request, context)
             trace.prepared(prep.request, prep.router_id)
             texts: list[str] = []
             ids: list[int] = []
             finish = None
+            kv_params = None
             # Unary: no client is waiting on chunks, so take the engine's outputs as they come.
-            async with contextlib.aclosing(self._run(prep, CoalescePolicy(0.0, 1), trace)) as outs:
+            unary = dataclasses.replace(prep, coalescing=PER_OUTPUT)
+            async with contextlib.aclosing(self._loop.run(unary, trace)) as outs:
                 async for out in outs:
                     texts.append(out.text)
                     ids.extend(out.token_ids)
                     finish = out.finish
+                    kv_params = out.kv_transfer_params or kv_params
             self._trailing(context, trace)
             return pb.GenerateResponse(
                 text="".join(texts), token_ids=ids,
                 finish_reason=_FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
                 usage=pb.Usage(prompt_tokens=len(prep.request.prompt_token_ids) - prep.resumed,
                                completion_tokens=prep.resumed + len(ids)),
-                request_id=prep.request.request_id)
-        except RequestError as err:
-            trace.fail(err.code, err.message)
-            self._trailing(context, trace)
-            await context.abort(err.code, err.message)
-            raise AssertionError("unreachable")  # context.abort raises
-        except asyncio.CancelledError:
-            trace.cancelled()
-            raise
-        finally:
-            trace.end()
+                request_id=prep.request.request_id,
+                kv_transfer_params=json.dumps(kv_params) if kv_params is not None else "")
+        raise AssertionError("unreachable")  # _call ends a refused call with context.abort
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:

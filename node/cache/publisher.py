@@ -11,16 +11,31 @@ after the router asked for one (it saw a gap in ``seq``) or after the pending ch
 Bounds: each update carries at most ``max_hashes_per_update`` hashes (a snapshot is split
 into a first ``snapshot`` part and plain ``stored`` parts, each with the next ``seq``); a
 subscription sends at most one batch of updates per ``min_interval_s``.
+
+Epochs: every update carries the publisher's ``epoch`` (``KvCacheUpdate.epoch``; heartbeats
+carry it as ``LoadReport.engine_epoch``). It is set when the engine starts (the node process
+creates its publisher) and moves on every ``cleared`` (a prefix-cache reset, vLLM's
+AllBlocksCleared, a gap in the engine's events): the cleared update then goes out at once,
+without waiting for ``min_interval_s``, and a router drops everything it indexed for the
+node when it sees a newer epoch and ignores updates of an older one. Epochs are wall-clock
+milliseconds at the engine start, strictly increasing within a process, so a restarted node
+continues above the epochs it used before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 from gpumesh.kvblocks import chain_hash
 from gpumesh.node.engines.base import KvEventSink
 from gpumesh.v1 import control_pb2 as cpb
+
+
+def next_epoch(previous: int = 0) -> int:
+    """A new engine epoch: wall-clock milliseconds now, and above ``previous``."""
+    return max(previous + 1, time.time_ns() // 1_000_000)
 
 
 class KvSubscription:
@@ -36,6 +51,7 @@ class KvSubscription:
         self.ready = asyncio.Event()
         self.ready.set()
         self._last_flush = -1e9
+        self._epoch_sent = publisher.epoch   # an epoch change is sent without waiting
 
     # called by the publisher ------------------------------------------------------------
 
@@ -57,6 +73,7 @@ class KvSubscription:
 
     def _clear(self) -> None:
         if self._snapshot:
+            self.ready.set()   # the snapshot goes out at once, with the new epoch
             return
         self._stored.clear()
         self._removed.clear()
@@ -81,7 +98,10 @@ class KvSubscription:
         self.ready.set()
 
     def due_in(self, now: float) -> float:
-        """Seconds until this subscription may flush (0: now)."""
+        """Seconds until this subscription may flush (0: now; always 0 when the epoch moved
+        since the last update sent: a router must forget the node's blocks at once)."""
+        if self._pub.epoch != self._epoch_sent:
+            return 0.0
         return max(0.0, self._last_flush + self._pub.min_interval_s - now)
 
     def take(self, now: float) -> list[cpb.KvCacheUpdate]:
@@ -90,6 +110,7 @@ class KvSubscription:
             return []
         self.ready.clear()
         pub, cap = self._pub, self._pub.max_hashes_per_update
+        epoch = self._epoch_sent = pub.epoch
         out: list[cpb.KvCacheUpdate] = []
         if self._snapshot:
             self._snapshot = False
@@ -98,7 +119,7 @@ class KvSubscription:
                 self.seq += 1
                 out.append(cpb.KvCacheUpdate(
                     model=pub.model, seq=self.seq, snapshot=(i == 0),
-                    block_size=pub.block_size, stored=held[i:i + cap]))
+                    block_size=pub.block_size, stored=held[i:i + cap], epoch=epoch))
         else:
             stored, removed = list(self._stored), list(self._removed)
             cleared = self._cleared
@@ -114,7 +135,8 @@ class KvSubscription:
                 self.seq += 1
                 out.append(cpb.KvCacheUpdate(model=pub.model, seq=self.seq,
                                              cleared=cleared and first,
-                                             block_size=pub.block_size, stored=s, removed=r))
+                                             block_size=pub.block_size, stored=s, removed=r,
+                                             epoch=epoch))
                 first = False
         self._last_flush = now
         return out
@@ -122,7 +144,8 @@ class KvSubscription:
 
 class KvPublisher:
     """The blocks one model's engine holds, fanned out to router streams (module doc).
-    Implements the engines' block-event sink (``stored`` / ``removed`` / ``cleared``)."""
+    Implements the engines' block-event sink (``stored`` / ``removed`` / ``cleared``).
+    ``epoch``: the engine epoch of the blocks held (module doc)."""
 
     def __init__(self, model: str, block_size: int = 16, *, max_hashes_per_update: int = 4096,
                  min_interval_s: float = 0.05, max_pending: int = 65_536) -> None:
@@ -131,6 +154,7 @@ class KvPublisher:
         self.max_hashes_per_update = max(1, max_hashes_per_update)
         self.min_interval_s = min_interval_s
         self.max_pending = max_pending
+        self.epoch = next_epoch()
         self.held: dict[int, None] = {}
         self._subs: list[KvSubscription] = []
         self._listeners: list[KvEventSink] = []
@@ -193,7 +217,9 @@ class KvPublisher:
                 sink.removed(gone)
 
     def cleared(self) -> None:
+        """The engine holds nothing any more: a new epoch, sent to every router at once."""
         self.held.clear()
+        self.epoch = next_epoch(self.epoch)
         for s in self._subs:
             s._clear()
         for sink in self._listeners:

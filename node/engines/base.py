@@ -10,10 +10,10 @@ so both report load through the same code path. The served model is a
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gpumesh.types import GpuSample, ModelSpec, StepModel
 
@@ -53,6 +53,9 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling
     adapter: AdapterRef | None = None   # generate with this LoRA adapter (loaded on demand)
+    # Disaggregated prefill/decode: vLLM's KV-transfer parameters (a JSON object) for an
+    # engine with a KV connector (gpumesh.node.engines.vllm.kv_transfer); None = none
+    kv_transfer_params: Mapping[str, Any] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class EngineOutput:
     token_ids: tuple[int, ...]
     text: str
     finish: Finish | None = None
+    # On the last output of a request that asked for a KV transfer: the parameters a decode
+    # engine continues from (vLLM's RequestOutput.kv_transfer_params)
+    kv_transfer_params: Mapping[str, Any] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)

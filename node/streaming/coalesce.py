@@ -27,7 +27,8 @@ def _merge(parts: list[EngineOutput]) -> EngineOutput:
     ids: list[int] = []
     for p in parts:
         ids.extend(p.token_ids)
-    return EngineOutput(tuple(ids), "".join(p.text for p in parts), parts[-1].finish)
+    return EngineOutput(tuple(ids), "".join(p.text for p in parts), parts[-1].finish,
+                        parts[-1].kv_transfer_params)
 
 
 async def coalesce(outputs: AsyncIterator[EngineOutput], policy: CoalescePolicy,

@@ -34,6 +34,7 @@ from gpumesh.router.fleet.validation import (
     InvalidNodeInput,
     NodeLimits,
     valid_heartbeat,
+    valid_kv_update,
     valid_registration,
 )
 from gpumesh.router.auth.interceptor import AuthCounters
@@ -44,7 +45,6 @@ from gpumesh.security.tls import peer_identity
 from gpumesh.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
-KV_UPDATE_MAX_HASHES = 8192   # per list of one KvCacheUpdate (nodes send at most 4096)
 
 
 class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
@@ -146,6 +146,8 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                             self.registry.register(reg, stream_id)
                         self.registry.heartbeat(node_id, stream_id, hb.seq, hb.sent_unix_ms,
                                                 load, tuple(r[:256] for r in hb.router_ids[:64]))
+                        if self.locality is not None:   # a restarted / reset engine
+                            self.locality.engine_epoch(node_id, load.engine_epoch)
                         await context.write(control_pb2.RouterMessage(
                             ack=control_pb2.HeartbeatAck(seq=hb.seq)))
                 elif kind == "kv_cache":
@@ -182,9 +184,10 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
     async def _kv_cache(self, update: control_pb2.KvCacheUpdate, node_id: str, reg: object,
                         context: grpc.aio.ServicerContext) -> None:
         """A node's prefix-cache update into the index; a gap asks the node for a snapshot."""
-        if len(update.stored) > KV_UPDATE_MAX_HASHES or len(update.removed) > KV_UPDATE_MAX_HASHES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"KvCacheUpdate carries more than {KV_UPDATE_MAX_HASHES} hashes")
+        try:
+            valid_kv_update(update, self.limits)
+        except InvalidNodeInput as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.locality is None or update.model not in {
                 m.name for m in getattr(reg, "models", ())}:
             return   # locality off, or a model the node does not serve: nothing to index

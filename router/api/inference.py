@@ -20,9 +20,8 @@ from gpumesh import wire
 from gpumesh.router import errors
 from gpumesh.router.api import intake
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.dispatch import Dispatcher, DispatchRecord
+from gpumesh.router.dispatch import Dispatcher, DispatchRecord, RequestContext
 from gpumesh.router.fleet import Registry
-from gpumesh.router.scheduling import RequestInfo
 from gpumesh.router.telemetry import RouterTelemetry, Trace
 from gpumesh.security.guard import guard_handlers
 from gpumesh.v1 import inference_pb2
@@ -49,26 +48,18 @@ class RouterInferenceServicer:
 
     async def GenerateStream(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         async with self._call("GenerateStream", context) as (record, trace):
-            req = intake.parse_request(raw)
-            info, deadline = self._route(req, context)
-            info = await intake.with_prefix(req, info, self.dispatcher.locality)
-            trace.routed(req, info.model, info.prompt_tokens)
-            with self._request_id(req.request_id):
-                async with contextlib.aclosing(self.dispatcher.stream(
-                        raw, info, deadline, record, on_attempt=trace.on_attempt)) as chunks:
+            ctx = await self._prepare(raw, context, trace)
+            with self._request_id(ctx.request.request_id):
+                async with contextlib.aclosing(self.dispatcher.stream(ctx, record)) as chunks:
                     async for chunk in chunks:
                         trace.chunk()
                         await context.write(chunk)
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async with self._call("Generate", context) as (record, trace):
-            req = intake.parse_request(raw)
-            info, deadline = self._route(req, context)
-            info = await intake.with_prefix(req, info, self.dispatcher.locality)
-            trace.routed(req, info.model, info.prompt_tokens)
-            with self._request_id(req.request_id):
-                response = await self.dispatcher.unary(raw, info, deadline, record,
-                                                       on_attempt=trace.on_attempt)
+            ctx = await self._prepare(raw, context, trace)
+            with self._request_id(ctx.request.request_id):
+                response = await self.dispatcher.unary(ctx, record)
             trace.chunk()
         return response
 
@@ -77,11 +68,14 @@ class RouterInferenceServicer:
         return inference_pb2.ListModelsResponse(models=[
             wire.model_info_to_proto(m, m.node_ids) for m in self.registry.models()])
 
-    def _route(self, req: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-               ) -> tuple[RequestInfo, float]:
+    async def _prepare(self, raw: bytes, context: grpc.aio.ServicerContext,
+                       trace: Trace) -> RequestContext:
+        """The request parsed and its context built, once (``intake.prepare``)."""
+        req = intake.parse_request(raw)
         if self.closing:
             raise errors.RouterError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
-        return intake.request_info(req, self.config, self.registry, context, self.clock)
+        return await intake.prepare(raw, req, self.config, self.dispatcher, context,
+                                    self.clock, trace)
 
     @contextlib.contextmanager
     def _request_id(self, request_id: str) -> Iterator[None]:

@@ -24,7 +24,7 @@ from gpumesh.router.api.orders import NodeOrders
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import Dispatcher, DispatchRecord
 from gpumesh.router.fleet import NodeView, Registry
-from gpumesh.router.fleet.locality import prefill_tokens
+from gpumesh.router.fleet.predictions import PredictionTracker
 from gpumesh.router.fleet.quarantine import Quarantine, Quarantined
 from gpumesh.router.fleet.saturation import ModelSaturation
 from gpumesh.router.scheduling.types import NodeState
@@ -52,10 +52,15 @@ def state_reason(v: NodeView) -> str:
     return ""
 
 
-def node_status(v: NodeView) -> control_pb2.NodeStatus:
+def node_status(v: NodeView, predictions: PredictionTracker | None = None
+                ) -> control_pb2.NodeStatus:
     reg = v.entry.registration
     report = v.entry.report
+    p = predictions.stats(reg.node_id) if predictions is not None else None
     return control_pb2.NodeStatus(
+        # prediction feedback (router.fleet.predictions): 0 = no sample yet
+        prediction_scale=p.scale if p is not None and p.samples else 0.0,
+        ttft_error_p50=p.ttft_error_p50 if p is not None else 0.0,
         state_reason=state_reason(v),
         router_ids=report.router_ids if report is not None else (),
         node_id=reg.node_id, address=reg.address, state=_STATE[v.state],
@@ -64,7 +69,7 @@ def node_status(v: NodeView) -> control_pb2.NodeStatus:
               else control_pb2.LoadReport()),
         last_heartbeat_age_s=v.report_age_s if math.isfinite(v.report_age_s) else -1.0,
         router_in_flight=v.router_in_flight, engine=reg.engine, gpu_model=reg.gpu_model,
-        kind=reg.kind, frontend_addresses=reg.frontend_addresses)
+        kind=reg.kind, frontend_addresses=reg.frontend_addresses, role=reg.role)
 
 
 def model_load(s: ModelSaturation) -> control_pb2.ModelLoad:
@@ -109,7 +114,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         workers = self.config.peer_addresses if len(self.config.peer_addresses) > 1 else ()
         return control_pb2.GetFleetResponse(
             router_id=self.config.router_id, policy=self.config.policy,
-            nodes=[node_status(v) for v in self.registry.fleet()]
+            nodes=[node_status(v, self.registry.predictions)
+                   for v in self.registry.fleet()]
             + [quarantined_status(q) for q in (self.quarantine.listing()
                                                if self.quarantine is not None else ())],
             worker_addresses=workers,
@@ -161,17 +167,12 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         try:
             if not self.config.ticket_secret:
                 raise errors.lookaside_disabled()
-            req = request.request
-            info, deadline = intake.request_info(req, self.config, self.registry, context,
-                                                 self.clock)
-            info = await intake.with_prefix(req, info, self.dispatcher.locality)
-            trace.routed(req, info.model, info.prompt_tokens)
-            slot = await self.dispatcher.pick(info, deadline, record,
-                                              frozenset(request.exclude_node_ids))
+            ctx = await intake.prepare(b"", request.request, self.config, self.dispatcher,
+                                       context, self.clock, trace)
+            slot = await self.dispatcher.pick(ctx, record, frozenset(request.exclude_node_ids))
             ticket, expires_ms = tickets.issue(
                 self.config.ticket_secret_bytes, self.config.router_id, slot.node_id,
-                prefill_tokens(info, slot.node_id), self.config.ticket_ttl_s,
-                now=self.wall_clock())
+                slot.charged_tokens, self.config.ticket_ttl_s, now=self.wall_clock())
         except (errors.RouterError, ValueError) as e:
             if isinstance(e, ValueError):
                 e = errors.RouterError(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -185,4 +186,5 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
             self._picks += 1
             address = slot.frontends[self._picks % len(slot.frontends)]
         return control_pb2.PickResponse(node_id=slot.node_id, address=address, ticket=ticket,
-                                        expires_unix_ms=expires_ms, model=info.model)
+                                        expires_unix_ms=expires_ms, model=ctx.info.model,
+                                        predicted_ttft_s=slot.decision.predicted_ttft_s or 0.0)

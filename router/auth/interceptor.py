@@ -19,7 +19,6 @@ Every rejection is logged (at most once per second per kind) and counted (``Auth
 from __future__ import annotations
 
 import contextvars
-import inspect
 import logging
 import time
 from collections import Counter
@@ -29,8 +28,9 @@ from typing import Any
 import grpc
 
 from gpumesh import metadata as md
-from gpumesh.router.auth.keys import ApiKey, KeyStore
+from gpumesh.router.auth.keys import ApiKey, KeyStore, current_key_slo
 from gpumesh.router.auth.limits import NO_GRANT, Grant, KeyLimits, OverQuota
+from gpumesh.security.handlers import wrap_handler
 from gpumesh.security.tls import PeerIdentity, peer_identity
 from gpumesh.v1 import inference_pb2
 
@@ -108,12 +108,36 @@ class RouterAuth(grpc.aio.ServerInterceptor):
         if method.startswith(_OPERATOR):
             if self.operator_open:
                 return handler
-            return _wrap(handler, self, "operator", lambda req, ctx: self._operator(ctx, details))
+            return self._wrap(handler, "operator",
+                              lambda req, ctx: self._operator(ctx, details))
         if method.startswith(_CLIENT) and self.keys is not None:
             generate = method in _GENERATE
-            return _wrap(handler, self, "client",
-                         lambda req, ctx: self._client(req, ctx, details, generate))
+            return self._wrap(handler, "client",
+                              lambda req, ctx: self._client(req, ctx, details, generate))
         return handler
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, kind: str,
+              check: Callable[[Any, grpc.aio.ServicerContext], Grant]
+              ) -> grpc.RpcMethodHandler:
+        """The handler with ``check`` run first in the call's own task (so
+        ``current_key_name`` is visible to the servicer); its grant is released when the call
+        ends, and a unary-request call is counted under its key's name."""
+
+        async def admit(request: Any, ctx: grpc.aio.ServicerContext) -> Grant:
+            try:
+                return check(request, ctx)
+            except Denied as d:
+                await self._deny(ctx, kind, d)
+                raise AssertionError("unreachable") from None   # ctx.abort raises
+
+        return wrap_handler(handler, admit,
+                            _release if handler.request_streaming else self._finished)
+
+    def _finished(self, grant: Grant, ok: bool) -> None:
+        name = current_key_name.get()
+        if name:
+            self.counters.key_requests[(name, "OK" if ok else "FAILED")] += 1
+        grant.release()
 
     # --- checks (each returns a Grant or raises Denied) -----------------------------------
     def _operator(self, ctx: grpc.aio.ServicerContext, details: grpc.HandlerCallDetails
@@ -143,6 +167,7 @@ class RouterAuth(grpc.aio.ServerInterceptor):
         key = self.keys.lookup(bearer) if self.keys is not None else None
         if key is None:
             raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
+        current_key_slo.set((key.ttft_slo_ms, key.tpot_slo_ms))   # router.dispatch.slo
         return key
 
     def _client(self, request: Any, ctx: grpc.aio.ServicerContext,
@@ -185,90 +210,5 @@ class RouterAuth(grpc.aio.ServerInterceptor):
         await ctx.abort(d.code, d.message, trailing_metadata=d.trailing)
 
 
-def _wrap(handler: grpc.RpcMethodHandler, auth: RouterAuth, kind: str,
-          check: Callable[[Any, grpc.aio.ServicerContext], Grant]) -> grpc.RpcMethodHandler:
-    """The handler with ``check`` run first in the call's own task (so ``current_key_name``
-    is visible to the servicer); its grant is released when the call ends."""
-
-    async def admit(request: Any, ctx: grpc.aio.ServicerContext) -> Grant | None:
-        try:
-            return check(request, ctx)
-        except Denied as d:
-            await auth._deny(ctx, kind, d)
-            return None
-
-    def count(ok: bool) -> None:
-        name = current_key_name.get()
-        if name:
-            auth.counters.key_requests[(name, "OK" if ok else "FAILED")] += 1
-
-    if handler.unary_unary is not None:
-        inner = handler.unary_unary
-
-        async def uu(request: Any, ctx: grpc.aio.ServicerContext) -> Any:
-            grant = await admit(request, ctx)
-            ok = False
-            try:
-                out = await inner(request, ctx)
-                ok = True
-                return out
-            finally:
-                count(ok)
-                if grant is not None:
-                    grant.release()
-        return grpc.unary_unary_rpc_method_handler(uu, handler.request_deserializer,
-                                                   handler.response_serializer)
-    if handler.unary_stream is not None:
-        inner_s = handler.unary_stream
-        if inspect.isasyncgenfunction(inner_s):
-            async def us_gen(request: Any, ctx: grpc.aio.ServicerContext) -> Any:
-                grant = await admit(request, ctx)
-                ok = False
-                gen = inner_s(request, ctx)
-                try:
-                    async for item in gen:
-                        yield item
-                    ok = True
-                finally:
-                    await gen.aclose()   # at once: a cancelled call aborts in the engine
-                    count(ok)
-                    if grant is not None:
-                        grant.release()
-            fn: Any = us_gen
-        else:
-            async def us(request: Any, ctx: grpc.aio.ServicerContext) -> Any:
-                grant = await admit(request, ctx)
-                ok = False
-                try:
-                    out = await inner_s(request, ctx)
-                    ok = True
-                    return out
-                finally:
-                    count(ok)
-                    if grant is not None:
-                        grant.release()
-            fn = us
-        return grpc.unary_stream_rpc_method_handler(fn, handler.request_deserializer,
-                                                    handler.response_serializer)
-    # streaming-request methods (reflection): the check runs on the metadata only
-    if handler.stream_stream is not None:
-        inner_ss = handler.stream_stream
-
-        async def ss(request_iter: Any, ctx: grpc.aio.ServicerContext) -> Any:
-            grant = await admit(None, ctx)
-            try:
-                result = inner_ss(request_iter, ctx)
-                if inspect.isasyncgen(result):
-                    try:
-                        async for item in result:
-                            yield item
-                    finally:
-                        await result.aclose()
-                else:
-                    await result
-            finally:
-                if grant is not None:
-                    grant.release()
-        return grpc.stream_stream_rpc_method_handler(ss, handler.request_deserializer,
-                                                     handler.response_serializer)
-    return handler
+def _release(grant: Grant, ok: bool) -> None:
+    grant.release()

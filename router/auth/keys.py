@@ -11,17 +11,25 @@ File format (``gpumesh apikey NAME`` prints a new key and its entry)::
     burst = 20                      # requests above the rate allowed at once (default 2 s' worth)
     max_concurrency = 8             # requests in flight at once; 0 = unlimited
     tokens_per_s = 5000.0           # prompt estimate + max_tokens per second; 0 = unlimited
+    ttft_slo_ms = 800               # the key's time-to-first-token objective; 0 = the model's
+    tpot_slo_ms = 60                # its time per output token objective; 0 = the model's
 
 Keys are random 32-byte tokens (``gpm_`` + URL-safe base64), so an unsalted SHA-256 is the
 right storage (as for other high-entropy API tokens): the file does not reveal them. The file
 is checked for changes at most once a second (a stat); a file that fails to parse keeps the
 previous keys and logs the error.
+
+A key's objectives apply to its requests that set none of their own, and replace the model's
+(the router's ``slo_ttft_ms`` / ``slo_tpot_ms``); each is in [0, 3,600,000] ms
+(``router.dispatch.slo`` resolves and acts on them).
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
+import math
 import os
 import secrets
 import time
@@ -33,6 +41,12 @@ log = logging.getLogger(__name__)
 
 ROLES = ("client", "operator")
 CHECK_EVERY_S = 1.0
+MAX_SLO_MS = 3_600_000   # an objective of more than an hour is a mistake, not an objective
+
+# The calling key's objectives, (ttft_slo_ms, tpot_slo_ms); (0, 0) without keys. Set by the
+# key check (router.auth.interceptor) in the call's context, read by router.dispatch.slo.
+current_key_slo: contextvars.ContextVar[tuple[float, float]] = contextvars.ContextVar(
+    "gpumesh_key_slo", default=(0.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,8 @@ class ApiKey:
     burst: float = 0.0
     max_concurrency: int = 0
     tokens_per_s: float = 0.0
+    ttft_slo_ms: float = 0.0   # 0 = none (the model's applies)
+    tpot_slo_ms: float = 0.0
 
 
 def hash_key(key: str) -> str:
@@ -81,9 +97,13 @@ def parse_keys(text: str) -> dict[str, ApiKey]:
         burst = float(k.get("burst", 0.0)) or max(1.0, 2 * rate)
         if rate < 0 or tokens < 0 or conc < 0 or burst < 1:
             raise ValueError(f"key {name!r}: limits must be >= 0 (burst >= 1)")
+        slos = (float(k.get("ttft_slo_ms", 0.0)), float(k.get("tpot_slo_ms", 0.0)))
+        if not all(math.isfinite(v) and 0 <= v <= MAX_SLO_MS for v in slos):
+            raise ValueError(f"key {name!r}: ttft_slo_ms and tpot_slo_ms must be in "
+                             f"[0, {MAX_SLO_MS}]")
         names.add(name)
         out[digest] = ApiKey(name, role, frozenset(str(m) for m in k.get("models", [])), rate,
-                             burst, conc, tokens)
+                             burst, conc, tokens, *slos)
     return out
 
 

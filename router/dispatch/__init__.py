@@ -1,6 +1,8 @@
-"""Dispatch: admission (queue per model), the one attempt loop, retry/failover, records."""
+"""Dispatch: the request context, admission (queue per model), the router's transport for
+the attempt layers (proxy), retry/failover, outlier feedback, the stall watch, records."""
 
 from gpumesh.router.dispatch.admission import AdmissionQueue
+from gpumesh.router.dispatch.context import RequestContext
 from gpumesh.router.dispatch.dispatcher import Dispatcher
 from gpumesh.router.dispatch.records import (
     Assignment,
@@ -11,4 +13,4 @@ from gpumesh.router.dispatch.records import (
 )
 
 __all__ = ["AdmissionQueue", "Assignment", "AttemptHook", "AttemptRecord", "ChargeFn",
-           "DispatchRecord", "Dispatcher"]
+           "DispatchRecord", "Dispatcher", "RequestContext"]

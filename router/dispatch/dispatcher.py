@@ -1,39 +1,56 @@
-"""The per-request path: admission, the one attempt loop, the node call.
+"""The router's per-request path, top to bottom.
 
-Who calls it: the Inference servicer (``stream``, ``unary``) and the operator servicer
-(``pick``). Contract:
+Who calls it: the Inference servicer (``prepare``, then ``stream`` or ``unary``) and the
+operator servicer (``prepare``, then ``pick``). A request goes:
 
-- ``stream`` proxies GenerateStream, ``unary`` proxies Generate; both run ``_attempts``, the
-  one attempt loop: admit (``AdmissionQueue``), call the node (``backends``), forward what it
-  answers. A node failure before the first chunk reached the client is retried on another
-  node (``failover``); after it -> UNAVAILABLE naming the node. A stream's credit releases its
-  prompt tokens at the first chunk and its slot at the end; a unary call's credit is blind
-  (the router never sees its first token) and holds the slot until the end.
-- ``pick`` (lookaside) only charges: credits are released by the node's reports.
+1. ``Dispatcher.prepare`` -> ``context.prepare``: the ``RequestContext``, built once
+   (model resolved, routing fields checked, prompt sized, prefix locality asked once, the
+   routing key's last node); every step below reads it, none rebuilds it.
+2. ``Dispatcher.stream`` / ``unary``: the attempt layers of ``gpumesh.attempts`` (shared
+   with the lookaside client) over the router's ``proxy.ProxyTransport``:
+   ``send`` -> ``continue_mid_stream`` (after output: another node continues the stream,
+   ``gpumesh.migration``) -> ``retry_before_first_token`` (before output: another node,
+   ``failover.ProxyFailover``) -> ``single_attempt``, which calls
+3. ``ProxyTransport.open``: ``Dispatcher.assign`` (admission decides and charges a node,
+   ``AdmissionQueue.acquire``; locality and the session table note the choice), then the
+   node call (``backends``), wrapped in the outlier feedback (``ejection.ObservedCall``) and
+   the stall watch (``watch.WatchedCall``) around ``proxy.ProxyCall``;
+4. ``ProxyCall.first`` (the first chunk: the credit releases its prompt tokens),
+   ``ProxyCall.next`` for the rest, ``ProxyCall.close`` at the attempt's end (the credit
+   releases its slot; a failure is recorded).
 
-Cancelling the caller's task cancels the outbound call, so the node aborts the request.
-Every decision and attempt is kept in the request's ``DispatchRecord``.
+A stream that ``disagg.route`` disaggregates (prefill and decode nodes) runs the same layers
+over ``disagg.DisaggTransport``: its first single attempt opens a ``disagg.TwoLegCall`` on a
+decode node (admitted as in step 3, in the stall watch), whose ``first`` runs the prefill
+leg on a prefill node, then the decode call (a ``ProxyCall`` in the outlier feedback) until
+its first chunk; a failure before that chunk is retried whole on a non-prefill node, and
+after it the stream migrates as any other. Whole requests never go to a prefill node while
+another node serves the model (``disagg.whole_request_exclude``).
+
+A stream's credit releases its prompt tokens at the first chunk and its slot at the end; a
+unary call's credit is blind (the router never sees its first token) and holds the slot
+until the end. ``pick`` (lookaside) only charges: credits are released by the node's
+reports. Cancelling the caller's task cancels the outbound call, so the node aborts the
+request. Every decision and attempt is kept in the request's ``DispatchRecord``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
-import grpc
-
-from gpumesh.router import errors
-from gpumesh.router.backends import NodeChannels, dispatch_metadata
+from gpumesh import attempts, migration
+from gpumesh.router.auth.interceptor import current_key_name
+from gpumesh.router.backends import NodeChannels
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.dispatch import failover, migration
+from gpumesh.router.dispatch import context, disagg, failover
 from gpumesh.router.dispatch.admission import AdmissionQueue
+from gpumesh.router.dispatch.context import RequestContext
 from gpumesh.router.dispatch.ejection import EjectionPolicy, OutlierEjector
+from gpumesh.router.dispatch.proxy import ProxyTransport
 from gpumesh.router.dispatch.records import (
     Assignment,
     AttemptHook,
@@ -41,22 +58,19 @@ from gpumesh.router.dispatch.records import (
     ChargeFn,
     DispatchRecord,
 )
+from gpumesh.router.dispatch.watch import InFlightWatch
 from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.fleet.locality import PrefixLocality, prefill_tokens
 from gpumesh.router.fleet.sessions import SessionTable
-from gpumesh.router.scheduling import Decision, Profile, RequestInfo
+from gpumesh.router.scheduling import Decision, Policy, RequestInfo
 from gpumesh.router.scheduling.filters import Filter, fresh_first
-from gpumesh.router.dispatch.watch import InFlightWatch, Tracked
 from gpumesh.v1 import inference_pb2 as pb
 
-log = logging.getLogger(__name__)
-
-_NodeError = errors.RouterError | grpc.aio.AioRpcError
 
 
 class Dispatcher:
     def __init__(self, config: RouterConfig, registry: Registry, channels: NodeChannels,
-                 profile: Profile, filters: Sequence[Filter], rng: random.Random,
+                 profile: Policy, filters: Sequence[Filter], rng: random.Random,
                  clock: Callable[[], float] = time.monotonic,
                  sessions: SessionTable | None = None,
                  locality: PrefixLocality | None = None) -> None:
@@ -67,6 +81,7 @@ class Dispatcher:
         self.sessions = sessions
         self.registry = registry
         self.channels = channels
+        self.tracer: Any = None   # the router's OpenTelemetry tracer (disagg spans; app sets it)
         self.clock = clock   # deadlines (seconds, monotonic)
         # Gray failures (router.dispatch.watch, .ejection): STALE nodes and outliers get no
         # new work while another node can take it; stalled calls on STALE nodes fail over.
@@ -80,7 +95,8 @@ class Dispatcher:
         filters = (*filters, fresh_first(), self.ejector)
         self.admission = AdmissionQueue(registry, profile, filters, rng, clock,
                                         queue_bound=config.queue_bound,
-                                        decision_sample_size=config.decision_sample_size)
+                                        decision_sample_size=config.decision_sample_size,
+                                        slo_admission=config.slo_admission)
 
     def decide(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Decision:
         """One routing decision now, without charging (Router.Pick preview, tests)."""
@@ -89,133 +105,77 @@ class Dispatcher:
     def queue_length(self, model: str) -> int:
         return self.admission.queue_length(model)
 
-    # ------------------------------------------------------------------ entry points
+    # ------------------------------------------------------------------ the request path
 
-    def stream(self, request: bytes, info: RequestInfo, deadline: float,
-               record: DispatchRecord, extra_metadata: Sequence[tuple[str, str]] = (),
-               on_attempt: AttemptHook | None = None) -> AsyncIterator[bytes]:
-        """Yields the node's serialized GenerateStreamResponse chunks. Raises RouterError or
-        the node's AioRpcError (its status passes through). Close it (aclosing) on exit.
-        ``on_attempt(assignment)`` (tracing) runs before each node call and returns metadata
-        to add."""
-        return self._attempts(request, info, deadline, record, True,
-                              self._proxy_charge(info), extra_metadata, on_attempt)
+    async def prepare(self, request: pb.GenerateRequest, raw: bytes, deadline: float,
+                      on_attempt: AttemptHook | None = None) -> RequestContext:
+        """Step 1: the request's context, built once before admission (``context.prepare``:
+        model, routing fields, prompt size, prefix locality, the key's last node)."""
+        disagg.check_client_request(request)   # KV-transfer parameters are the router's
+        return await context.prepare(
+            request, raw, deadline, current_key_name.get(), on_attempt,
+            registry=self.registry, chars_per_token=self.config.chars_per_token,
+            locality=self.locality, sessions=self.sessions,
+            model_slos=(self.config.slo_ttft_ms, self.config.slo_tpot_ms))
 
-    async def unary(self, request: bytes, info: RequestInfo, deadline: float,
-                    record: DispatchRecord, extra_metadata: Sequence[tuple[str, str]] = (),
-                    on_attempt: AttemptHook | None = None) -> bytes:
-        """Returns the node's serialized GenerateResponse; same retries as ``stream``."""
-        async with contextlib.aclosing(self._attempts(
-                request, info, deadline, record, False,
-                self._blind_charge(info, True), extra_metadata,
-                on_attempt)) as responses:
-            async for response in responses:
-                return response
-        raise AssertionError("a unary attempt answers or raises")  # pragma: no cover
-
-    async def pick(self, info: RequestInfo, deadline: float, record: DispatchRecord,
-                   exclude: frozenset[str] = frozenset()) -> Assignment:
-        """Lookaside: choose and charge a node; the client calls it with a ticket.
-        ``exclude``: nodes the client saw fail before a first token (its retry)."""
-        record.model, record.prompt_tokens = info.model, info.prompt_tokens
-        return await self._assign(info, deadline, exclude,
-                                  self._blind_charge(info, False), record, None)
-
-    # ------------------------------------------------------------------ the attempt loop
-
-    async def _attempts(self, request: bytes, info: RequestInfo, deadline: float,
-                        record: DispatchRecord, streaming: bool, charge: ChargeFn,
-                        extra_metadata: Sequence[tuple[str, str]],
-                        on_attempt: AttemptHook | None) -> AsyncIterator[bytes]:
-        """Yields the serving node's responses: every stream chunk, or the one unary answer.
-
-        A failure before the client saw output is retried on another node (``max_attempts``
-        in all); after it, the stream continues on another node from the tokens delivered
-        (``max_migrations`` times; ``failover.continuation``), unless the request opted out."""
-        record.model, record.prompt_tokens = info.model, info.prompt_tokens
+    def stream(self, ctx: RequestContext, record: DispatchRecord) -> AsyncIterator[bytes]:
+        """Step 2 (GenerateStream): yields the node's serialized GenerateStreamResponse chunks
+        through the attempt layers (``gpumesh.attempts.send`` over ``ProxyTransport``).
+        Raises RouterError or the node's AioRpcError (its status passes through). Close it
+        (aclosing) on exit."""
+        record.model, record.prompt_tokens = ctx.info.model, ctx.info.prompt_tokens
         self._start_watch()
-        original = self._migratable(request, streaming)
-        progress = migration.StreamProgress() if original is not None else None
-        body: bytes | None = request
-        tried: frozenset[str] = frozenset()
-        last_error: _NodeError | None = None
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                slot = await self._assign(info, deadline, tried, charge, record, last_error)
-            except (grpc.aio.AioRpcError, errors.RouterError) as e:
-                if progress is not None and progress.started:   # no node can continue it
-                    raise failover.mid_stream(e, record.node_id, self.clock(),
-                                              deadline) from None
-                raise
-            call = self._open(slot, body, info, deadline, streaming, extra_metadata,
-                              on_attempt)
-            tracked = self.watch.track(slot.node_id, call, streaming)
-            admitted, forwarded, sent = True, False, self.clock()
-            try:
-                chunk = await self._first(call, slot, deadline, streaming)
-                if chunk is grpc.aio.EOF:   # (read() raises when the node ended with an error)
-                    return
-                self.ejector.success(slot.node_id, self.clock() - sent)
-                if streaming:
-                    slot.credit.first_token()
-                forwarded = True
-                while True:
-                    record.chunks += 1
-                    if progress is not None:
-                        progress.observe(chunk)
-                        tracked.progress(self.clock())
-                    yield chunk
-                    if not streaming or (chunk := await call.read()) is grpc.aio.EOF:
-                        return
-            except (grpc.aio.AioRpcError, errors.RouterError, asyncio.CancelledError) as exc:
-                e = failover.lost_call(exc, tracked)   # re-raises a real cancellation
-                admitted = forwarded or failover.admitted(e)
-                if failover.blames_node(e, self.clock(), deadline):
-                    self.ejector.failure(slot.node_id, failover.failed_code(e).name)
-                if progress is not None and progress.finished:
-                    return   # the client has the whole stream; only its trailers are lost
-                if progress is not None and progress.started:
-                    body = self._continuation(e, original, progress, slot, deadline, record)
-                else:
-                    self._failed(e, attempt, slot, deadline, record, forwarded)
-                last_error = e
-            finally:
-                self.watch.untrack(tracked)
-                slot.credit.finish(admitted)
-                if not call.done():
-                    call.cancel()   # client cancelled or we gave up: the node aborts
-            if body is None:   # every token was delivered; only the stream's end was missing
-                assert original is not None and progress is not None
-                yield migration.final_chunk(original, progress,
-                                            info.prompt_tokens).SerializeToString()
-                return
-            tried = tried | {slot.node_id}
+        # disaggregated prefill/decode (dispatch.disagg): the first attempt runs two legs
+        legs, whole = disagg.route(self.registry, ctx.request, ctx.info,
+                                   self.config.disagg_min_prompt_tokens)
+        whole_t = ProxyTransport(self, ctx, record, True, self._proxy_charge(ctx.info), whole)
+        t: attempts.Transport[bytes] = (whole_t if legs is None else
+                                        disagg.DisaggTransport(self, ctx, record, legs, whole_t))
+        return attempts.send(t, self._failover(ctx, record), self._state(ctx))
 
-    def _migratable(self, request: bytes, streaming: bool) -> pb.GenerateRequest | None:
-        """The parsed request when its stream may continue on another node, else None."""
-        if not streaming or self.config.max_migrations < 1:
-            return None
-        parsed = pb.GenerateRequest.FromString(request)
-        return parsed if migration.migratable(parsed) else None
+    async def unary(self, ctx: RequestContext, record: DispatchRecord) -> bytes:
+        """Step 2 (Generate): the node's serialized GenerateResponse; the same layers as
+        ``stream`` (retry before the answer; nothing to migrate)."""
+        record.model, record.prompt_tokens = ctx.info.model, ctx.info.prompt_tokens
+        self._start_watch()
+        t = ProxyTransport(self, ctx, record, False, self._blind_charge(ctx.info, True),
+                           disagg.whole_request_exclude(self.registry, ctx.info.model))
+        return await attempts.first_answer(t, self._failover(ctx, record), attempts.Attempts())
 
-    def _continuation(self, e: _NodeError, original: pb.GenerateRequest | None,
-                      progress: migration.StreamProgress, slot: Assignment, deadline: float,
-                      record: DispatchRecord) -> bytes | None:
-        """After output reached the client: the request continuing the stream on another
-        node (None when every token was delivered), or raises what the client sees."""
-        record.attempts[-1].error = failover.failed_code(e).name
-        now = self.clock()
-        if original is None or not failover.continuable(
-                e, progress.migrations, self.config.max_migrations, now, deadline):
-            raise failover.mid_stream(e, slot.node_id, now, deadline) from None
-        progress.migrations += 1
-        record.migrations += 1
-        nxt = migration.resume_request(original, progress)
-        log.info("node %s failed after %d tokens (%s); continuing the stream elsewhere",
-                 slot.node_id, len(progress.token_ids), failover.failed_code(e).name)
-        return None if nxt is None else nxt.SerializeToString()
+    async def pick(self, ctx: RequestContext, record: DispatchRecord,
+                   exclude: frozenset[str] = frozenset()) -> Assignment:
+        """Step 2 (Router.Pick, lookaside): choose and charge a node; the client calls it
+        with a ticket and runs the attempt layers itself. ``exclude``: nodes the client saw
+        fail this request."""
+        record.model, record.prompt_tokens = ctx.info.model, ctx.info.prompt_tokens
+        exclude = exclude | disagg.whole_request_exclude(self.registry, ctx.info.model)
+        return await self.assign(ctx, exclude, self._blind_charge(ctx.info, False), record)
+
+    def _failover(self, ctx: RequestContext, record: DispatchRecord) -> failover.ProxyFailover:
+        return failover.ProxyFailover(self.config, self.clock, ctx.deadline, record)
+
+    def _state(self, ctx: RequestContext) -> attempts.Attempts:
+        """A stream that may continue on another node keeps its progress (every chunk is
+        read for its token ids); one that may not is forwarded unread."""
+        if self.config.max_migrations < 1 or not migration.migratable(ctx.request):
+            return attempts.Attempts()
+        return attempts.Attempts(request=ctx.request, progress=migration.StreamProgress())
+
+    async def assign(self, ctx: RequestContext, exclude: frozenset[str], charge: ChargeFn,
+                     record: DispatchRecord) -> Assignment:
+        """One attempt's node: admission decides and charges it (``AdmissionQueue``), prefix
+        locality records where the prompt went, the routing key follows the chosen node."""
+        info = ctx.info
+        d, credit, queued = await self.admission.acquire(info, ctx.deadline, charge, exclude)
+        if self.locality is not None and info.prefix_hashes:
+            self.locality.routed(info, d.node_id)
+        if self.sessions is not None and info.routing_key:
+            self.sessions.remember(info.model, info.routing_key, d.node_id)
+        entry = self.registry.entry(d.node_id)
+        address = entry.registration.address if entry is not None else ""
+        frontends = entry.registration.frontend_addresses if entry is not None else ()
+        record.attempts.append(AttemptRecord(d.node_id, d, queued))
+        return Assignment(d.node_id, address, d, credit, queued, frontends)
 
     # ------------------------------------------------------------------ gray failures
 
@@ -254,76 +214,6 @@ class Dispatcher:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
             self._watch_task = None
-
-    async def _assign(self, info: RequestInfo, deadline: float, exclude: frozenset[str],
-                      charge: ChargeFn, record: DispatchRecord,
-                      last_error: _NodeError | None) -> Assignment:
-        """Admits the request onto a node; when no other node is left for a retry, the
-        previous attempt's error is what the client sees. A request with a routing_key
-        prefers the node its key went to last, and its key then follows the chosen node."""
-        sessions = self.sessions
-        if sessions is not None and info.routing_key:
-            info = replace(info, session_node=sessions.lookup(info.model, info.routing_key))
-        locality = self.locality
-        try:
-            d, credit, queued = await self.admission.acquire(info, deadline, charge, exclude)
-        except errors.RouterError:
-            if last_error is not None:
-                raise last_error from None
-            raise
-        if locality is not None and info.prefix_hashes:
-            locality.routed(info, d.node_id)
-        if sessions is not None and info.routing_key:
-            sessions.remember(info.model, info.routing_key, d.node_id)
-        entry = self.registry.entry(d.node_id)
-        address = entry.registration.address if entry is not None else ""
-        frontends = entry.registration.frontend_addresses if entry is not None else ()
-        record.attempts.append(AttemptRecord(d.node_id, d, queued))
-        return Assignment(d.node_id, address, d, credit, queued, frontends)
-
-    def _open(self, slot: Assignment, request: bytes, info: RequestInfo, deadline: float,
-              streaming: bool, extra_metadata: Sequence[tuple[str, str]],
-              on_attempt: AttemptHook | None) -> Any:
-        """Starts the node call (a ``grpc.aio`` call, or a backend's equivalent)."""
-        client = self.channels.get(slot.node_id, slot.address, slot.frontends)
-        extra = (*extra_metadata, *on_attempt(slot)) if on_attempt else extra_metadata
-        # charged = the prefill the node still does (prefix locality: less its cached prefix)
-        metadata = dispatch_metadata(self.registry.router_id,
-                                     prefill_tokens(info, slot.node_id), extra)
-        timeout_s = max(0.001, min(deadline - self.clock(), self.config.request_timeout_s))
-        rpc = client.stream if streaming else client.unary
-        return rpc(request, timeout_s=timeout_s, metadata=metadata)
-
-    async def _first(self, call: Any, slot: Assignment, deadline: float,
-                     streaming: bool) -> Any:
-        """The node's first response; a stream's is bounded by a first-token deadline derived
-        from the node's own queue (``failover.first_token_wait``)."""
-        if not streaming:
-            return await call
-        budget = failover.first_token_wait(slot.decision, slot.node_id, self.config)
-        wait = min(budget, max(deadline - self.clock(), 0.001))
-        try:
-            return await asyncio.wait_for(call.read(), wait)
-        except TimeoutError:
-            call.cancel()
-            raise failover.first_token_timeout(slot.node_id, budget, self.clock(),
-                                               deadline) from None
-
-    def _failed(self, e: _NodeError, attempt: int, slot: Assignment, deadline: float,
-                record: DispatchRecord, forwarded: bool) -> _NodeError:
-        """Records a failed attempt; returns the error to retry after, or raises what the
-        client sees."""
-        code = failover.failed_code(e)
-        record.attempts[-1].error = code.name
-        now = self.clock()
-        if forwarded:
-            raise failover.mid_stream(e, slot.node_id, now, deadline) from None
-        if not (failover.retryable_before_first_chunk(e) and failover.should_retry(
-                code, attempt, self.config.max_attempts, now, deadline)):
-            raise e
-        log.info("node %s failed before the first token (%s); retrying elsewhere",
-                 slot.node_id, code.name)
-        return e
 
     # ------------------------------------------------------------------ charging
 

@@ -1,8 +1,9 @@
 """Outlier ejection: a node that keeps failing, or answers far slower than its peers, gets no
 new work for a while (Envoy's outlier detection, per node).
 
-Who calls it: the attempt loop reports each attempt's outcome (``success`` with its
-first-response latency, ``failure`` for a node fault); the routing filter ``filter`` drops
+Who calls it: ``ObservedCall``, the outlier-feedback layer around each proxied node call
+(``gpumesh.attempts``), reports each attempt's outcome (``success`` with its first-response
+latency, ``failure`` for a node fault, ``failover.blames_node``); the routing filter drops
 ejected nodes while some other candidate is left (an ejected node still serves when nothing
 else can). Client errors (a bad prompt, a deadline the client set) are never reported.
 
@@ -23,6 +24,11 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import grpc
+
+from gpumesh.attempts import NodeCall
+from gpumesh.router import errors
+from gpumesh.router.dispatch.failover import blames_node, failed_code
 from gpumesh.router.scheduling.types import Candidate
 
 log = logging.getLogger(__name__)
@@ -127,3 +133,33 @@ class OutlierEjector:
     def sample_conclusive(self, kept: Sequence[Candidate]) -> bool:
         """False when an ejected node survived (the sample held nothing else; the fleet may)."""
         return not any(self.ejected(c.node_id) for c in kept)
+
+
+class ObservedCall:
+    """Outlier feedback as a layer around one node call (``gpumesh.attempts.NodeCall``): its
+    first answer's latency (from the call's start) is a success for the node; a failure that
+    blames the node (``failover.blames_node``: not the client's fault nor its deadline) is a
+    failure. ``deadline``: the request's, on ``ejector.clock``."""
+
+    __slots__ = ("_deadline", "_ejector", "_inner", "_sent", "next", "node_id")
+
+    def __init__(self, inner: NodeCall[bytes], ejector: OutlierEjector,
+                 deadline: float) -> None:
+        self._inner = inner
+        self._ejector = ejector
+        self._deadline = deadline
+        self._sent = ejector.clock()
+        self.node_id = inner.node_id
+        self.next = inner.next   # nothing to observe between chunks
+
+    async def first(self) -> bytes | None:
+        chunk = await self._inner.first()
+        if chunk is not None:
+            self._ejector.success(self.node_id, self._ejector.clock() - self._sent)
+        return chunk
+
+    def close(self, error: Exception | None) -> None:
+        if isinstance(error, errors.RouterError | grpc.aio.AioRpcError) and blames_node(
+                error, self._ejector.clock(), self._deadline):
+            self._ejector.failure(self.node_id, failed_code(error).name)
+        self._inner.close(error)

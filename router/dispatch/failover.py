@@ -1,4 +1,5 @@
-"""Retry and failover rules for one request's attempts (pure: the clock is passed in).
+"""Retry and failover rules for one request's attempts (pure: the clock is passed in), and
+``ProxyFailover``: those rules as the router's ``gpumesh.attempts.Failover``.
 
 A node failure before the first chunk reached the client may be retried on another node
 (``should_retry``); after it, a retryable failure becomes UNAVAILABLE naming the node
@@ -11,6 +12,8 @@ the client, a node fault continues the stream elsewhere (``continuable``; see ``
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -19,8 +22,13 @@ from gpumesh.router import errors
 
 if TYPE_CHECKING:
     from gpumesh.router.config import RouterConfig
+    from gpumesh.router.dispatch.records import DispatchRecord
     from gpumesh.router.dispatch.watch import Tracked
     from gpumesh.router.scheduling import Decision
+
+log = logging.getLogger(__name__)
+
+NodeError = errors.RouterError | grpc.aio.AioRpcError
 
 
 def should_retry(code: grpc.StatusCode, attempt: int, max_attempts: int, now: float,
@@ -119,3 +127,45 @@ def first_token_wait(decision: Decision, node_id: str, config: RouterConfig) -> 
                      if s.node_id == node_id and s.expected_wait_s is not None), 0.0)
     return min(config.first_token_timeout_s,
                config.first_token_min_s + config.first_token_wait_factor * max(expected, 0.0))
+
+
+class ProxyFailover:
+    """The router's failover for one request (``gpumesh.attempts.Failover``): a failure
+    before output is retried on another node (``max_attempts`` attempts in all) when it
+    blames the node (``retryable_before_first_chunk``, ``should_retry``); after output the
+    stream continues elsewhere (``max_migrations`` times, ``continuable``); otherwise the
+    client sees ``mid_stream``. Continuations are counted in ``record``."""
+
+    failures: tuple[type[Exception], ...] = (grpc.aio.AioRpcError, errors.RouterError)
+
+    def __init__(self, config: RouterConfig, clock: Callable[[], float], deadline: float,
+                 record: DispatchRecord) -> None:
+        self.config = config
+        self.clock = clock
+        self.deadline = deadline
+        self.record = record
+
+    def retry(self, error: Exception, attempt: int, node_id: str) -> bool:
+        assert isinstance(error, NodeError)
+        code = failed_code(error)
+        if not (retryable_before_first_chunk(error) and should_retry(
+                code, attempt, self.config.max_attempts, self.clock(), self.deadline)):
+            return False
+        log.info("node %s failed before the first token (%s); retrying elsewhere",
+                 node_id, code.name)
+        return True
+
+    def migrate(self, error: Exception, migrations: int, node_id: str,
+                delivered_tokens: int) -> bool:
+        assert isinstance(error, NodeError)
+        if not continuable(error, migrations, self.config.max_migrations, self.clock(),
+                           self.deadline):
+            return False
+        self.record.migrations += 1
+        log.info("node %s failed after %d tokens (%s); continuing the stream elsewhere",
+                 node_id, delivered_tokens, failed_code(error).name)
+        return True
+
+    def after_output(self, error: Exception, node_id: str) -> BaseException:
+        assert isinstance(error, NodeError)
+        return mid_stream(error, node_id, self.clock(), self.deadline)

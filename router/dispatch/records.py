@@ -31,6 +31,7 @@ class DispatchRecord:
     attempts: list[AttemptRecord] = field(default_factory=list)
     chunks: int = 0
     migrations: int = 0      # times the stream continued on another node after output
+    prefill_node_id: str = ""   # disaggregated prefill/decode: the node that ran the prompt
 
     @property
     def node_id(self) -> str:
@@ -49,6 +50,12 @@ class Assignment:
     credit: Credit
     queued_s: float
     frontends: tuple[str, ...] = ()   # the node's front-end processes' own addresses
+
+    @property
+    def charged_tokens(self) -> int:
+        """The prompt tokens the node was charged: what it still prefills (prefix locality:
+        the prompt less the prefix it holds), told to the node as CHARGED_TOKENS."""
+        return self.credit.tokens
 
 
 # Called with each attempt's assignment before the node call; returns metadata to add

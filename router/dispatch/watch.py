@@ -1,10 +1,11 @@
 """Gray-failure watch over the router's in-flight node calls.
 
 A node that hangs (SIGSTOP, a wedged engine, a partition that keeps its TCP connections open)
-fails nothing: its streams just stop moving. Who calls it: the attempt loop registers each
-node call (``track``), marks progress at every chunk (``Tracked.progress``, one clock read)
-and forgets it when the attempt ends; a task of the dispatcher runs ``sweep`` every
-``period_s``; the registry's removal listener calls ``node_gone``.
+fails nothing: its streams just stop moving. Who calls it: ``WatchedCall``, the stall-watch
+layer around each proxied node call (``gpumesh.attempts``), registers the call (``track``),
+marks progress at every chunk (``Tracked.progress``, one clock read) and forgets it when the
+attempt ends; a task of the dispatcher runs ``sweep`` every ``period_s``; the registry's
+removal listener calls ``node_gone``.
 
 Rule (``sweep``): a stream is *lost* when its node has sent no report for ``stall_s`` or is
 gone from the fleet (lease expired, stream closed), another healthy node serves its model, and
@@ -12,8 +13,9 @@ the stream itself has made no progress for ``stall_s``. A unary call shows no pr
 lost only when its node leaves the fleet (``node_gone``). A node whose heartbeats stop while its
 streams keep moving (a partitioned control stream) keeps its streams; a node that keeps
 heartbeating but is merely slow is left to the first-token deadline and outlier ejection.
-Losing a call cancels it; the attempt loop sees ``Tracked.lost`` and fails the attempt over
-(retry before the first token, continuation after it).
+Losing a call cancels it; ``WatchedCall`` turns that cancellation into UNAVAILABLE blaming the
+node (``failover.lost_call``), which the attempt layers fail over (retry before the first
+token, continuation after it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from gpumesh.attempts import NodeCall
+from gpumesh.router.dispatch.failover import lost_call
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +109,38 @@ class InFlightWatch:
                 self.sweep()
             except Exception:  # a bug here must not stop the watch
                 log.exception("in-flight watch sweep failed")
+
+
+class WatchedCall:
+    """The stall watch as a layer around one node call (``gpumesh.attempts.NodeCall``):
+    tracked while it runs, its progress marked at each chunk, and a cancellation the watch
+    caused raised as UNAVAILABLE blaming the node (a client's cancellation passes)."""
+
+    __slots__ = ("_clock", "_inner", "_tracked", "_watch", "node_id")
+
+    def __init__(self, inner: NodeCall[bytes], watch: InFlightWatch, streaming: bool) -> None:
+        self._inner = inner
+        self._watch = watch
+        self._clock = watch.clock
+        self.node_id = inner.node_id
+        self._tracked = watch.track(inner.node_id, inner, streaming)
+
+    async def first(self) -> bytes | None:
+        try:
+            chunk = await self._inner.first()
+        except asyncio.CancelledError as e:
+            raise lost_call(e, self._tracked) from None
+        self._tracked.last = self._clock()
+        return chunk
+
+    async def next(self) -> bytes | None:
+        try:
+            chunk = await self._inner.next()
+        except asyncio.CancelledError as e:
+            raise lost_call(e, self._tracked) from None
+        self._tracked.last = self._clock()
+        return chunk
+
+    def close(self, error: Exception | None) -> None:
+        self._watch.untrack(self._tracked)
+        self._inner.close(error)

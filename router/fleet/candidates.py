@@ -96,8 +96,11 @@ def build_index(nodes: Iterable[NodeEntry], ledgers: Mapping[str, CreditLedger],
 
 def build_candidate(s: Slot, now: float, *, lease_ttl_s: float, freshness_s: float,
                     max_concurrency_default: int, peer_factor: float,
-                    speeds: ModelSpeeds) -> Candidate | None:
+                    speeds: ModelSpeeds, prediction_scale: float = 1.0) -> Candidate | None:
     """Rebuilds a slot's cached candidate as of ``now`` (None: lease over).
+    ``prediction_scale``: the node's observed / predicted TTFT ratio (``fleet.predictions``;
+    it only moves with an observation, which comes with a credit change on the node's ledger,
+    so the cached candidate is rebuilt before the next decision reads it).
 
     A fresh report is passed on with the node's step time; where the node has measured no
     step or prefill capacity of its own, the model's reference speed scaled by its weight
@@ -134,7 +137,8 @@ def build_candidate(s: Slot, now: float, *, lease_ttl_s: float, freshness_s: flo
         outstanding_requests=ledger.pending_requests,
         unreported_prompt_tokens=tokens, unreported_requests=requests,
         decode_delta=ledger.decode_delta(), peer_factor=peer_factor, step_s=step_s,
-        adapters=s.spec.adapters)
+        adapters=s.spec.adapters, prediction_scale=prediction_scale,
+        role=e.registration.role)
     s.cand, s.valid_until, s.version = c, valid_until, ledger.version
     return c
 

@@ -37,7 +37,6 @@ class Report:
 class NodeEntry:
     registration: Registration
     stream_id: int
-    registered_at: float
     last_seen: float             # registration or last accepted heartbeat (the lease)
     report: Report | None = None
     drain_ordered: bool = False

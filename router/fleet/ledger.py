@@ -13,7 +13,7 @@ credit is outstanding until the request's first token:
 A credit is "not yet in the last report" when its ordinal is above the report's
 ``admitted_requests`` (corrected for requests the node never admitted, e.g. rejected ones).
 
-The decode term's D (``decode_delta``, see router/scheduling/scorers/expected_wait.py) is
+The decode term's D (``decode_delta``, see router/scheduling/predictor.py) is
 this router's requests in flight now minus how many of them the last report held (the
 reported part capped at 0: requests the node had ended before the report whose ends are
 still on the way to the router are no change). A node that sends ``finished_requests`` says

@@ -4,14 +4,11 @@
 
 - ``hashes(request, model)``: the prompt's token count and block hashes
   (``gpumesh.kvblocks``), as the engine computes them. Token-id prompts are hashed directly;
-  text and chat prompts are tokenized with the model's tokenizer (``prefix_tokenizers``: ``sim`` for the simulator's, or an HF
-  tokenizer path; simulated nodes get ``sim`` without configuration), on a worker thread for
-  a long prompt so the event loop never waits. No tokenizer: no hashes (locality plays no
-  part for that request).
-- ``models_changed(models)``: the registry's change listener (wired in ``app``): a model the
-  router meets for the first time has its tokenizer loaded there and then, on the worker
-  thread, so the first requests for it do not wait for that load (an HF tokenizer of a
-  150k-token vocabulary takes seconds to load; requests arriving during the load wait for it).
+  text and chat prompts are tokenized with the model's prompt tokenizer from the router's
+  ``RouterTokenizers`` (``router.tokenizers``: ``prefix_tokenizers``, ``sim`` for simulated
+  nodes without configuration; loaded when the model first registers), and tokenized and
+  hashed on that tokenizer's worker thread for a long prompt so the event loop never waits.
+  No tokenizer: no hashes (locality plays no part for that request).
 - ``annotate(info)``: the request's ``cached_tokens`` per node from the model's
   ``PrefixIndex``: what the expected-wait scorer subtracts from the prefill each node would
   still do.
@@ -21,7 +18,10 @@
   entries for nodes that stream no KV events (every node in ``approximate`` mode), pending
   ones on nodes that do, until their events confirm them (``PrefixIndex``).
 - ``apply(node_id, update)``: a node's ``KvCacheUpdate`` (precise mode). Returns the model
-  whose updates have a gap (the caller asks that node for a snapshot), else None.
+  whose updates have a gap (the caller asks that node for a snapshot), else None. An update
+  of a newer engine epoch first drops the node's blocks; one of an older epoch is ignored.
+- ``engine_epoch(node_id, epoch)``: a heartbeat's ``LoadReport.engine_epoch``: a newer one
+  drops the node's blocks at once (an engine restart or prefix-cache reset).
 
 Modes (``prefix_locality``): ``auto`` (precise for nodes that stream events, approximate for
 the others), ``precise`` (events only), ``approximate`` (records only, events ignored),
@@ -30,88 +30,33 @@ the others), ``precise`` (events only), ``approximate`` (records only, events ig
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, Protocol
 
 from gpumesh.kvblocks import BLOCK_SIZE, block_hashes, namespace_seed
 from gpumesh.router.fleet.prefix_index import PrefixIndexes
 from gpumesh.router.scheduling.types import RequestInfo
-from gpumesh.serial_worker import INLINE_PROMPT_CHARS, SerialWorker
+from gpumesh.router.tokenizers import PromptTokenizer, RouterTokenizers, chat_chars
+from gpumesh.serial_worker import INLINE_PROMPT_CHARS
 from gpumesh.v1 import control_pb2, inference_pb2
 
-log = logging.getLogger(__name__)
-
 MODES = ("auto", "precise", "approximate", "off")
-_EMPTY: Mapping[str, int] = MappingProxyType({})
-
-
-class PromptTokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def render_chat(self, messages: list[tuple[str, str]]) -> list[int]: ...
-
-
-class _SimTokenizer:
-    """The simulated engine's tokenizer and chat template (what a ``sim`` node computes)."""
-
-    def __init__(self) -> None:
-        # the simulator's text model lives with the node; only its tokenizer is needed here
-        from gpumesh.node.engines.sim.text import SimTokenizer
-
-        self._tok = SimTokenizer()
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
-
-    def render_chat(self, messages: list[tuple[str, str]]) -> list[int]:
-        parts = [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages]
-        parts.append("<|im_start|>assistant\n")
-        return self._tok.encode("".join(parts))
-
-
-class _HfTokenizer:
-    def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
-
-        self._tok: Any = AutoTokenizer.from_pretrained(path)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
-
-    def render_chat(self, messages: list[tuple[str, str]]) -> list[int]:
-        rendered = self._tok.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages], tokenize=False,
-            add_generation_prompt=True)
-        return list(self._tok.encode(rendered, add_special_tokens=False))
-
-
-def load_tokenizer(spec: str) -> PromptTokenizer:
-    """``sim`` or an HF tokenizer path / name."""
-    return _SimTokenizer() if spec == "sim" else _HfTokenizer(spec)
 
 
 class PrefixLocality:
     """See the module docstring. ``clock``: monotonic seconds (approximate entries' age);
-    ``engine_of(model)``: the engine kind its nodes registered with ("sim", "vllm", ...)."""
+    ``tokenizers``: the router's (None: token-id prompts only)."""
 
     def __init__(self, mode: str, indexes: PrefixIndexes, clock: Callable[[], float],
-                 tokenizers: Mapping[str, str] | None = None,
-                 engine_of: Callable[[str], str] | None = None,
+                 tokenizers: RouterTokenizers | None = None,
                  max_prompt_blocks: int = 2048) -> None:
         if mode not in MODES:
             raise ValueError(f"prefix_locality must be one of {MODES}, not {mode!r}")
         self.mode = mode
         self.indexes = indexes
         self.clock = clock
-        self._specs = dict(tokenizers or {})
-        self._engine_of = engine_of
-        self._tokenizers: dict[str, PromptTokenizer | None] = {}
-        self._loading: dict[str, asyncio.Future[PromptTokenizer | None]] = {}
-        self._worker: SerialWorker | None = None
+        self.tokenizers = tokenizers
         self.max_prompt_blocks = max_prompt_blocks
         self.gaps = 0
 
@@ -119,68 +64,7 @@ class PrefixLocality:
     def enabled(self) -> bool:
         return self.mode != "off"
 
-    # --- membership --------------------------------------------------------------------
-
-    def models_changed(self, models: frozenset[str]) -> None:
-        """Starts the tokenizer load of each model in ``models`` not loaded or loading yet
-        (the registry calls this on every membership change, heartbeats included: a set
-        lookup per model when there is nothing to do). Without a running event loop (a
-        registry driven synchronously) nothing starts: the first request loads it then."""
-        if not self.enabled:
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        for model in models:
-            if model not in self._tokenizers and model not in self._loading:
-                self._start_load(model)
-
-    def tokenizer_ready(self, model: str) -> bool:
-        """Whether the model's tokenizer load has finished (with a tokenizer or none)."""
-        return model in self._tokenizers
-
     # --- requests ----------------------------------------------------------------------
-
-    async def _tokenizer(self, model: str) -> PromptTokenizer | None:
-        """The model's tokenizer, loaded once on the worker thread (an HF tokenizer takes
-        a while); None without one (no node of the model known yet: decided again later).
-        Requests that arrive while it loads wait for that one load: a load each would queue
-        on the serial worker ahead of every prompt's tokenization (a burst of N first
-        requests would wait N loads)."""
-        if model in self._tokenizers:
-            return self._tokenizers[model]
-        pending = self._loading.get(model) or self._start_load(model)
-        # shielded: one waiter's cancellation must not cancel the load the others wait for
-        return await asyncio.shield(pending)
-
-    def _start_load(self, model: str) -> asyncio.Future[PromptTokenizer | None]:
-        pending = asyncio.ensure_future(self._load(model))
-        self._loading[model] = pending
-        pending.add_done_callback(lambda _f: self._loading.pop(model, None))
-        return pending
-
-    async def _load(self, model: str) -> PromptTokenizer | None:
-        spec = self._specs.get(model, "")
-        if not spec and self._engine_of is not None:
-            engine = self._engine_of(model)
-            if not engine:
-                return None
-            spec = "sim" if engine == "sim" else ""
-        tok: PromptTokenizer | None = None
-        if spec:
-            try:
-                tok = await self._thread().run(load_tokenizer, spec)
-            except Exception:  # noqa: BLE001 - a missing tokenizer disables locality only
-                log.warning("no prefix tokenizer for %s (%s): no prefix locality", model, spec,
-                            exc_info=True)
-        self._tokenizers[model] = tok
-        return tok
-
-    def _thread(self) -> SerialWorker:
-        if self._worker is None:
-            self._worker = SerialWorker("gpumesh-prefix-tokenize")
-        return self._worker
 
     async def hashes(self, req: inference_pb2.GenerateRequest, model: str
                      ) -> tuple[int, tuple[int, ...]]:
@@ -196,17 +80,16 @@ class PrefixLocality:
             return len(ids), tuple(block_hashes(ids, BLOCK_SIZE, seed, limit))
         if kind not in ("text", "chat"):
             return 0, ()
-        tok = await self._tokenizer(model)
+        tok = await self.tokenizers.prompt_tokenizer(model) if self.tokenizers else None
         if tok is None:
             return 0, ()
         if kind == "text":
             text = req.text
-            return await self._thread().run(_hash_text, tok, text, seed, limit,
-                                            inline=len(text) < INLINE_PROMPT_CHARS)
+            return await tok.call(_hash_text, tok, text, seed, limit,
+                                  inline=len(text) < INLINE_PROMPT_CHARS)
         messages = [(m.role, m.content) for m in req.chat.messages]
-        chars = sum(len(r) + len(c) for r, c in messages)
-        return await self._thread().run(_hash_chat, tok, messages, seed, limit,
-                                        inline=chars < INLINE_PROMPT_CHARS)
+        return await tok.call(_hash_chat, tok, messages, seed, limit,
+                              inline=chat_chars(messages) < INLINE_PROMPT_CHARS)
 
     def annotate(self, info: RequestInfo) -> RequestInfo:
         """``info`` with ``cached_tokens`` filled from the model's index (unchanged when it
@@ -244,6 +127,8 @@ class PrefixLocality:
         if update.block_size and update.block_size != BLOCK_SIZE:
             return None   # another block size: its hashes cannot match ours
         ix = self.indexes.model(update.model)
+        if not ix.observe_epoch(node_id, update.epoch):
+            return None   # sent before the engine restarted or reset: no longer true
         if update.snapshot:
             ix.replace(node_id, update.stored, update.seq)
             return None
@@ -262,12 +147,13 @@ class PrefixLocality:
             ix.add(node_id, update.stored)
         return None
 
+    def engine_epoch(self, node_id: str, epoch: int) -> None:
+        """A heartbeat's engine epoch (0 = the node reports none)."""
+        if epoch and self.enabled:   # approximate records of a reset engine are wrong too
+            self.indexes.observe_epoch(node_id, epoch)
+
     def node_left(self, node_id: str) -> None:
         self.indexes.forget(node_id)
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
 
 
 def prefill_tokens(info: RequestInfo, node_id: str) -> int:

@@ -18,6 +18,12 @@ Two sources fill it, per node:
   ``pending_ttl_s``. Without them a burst of one prefix would scatter over the fleet while
   its first request still queues for prefill, before any event can say where it lives.
 
+Engine epochs: a node stamps its updates and heartbeats with its engine epoch (a new one per
+engine start and per prefix-cache reset; ``gpumesh.node.cache``). ``observe_epoch`` drops
+everything the index holds for a node (precise, pending and approximate entries) as soon as
+a newer epoch is seen, and tells the caller to ignore an update of an older one: the router
+never counts on blocks a restarted or reset engine no longer holds.
+
 Memory is bounded: at most ``max_entries`` (node, block) pairs per model; past it, the node
 that is adding loses its oldest blocks first. Each pair costs about 110 bytes (a Python dict
 entry per node, a shared dict entry and bitmask per block; docs/routing.md). Not thread-safe:
@@ -55,7 +61,9 @@ class PrefixIndex:
         self._by_slot: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self._epochs: dict[str, int] = {}        # node id -> newest engine epoch seen
         self.entries = 0
+        self.stale_updates = 0                   # updates ignored: from an older epoch
 
     # --- reads ---------------------------------------------------------------------------
 
@@ -148,6 +156,10 @@ class PrefixIndex:
     def is_precise(self, node_id: str) -> bool:
         n = self._nodes.get(node_id)
         return n is not None and n.precise
+
+    def epoch(self, node_id: str) -> int:
+        """The newest engine epoch seen for the node (0 = none)."""
+        return self._epochs.get(node_id, 0)
 
     # --- writes --------------------------------------------------------------------------
 
@@ -270,8 +282,26 @@ class PrefixIndex:
         self._clear(n)
         n.awaiting = True
 
+    def observe_epoch(self, node_id: str, epoch: int) -> bool:
+        """The node reports engine epoch ``epoch`` (0 = unknown: always current). A newer one
+        than seen before drops every block indexed for the node; returns False for an older
+        one (the caller ignores what came with it)."""
+        if not epoch:
+            return True
+        known = self._epochs.get(node_id, 0)
+        if epoch < known:
+            self.stale_updates += 1
+            return False
+        if epoch > known:
+            self._epochs[node_id] = epoch
+            n = self._nodes.get(node_id)
+            if n is not None and n.blocks:
+                self._clear(n)
+        return True
+
     def forget(self, node_id: str) -> None:
         """The node left the fleet."""
+        self._epochs.pop(node_id, None)
         n = self._nodes.pop(node_id, None)
         if n is None:
             return
@@ -303,6 +333,12 @@ class PrefixIndexes:
     def forget(self, node_id: str) -> None:
         for ix in self._models.values():
             ix.forget(node_id)
+
+    def observe_epoch(self, node_id: str, epoch: int) -> None:
+        """A node's heartbeat carries engine epoch ``epoch``: a newer one drops what every
+        model's index holds for the node (``PrefixIndex.observe_epoch``)."""
+        for ix in self._models.values():
+            ix.observe_epoch(node_id, epoch)
 
     def expire(self, now: float) -> int:
         return sum(ix.expire(now) for ix in self._models.values())

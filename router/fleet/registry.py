@@ -47,6 +47,7 @@ from gpumesh.router.fleet.entries import (
 )
 from gpumesh.router.fleet.ledger import Credit, CreditLedger
 from gpumesh.router.fleet.peers import Clock, PeerShare
+from gpumesh.router.fleet.predictions import PredictionTracker
 from gpumesh.router.fleet.speed import ModelSpeeds, estimate_step_s
 from gpumesh.router.scheduling.types import Candidate, NodeState
 from gpumesh.types import LoadReport, Registration
@@ -74,6 +75,8 @@ class Registry:
         # This router's share of all routers' dispatches (0 = off: peers ignored).
         self.peers = PeerShare(router_id, peer_share_half_life_s, clock)
         self.speeds = ModelSpeeds()
+        # observed / predicted times per node -> Candidate.prediction_scale (fleet.predictions)
+        self.predictions = PredictionTracker()
         self._nodes: dict[str, NodeEntry] = {}
         self._ledgers: dict[str, CreditLedger] = {}
         self._index = Index()
@@ -107,7 +110,7 @@ class Registry:
                          reg.node_id, ledger.incarnation, reg.incarnation)
             self._ledgers[reg.node_id] = CreditLedger(reg.incarnation,
                                                       self._releaser(reg.node_id))
-        self._nodes[reg.node_id] = NodeEntry(reg, stream_id, now, now)
+        self._nodes[reg.node_id] = NodeEntry(reg, stream_id, now)
         log.info("node %s registered at %s serving %s", reg.node_id, reg.address,
                  [m.name for m in reg.models])
         self._rebuild()
@@ -198,6 +201,7 @@ class Registry:
             return
         del self._nodes[node_id]
         self.peers.forget(node_id)
+        self.predictions.forget(node_id)
         log.log(level, "node %s removed: %s", node_id, why)
         self._rebuild()
         for cb in self._removal_listeners:
@@ -290,7 +294,8 @@ class Registry:
         return build_candidate(s, now, lease_ttl_s=self.lease_ttl_s,
                                freshness_s=self.freshness_s,
                                max_concurrency_default=self.max_concurrency_default,
-                               peer_factor=self.peers.factor, speeds=self.speeds)
+                               peer_factor=self.peers.factor, speeds=self.speeds,
+                               prediction_scale=self.predictions.scale(s.entry.node_id))
 
     def charge(self, node_id: str, tokens: int, *, blind: bool = False, hold_s: float = 0.0,
                slot_until_finish: bool = True) -> Credit:

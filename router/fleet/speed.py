@@ -5,8 +5,7 @@
 that a node which has measured nothing yet is scored at that speed scaled by its capacity
 weight rather than at the router's floor and constants (those differ several-fold from a real
 node's terms, so of two idle nodes, one measured and one not, a burst would all go to the
-unmeasured one). Why the decode term is in steps at all: router/scheduling/scorers/
-expected_wait.py.
+unmeasured one). How the step time enters a prediction: router/scheduling/predictor.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ The contract, per value (``NodeLimits`` holds the configurable bounds):
   tickets); a registration
   names each model once;
 - an address is ``host:port`` with a port in 1..65535;
-- a capacity weight is in (0, ``max_capacity_weight``] (0 or unset means 1.0 on the wire).
+- a capacity weight is in (0, ``max_capacity_weight``] (0 or unset means 1.0 on the wire);
+- an engine epoch (``LoadReport.engine_epoch``, ``KvCacheUpdate.epoch``) is below 2**53; a
+  ``KvCacheUpdate`` carries at most ``MAX_KV_HASHES`` hashes per list, a model name of at
+  most ``max_name_length`` characters and a block size of at most ``MAX_BLOCK_SIZE``.
 
 Everything here is O(size of the message), with the size bounded first, so a registration of
 any size costs the router bounded time.
@@ -44,6 +47,9 @@ MAX_CONCURRENCY = 10_000_000
 MAX_TEXT = 256                  # incarnation, engine, gpu model, router ids, reasons
 MAX_ADAPTERS = 1024             # LoRA adapters per model (registration) or loaded (report)
 MAX_ADAPTER_NAME = 128
+MAX_EPOCH = 2**53               # engine epochs (wall-clock ms at an engine start)
+MAX_KV_HASHES = 8192            # per list of one KvCacheUpdate (nodes send at most 4096)
+MAX_BLOCK_SIZE = 1 << 20
 
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_:@/+=-]*")   # no '.': ticket format
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
@@ -65,6 +71,9 @@ class NodeLimits:
     max_router_accounts: int = 1024
     max_frontends: int = 64
     max_capacity_weight: float = 64.0
+
+
+ROLES = ("", "both", "prefill", "decode")   # Registration.role
 
 
 def _fail(what: str) -> InvalidNodeInput:
@@ -125,6 +134,8 @@ def valid_registration(msg: cpb.Registration, limits: NodeLimits) -> Registratio
     _text(msg.engine, "engine")
     _text(msg.gpu_model, "gpu_model")
     _count([("max_concurrency", msg.max_concurrency)], MAX_CONCURRENCY)
+    if msg.role not in ROLES:   # disaggregated prefill/decode; "" = "both"
+        raise _fail(f"role {msg.role[:32]!r} must be one of prefill, decode, both")
     seen: set[str] = set()
     for m in msg.models:
         _name(m.name, "model name", limits)
@@ -173,6 +184,7 @@ def valid_load(msg: cpb.LoadReport, limits: NodeLimits) -> LoadReport:
             _real(f"step_model.{field}", getattr(sm, field), 0.0, MAX_STEP_S * 1000.0)
         _real("step_model.rms_error", sm.rms_error, 0.0, 1e6)
         _count([("step_model.spans", sm.spans)], MAX_COUNT)
+    _count([("engine_epoch", msg.engine_epoch)], MAX_EPOCH)
     if len(msg.loaded_adapters) > MAX_ADAPTERS:
         raise _fail(f"{len(msg.loaded_adapters)} loaded adapters; at most {MAX_ADAPTERS}")
     for a in msg.loaded_adapters:
@@ -190,6 +202,17 @@ def valid_load(msg: cpb.LoadReport, limits: NodeLimits) -> LoadReport:
                 ("first_token_prompt_tokens", a.first_token_prompt_tokens),
                 ("finished_requests", a.finished_requests)], MAX_TOKENS)
     return wire.load_report_from_proto(msg)
+
+
+def valid_kv_update(msg: cpb.KvCacheUpdate, limits: NodeLimits) -> cpb.KvCacheUpdate:
+    """A prefix-cache update's sizes and numbers checked (the hashes themselves are opaque
+    64-bit values); returned as is, or InvalidNodeInput."""
+    if len(msg.stored) > MAX_KV_HASHES or len(msg.removed) > MAX_KV_HASHES:
+        raise _fail(f"KvCacheUpdate carries more than {MAX_KV_HASHES} hashes")
+    _text(msg.model, "KvCacheUpdate model", limits.max_name_length)
+    _count([("KvCacheUpdate seq", msg.seq), ("KvCacheUpdate epoch", msg.epoch)], MAX_EPOCH)
+    _count([("KvCacheUpdate block_size", msg.block_size)], MAX_BLOCK_SIZE)
+    return msg
 
 
 def valid_heartbeat(msg: cpb.Heartbeat, limits: NodeLimits) -> LoadReport:

@@ -1,43 +1,37 @@
-"""Routing as a pipeline of pure plugins over snapshots: filters -> scorers -> picker.
+"""Routing: filters, then one policy's pick (``pipeline.select`` / ``select_from``).
 
-``select(profile, candidates, request, rng, filters)`` is the entry point (``select_from`` for
-a lazily read ``CandidateSource`` with power-of-d sampling on large fleets); ``build_profile``
-turns the configured policy into a profile. See ``scorers`` for the expected-wait formula.
+The default policy, ``predicted_latency``, predicts each candidate's time to first token and
+completion time in seconds from its engine profile (``predictor``) and picks by the
+configured objective; ``least_request``, ``power_of_two`` and ``round_robin`` are plain
+baselines. ``build_policy`` makes the one ``RoutingSettings.policy`` names.
 """
 
-from gpumesh.router.scheduling.profiles import (
-                                     NoCandidate,
-                                     Profile,
-                                     build_profile,
-                                     default_filters,
-                                     select,
-                                     select_from,
-)
-from gpumesh.router.scheduling.scorers import WaitModel, expected_wait_s
+from gpumesh.router.scheduling.pipeline import NoCandidate, default_filters, select, select_from
+from gpumesh.router.scheduling.policies import Policy, build_policy
+from gpumesh.router.scheduling.settings import RoutingSettings
 from gpumesh.router.scheduling.types import (
-                                     Candidate,
-                                     CandidateScore,
-                                     CandidateSource,
-                                     Decision,
-                                     ListCandidates,
-                                     NodeState,
-                                     RequestInfo,
+    Candidate,
+    CandidateScore,
+    CandidateSource,
+    Decision,
+    ListCandidates,
+    NodeState,
+    RequestInfo,
 )
 
 __all__ = [
-                                     "Candidate",
-                                     "CandidateScore",
-                                     "CandidateSource",
-                                     "Decision",
-                                     "ListCandidates",
-                                     "NoCandidate",
-                                     "NodeState",
-                                     "Profile",
-                                     "RequestInfo",
-                                     "WaitModel",
-                                     "build_profile",
-                                     "default_filters",
-                                     "expected_wait_s",
-                                     "select",
-                                     "select_from",
+    "Candidate",
+    "CandidateScore",
+    "CandidateSource",
+    "Decision",
+    "ListCandidates",
+    "NoCandidate",
+    "NodeState",
+    "Policy",
+    "RequestInfo",
+    "RoutingSettings",
+    "build_policy",
+    "default_filters",
+    "select",
+    "select_from",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gpumesh.router.scheduling.types import Candidate, NodeState
+from gpumesh.router.scheduling.types import Candidate, NodeState, RequestInfo
 
 Filter = Callable[[Sequence[Candidate]], tuple[list[Candidate], dict[str, str]]]
 
@@ -50,13 +50,6 @@ class kv_below:  # a filter factory, called like the function it replaced
         return not any(self.over(c) for c in kept)
 
 
-def has_capacity(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
-    """Drops nodes where this router already has max_concurrency requests in flight."""
-    kept = [c for c in candidates if not c.at_capacity]
-    return kept, {c.node_id: f"at max concurrency {c.max_concurrency}"
-                  for c in candidates if c.at_capacity}
-
-
 def run_filters(candidates: Sequence[Candidate], filters: Sequence[Filter]
                 ) -> tuple[list[Candidate], dict[str, str]]:
     kept, dropped = list(candidates), {}
@@ -82,3 +75,32 @@ class fresh_first:  # a filter factory, like kv_below
     def sample_conclusive(kept: Sequence[Candidate]) -> bool:
         """False when a STALE node survived (the sample had no fresh one; the fleet may)."""
         return not any(c.state is NodeState.STALE for c in kept)
+
+
+class serves_adapter:  # a filter factory, like kv_below
+    """Drops candidates whose registration does not list the LoRA adapter (such a node would
+    answer NOT_FOUND). Judges each candidate alone, so a sampled decision's verdict holds
+    for the fleet. The router answers NOT_FOUND itself when no node of the model lists it."""
+
+    def __init__(self, adapter: str) -> None:
+        self.adapter = adapter
+
+    def __call__(self, candidates: Sequence[Candidate]
+                 ) -> tuple[list[Candidate], dict[str, str]]:
+        a = self.adapter
+        kept = [c for c in candidates if a in c.adapters]
+        return kept, {c.node_id: f"does not serve adapter {a!r}"
+                      for c in candidates if a not in c.adapters}
+
+
+def request_filters(request: RequestInfo) -> tuple[Filter, ...]:
+    """Filters that depend on the request: ``serves_adapter`` for an adapter request."""
+    return (serves_adapter(request.adapter),) if request.adapter else ()
+
+
+def whole_request(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
+    """Drops nodes that serve one leg of a disaggregated request only (``Candidate.role``
+    "prefill" or "decode"): a policy placing a whole request considers "both" nodes."""
+    kept = [c for c in candidates if c.role == "both"]
+    return kept, {c.node_id: f"role {c.role} (serves one leg only)"
+                  for c in candidates if c.role != "both"}

@@ -2,8 +2,8 @@
 
 The registry turns its snapshot plus its own per-node counts into ``Candidate`` values (cached
 per node, rebuilt when their inputs change); policies read only these. ``Decision`` keeps the
-raw per-scorer scores of the best few candidates (the chosen one included) so a trace span
-can carry them.
+predictions of the best few candidates (the chosen one included) so a trace span can carry
+them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class NodeState(str, Enum):
 class Candidate:
     """A node as one decision sees it.
 
-    ``report`` is None when the node is STALE (or has not reported yet): scorers then use the
+    ``report`` is None when the node is STALE (or has not reported yet): policies then use the
     router's own counts only. Otherwise it is the node's last load report, its
     ``prefill_capacity_tokens_per_s`` filled from the model's reference speed where the node
     has measured none (``fleet.speed.ModelSpeeds``). Token counts are prompt tokens (router
@@ -53,7 +53,7 @@ class Candidate:
     # (fleet.CreditLedger.decode_delta; may be negative); None = not known (R uses U).
     decode_delta: int | None = None
     # All routers' dispatches per one of this router's (fleet.PeerShare; >= 1, 1 = alone):
-    # the expected-wait model scales the unreported terms by it.
+    # the prediction scales the unreported terms by it.
     peer_factor: float = 1.0
     # The node's decode step time in seconds (fleet.speed): its own timing where it reports
     # one, else its running count averaged over reports / its generation rate, else the
@@ -62,6 +62,13 @@ class Candidate:
     # LoRA adapters of the model this node can serve (its registration); loaded ones are in
     # ``report.loaded_adapters``.
     adapters: tuple[str, ...] = ()
+    # Observed / predicted time to first token on this node (a smoothed ratio kept by the
+    # router from its own requests; 1 = the profile predicts it well). The predictive policy
+    # multiplies its TTFT prediction for this node by it.
+    prediction_scale: float = 1.0
+    # The node's role (its registration): "both" serves whole requests; "prefill" and
+    # "decode" serve one leg of a disaggregated request.
+    role: str = "both"
 
     @property
     def at_capacity(self) -> bool:
@@ -83,14 +90,19 @@ class CandidateSource(Protocol):
         """Every routable candidate, in index order."""
         ...
 
+    def index_of(self, node_id: str) -> int | None:
+        """The index of ``node_id``, or None when it is not a node of this source."""
+        ...
+
 
 class ListCandidates:
     """A ``CandidateSource`` over a list (tests, callers that already hold candidates)."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("_index", "_items")
 
     def __init__(self, items: Sequence[Candidate]) -> None:
         self._items = list(items)
+        self._index = {c.node_id: i for i, c in enumerate(self._items)}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -100,6 +112,9 @@ class ListCandidates:
 
     def all(self) -> list[Candidate]:
         return list(self._items)
+
+    def index_of(self, node_id: str) -> int | None:
+        return self._index.get(node_id)
 
 
 @dataclass(frozen=True)
@@ -111,18 +126,22 @@ class RequestInfo:
     routing_key: str = ""
     # The LoRA adapter named (GenerateRequest.adapter); "" = the base model.
     adapter: str = ""
-    # The node that served ``routing_key`` last (fleet.sessions), "" = none: the
-    # session_affinity scorer's preference.
+    # The node that served ``routing_key`` last (fleet.sessions), "" = none: the prediction
+    # counts an expected prefix hit there (scheduling.predictor).
     session_node: str = ""
     # Prefix locality (router/fleet/locality.py): the prompt's block hashes
     # (gpumesh.kvblocks), and per node id the prompt tokens that node holds in its KV cache
-    # (nodes holding none are absent). The expected-wait scorer charges each node only the
-    # prefill it would still do.
+    # (nodes holding none are absent). The prediction charges each node only the prefill it
+    # would still do.
     prefix_hashes: tuple[int, ...] = ()
     cached_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    # The output tokens it may generate (its max_tokens; 0 = unknown): the expected-wait
-    # profile adds its own decode time on each node (scorers.expected_service_s).
+    # The output tokens it may generate (its max_tokens; 0 = unknown): the prediction's
+    # completion time counts them (RoutingSettings.output_tokens_default when unknown).
     output_tokens: int = 0
+    # The request's service-level objectives in seconds (0 = none): time to first token and
+    # time per output token, resolved from the request, its API key and its model.
+    ttft_slo_s: float = 0.0
+    tpot_slo_s: float = 0.0
 
     @cached_property
     def best_cached_tokens(self) -> int:
@@ -134,9 +153,11 @@ class RequestInfo:
 @dataclass(frozen=True)
 class CandidateScore:
     node_id: str
-    total: float                          # weighted sum of ``scores``
-    scores: Mapping[str, float]           # scorer name -> [0, 1]
-    expected_wait_s: float | None = None  # the raw estimate behind "expected_wait", if computed
+    total: float                          # the policy's value of the node, larger is better
+    # the policy's raw terms: predicted_latency's ttft_s, completion_s, imposed_s (seconds);
+    # least_request's least_request score
+    scores: Mapping[str, float]
+    expected_wait_s: float | None = None  # predicted time to first token, if predicted
 
 
 @dataclass(frozen=True)
@@ -146,9 +167,13 @@ class Decision:
     policy: str
     node_id: str
     candidates: int                       # after filters
-    # The best few candidates by total with their raw per-scorer scores, the chosen one
-    # included (every candidate when there are few; see ``profiles.KEEP_SCORES``).
+    # The best few candidates by total with their raw terms, the chosen one included (every
+    # candidate when there are few; see ``policies.base.KEEP_SCORES``).
     considered: tuple[CandidateScore, ...] = ()
     filtered: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     tie_size: int = 1                     # how many candidates tied for the best total
     sampled_from: int = 0                 # fleet size a sample was drawn from; 0 = no sampling
+    # The chosen node's predicted time to first token and to the last token, seconds from the
+    # decision (None: the policy does not predict).
+    predicted_ttft_s: float | None = None
+    predicted_completion_s: float | None = None

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpumesh_bench.affinity import (
+from gpumesh_bench.gpu.affinity import (
     Placement,
     _parse_list,
     physical_cores,

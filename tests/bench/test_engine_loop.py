@@ -1,4 +1,5 @@
-"""The engine loop (gpumesh_bench.engine_loop): a closed loop on a node's own engine, no gRPC.
+"""The engine loop (gpumesh_bench.overhead.engine_loop): a closed loop on a node's own engine,
+no gRPC.
 
 The simulator runs in process (fast); the real vLLM CPU engine runs once, briefly, through the
 CLI in a subprocess (as the GPU bench runs it). The GPU bench's phase is checked on the
@@ -21,7 +22,7 @@ import pytest
 
 from gpumesh_bench.gpu import env as gpu_env
 from gpumesh_bench.gpu import records, reference, report
-from gpumesh_bench.engine_loop import LoopConfig, record, run_engine_loop, run_loop
+from gpumesh_bench.overhead.engine_loop import LoopConfig, record, run_engine_loop, run_loop
 from gpumesh_bench.workload import LengthDist, WorkloadSpec, iter_requests
 from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
@@ -107,7 +108,7 @@ def test_module_entry_point_prints_result_and_writes_json(tmp_path: Path) -> Non
     cfg_file.write_text(SIM_TOML)
     out = tmp_path / "rec.json"
     p = subprocess.run(
-        [sys.executable, "-m", "gpumesh_bench.engine_loop", "--config", str(cfg_file),
+        [sys.executable, "-m", "gpumesh_bench.overhead.engine_loop", "--config", str(cfg_file),
          "--concurrency", "4", "--warmup", "0.3", "--seconds", "1", "--prompt", "fixed:8",
          "--output", "fixed:16", "--json", str(out), "--log-level", "warning"],
         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, check=False)

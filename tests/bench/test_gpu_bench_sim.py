@@ -23,7 +23,7 @@ def test_fleet_polls_share_the_loads_clock(tmp_path: Path, monkeypatch) -> None:
     # 3.6 s early here (before the first request), its node rates and in-flight means taking
     # in the ramp. What is checked is that the clocks are one (the sampler's origin is the
     # load's start instant), not how soon the load ramps up: a busy machine may delay it.
-    from gpumesh_bench import cli as bench_cli
+    from gpumesh_bench import multiproc
     from gpumesh_bench.gpu import measure
 
     origins: list[float] = []
@@ -35,14 +35,14 @@ def test_fleet_polls_share_the_loads_clock(tmp_path: Path, monkeypatch) -> None:
             origins.append(origin)
             super().__init__(router, status_at_s, origin)
 
-    run_multi = bench_cli.run_multi
+    run_multi = multiproc.run_multi
 
     def recording_run_multi(*args, start_at, **kwargs):
         starts.append(start_at)
         return run_multi(*args, start_at=start_at, **kwargs)
 
     monkeypatch.setattr(measure, "FleetSampler", Sampler)
-    monkeypatch.setattr(bench_cli, "run_multi", recording_run_multi)
+    monkeypatch.setattr(multiproc, "run_multi", recording_run_multi)
     out = tmp_path / "out"
     rc = gpu_cli.main(["run", "--engine", "sim", "--phases", "dp05", "--rounds", "1",
                    "--workers", "1", "--procs", "8", "--warmup", "4", "--seconds", "6",
@@ -248,10 +248,10 @@ def test_node_toml_puts_a_nodes_engine_args_over_the_calls(tmp_path: Path) -> No
                                      "compilation_config": {"cudagraph_mode": "FULL"}}
 
 
-# A stand-in for the raw reference tool (shared/gpu/seed_table.py, which needs vLLM CUDA):
-# it takes the tool's flags, logs its argv and CUDA_VISIBLE_DEVICES, and writes a record of
-# the tool's shape to --json. GPU 9 makes it fail without a record. It checks how run_raw
-# drives and reads the tool; the real tool runs on the device machine only.
+# A stand-in for the raw reference tool (``--raw-tool``, which needs vLLM CUDA): it takes the
+# tool's flags, logs its argv and CUDA_VISIBLE_DEVICES, and writes a record of the tool's shape
+# to --json. GPU 9 makes it fail without a record. It checks how run_raw drives and reads the
+# tool; the real tool runs on a GPU host only.
 RAW_STANDIN = '''
 import argparse, json, os, sys
 ap = argparse.ArgumentParser()

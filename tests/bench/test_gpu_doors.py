@@ -1,4 +1,4 @@
-"""The front-door phases of the GPU bench (gpumesh_bench.gpu.doors): vLLM serve flags from the
+"""The front-door phases of the GPU bench (gpumesh_bench.gpu.frontdoors.phases): vLLM serve flags from the
 node's engine arguments, the report's round-by-round pairing, and the phases end to end on
 simulated engines (bookkeeping, not speed)."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh_bench.gpu.doors import SCHEDULER
-from gpumesh_bench.gpu.doorsreport import door_rows, doors_markdown
-from gpumesh_bench.gpu.frontdoors import nginx_binary, serve_args
+from gpumesh_bench.gpu.frontdoors.phases import SCHEDULER
+from gpumesh_bench.gpu.frontdoors.report import door_rows, doors_markdown
+from gpumesh_bench.gpu.frontdoors.servers import nginx_binary, serve_args
 
 
 def test_serve_args_carry_the_node_engine_arguments() -> None:
@@ -30,7 +30,7 @@ def test_serve_args_carry_the_node_engine_arguments() -> None:
     assert json.loads(pairs["--compilation-config"]) == {"cudagraph_mode": "FULL"}
     assert "--no-enable-prefix-caching" in args and "--num-gpu-blocks-override" not in args
     assert "--enforce-eager" not in args
-    # the scheduler limits every door's engines get (doors.SCHEDULER) reach vllm serve too
+    # the scheduler limits every door's engines get (frontdoors.phases.SCHEDULER) reach vllm serve too
     flags = serve_args({**kw, **SCHEDULER})
     for k, flag in (("max_num_batched_tokens", "--max-num-batched-tokens"),
                     ("max_num_seqs", "--max-num-seqs")):
@@ -95,9 +95,9 @@ def test_doors_and_unequal_phases_on_simulated_engines(tmp_path: Path) -> None:
     un = [r for r in recs if r["phase"] == "uneq05"]
     try:
         nginx_binary()
-        balancers = {"least_request", "weighted_least_load", "nginx least_conn"}
+        balancers = {"least_request", "predicted_latency", "nginx least_conn"}
     except FileNotFoundError:   # no nginx on this machine: that door is left out, said so
-        balancers = {"least_request", "weighted_least_load"}
+        balancers = {"least_request", "predicted_latency"}
         assert "uneq05 nginx" in doc["meta"]["doors_failed"]
     assert {r["policy"] for r in un} == balancers
     assert "Front doors" in (out / "summary.md").read_text()

@@ -1,4 +1,4 @@
-"""The cache-aware phase of the GPU bench (gpumesh_bench.gpu.prefix): tenant prompts spelled
+"""The cache-aware phase of the GPU bench (gpumesh_bench.gpu.prefix.phases): tenant prompts spelled
 one token per word for each engine's tokenizer, the KV sizing, the report's round-by-round
 pairing, and the phase end to end on simulated engines (bookkeeping, not speed)."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh_bench.gpu.prefix import PrefixWorkload
-from gpumesh_bench.gpu.prefixload import SpellSpec, requests
-from gpumesh_bench.gpu.prefixreport import prefix_markdown, prefix_table
+from gpumesh_bench.gpu.prefix.phases import PrefixWorkload
+from gpumesh_bench.gpu.prefix.load import SpellSpec, requests
+from gpumesh_bench.gpu.prefix.report import prefix_markdown, prefix_table
 from gpumesh_bench.tenants import TenantSpec
 
 
@@ -64,7 +64,7 @@ def test_report_pairs_within_the_same_round_of_the_same_run(tmp_path: Path) -> N
     import gzip
 
     from gpumesh_bench.gpu import cli as gpu_cli
-    from gpumesh_bench.gpu.prefixreport import main as prefix_main
+    from gpumesh_bench.gpu.prefix.report import main as prefix_main
 
     def doc(lr: float, pr: float) -> dict:
         recs = [{**_rec("least_request", 0, lr), "call": 1, "shape": "7b"},
@@ -102,7 +102,7 @@ def test_report_pairs_p90_ttft_round_by_round() -> None:
 
 
 def test_tenant_stickiness_counts_requests_on_their_tenants_main_node() -> None:
-    from gpumesh_bench.gpu.prefix import tenant_stickiness
+    from gpumesh_bench.gpu.prefix.phases import tenant_stickiness
     from gpumesh_bench.loadgen import RequestResult
 
     def res(i: int, node: str, status: str = "OK") -> RequestResult:

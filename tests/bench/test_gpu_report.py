@@ -188,7 +188,7 @@ def test_report_compares_each_row_with_the_raw_run_of_its_own_call() -> None:
     assert "| 0.5b | raw vLLM (in session) (call 2) | 128 |" in md
 
 
-S7 = Path(__file__).parents[2] / "bench/results/results-h200x2-2026-11-30-s7-budget.json.gz"
+S7 = Path(__file__).parents[2] / "bench/gpu/results/results-h200x2-2026-11-30-s7-budget.json.gz"
 # The seventh GPU session's msg05 rows (calls 1 and 4; records without leg/base_setup, so
 # paired from their setup labels): (call, base setup, round, done QPS, x fixed).
 S7_MSG05 = [(1, "1 GPU, direct to node", 0, "128.0", "1.25"),

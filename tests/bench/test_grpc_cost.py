@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gpumesh_bench import grpc_cost
+from gpumesh_bench.overhead import grpc_cost
 
 
 def test_fit_splits_a_fixed_cost_from_a_per_message_cost():

@@ -7,7 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from gpumesh_bench import coalesce_cost
+from gpumesh_bench.overhead import coalesce as coalesce_bench
 from gpumesh_bench.cli import main as bench_main
 from tests.integration.procs import free_port, node_proc, wait_serving
 
@@ -35,7 +35,7 @@ def test_coalesce_cost_compares_two_implementations(capsys) -> None:
     from gpumesh.node.streaming import coalesce
 
     src = Path(coalesce.__file__)
-    rc = coalesce_cost.main(["--compare", str(src), "--rounds", "2", "--streams", "4",
+    rc = coalesce_bench.main(["--compare", str(src), "--rounds", "2", "--streams", "4",
                              "--steps", "20", "--step-ms", "1"])
     assert rc == 0
     out = capsys.readouterr().out

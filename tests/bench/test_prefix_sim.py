@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpumesh_bench.prefix_sim import SETUPS, arrivals, fleet
+from gpumesh_bench.locality.sim import SETUPS, arrivals, fleet
 from gpumesh_bench.sim.core import RunResult, simulate
 from gpumesh_bench.sim.metrics import SLOSpec, run_metrics
 from gpumesh_bench.sim.workloads import Arrival, Workload
@@ -51,9 +51,8 @@ def _same_node_share(setup: str, arr: list[Arrival],
 def test_affinity_keeps_a_conversation_on_one_node() -> None:
     arr = arrivals(replace(SPEC, rate=20.0), 300)
     assert all(a.routing_key for a in arr)
-    # with the load bound out of the way, every later turn goes where the previous one went
-    assert _same_node_share("affinity", arr, {"affinity_epsilon": 1000.0}) == 1.0
-    # the default bound (1.25x the fair share) moves some; without affinity they spread
+    # the routing key's node is an expected hit: most later turns go where the previous one
+    # went (a loaded node still loses a turn); without the table they spread
     assert _same_node_share("affinity", arr) > 0.7 > 0.4 > _same_node_share("wll", arr)
 
 

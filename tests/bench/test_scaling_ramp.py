@@ -1,12 +1,13 @@
-"""The scaling signal on a traffic ramp in the fleet simulator (gpumesh_bench.scaling_ramp):
-the router's real saturation tracker over the simulator's real registry and engines, with an
-HPA-like autoscaler acting on nodes_wanted. Deterministic (virtual time, seeded)."""
+"""The scaling signal on a traffic ramp in the fleet simulator
+(gpumesh_bench.reliability.scaling_ramp): the router's real saturation tracker over the
+simulator's real registry and engines, with an HPA-like autoscaler acting on nodes_wanted.
+Deterministic (virtual time, seeded)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpumesh_bench.scaling_ramp import Ramp, check, summary
+from gpumesh_bench.reliability.scaling_ramp import Ramp, check, summary
 
 
 @pytest.mark.slow

@@ -27,11 +27,11 @@ def key(r: core.RunResult) -> list[tuple[object, ...]]:
 
 def test_deterministic_per_seed() -> None:
     f, w = small()
-    a = core.simulate(f, w, "weighted_least_load", 3)
-    b = core.simulate(f, w, "weighted_least_load", 3)
+    a = core.simulate(f, w, "predicted_latency", 3)
+    b = core.simulate(f, w, "predicted_latency", 3)
     assert key(a) == key(b)
     f2, w2 = small(seed=4)
-    assert key(core.simulate(f2, w2, "weighted_least_load", 4)) != key(a)
+    assert key(core.simulate(f2, w2, "predicted_latency", 4)) != key(a)
     assert all(x.end_s >= x.first_s >= x.arrival_s and not x.error for x in a.records)
 
 
@@ -46,7 +46,7 @@ def test_engine_model_is_the_sim_nodes(prompt: int, out: int, speed: float) -> N
     SimScheduler the simulated node runs) plus the network delay each way."""
     f = one_node(speed=speed)
     w = wl.Workload("one", [wl.Arrival(0, 0.0, prompt, out)], [])
-    sim = core.Simulation(f, w, "weighted_least_load", 1)
+    sim = core.Simulation(f, w, "predicted_latency", 1)
     node = next(iter(sim.nodes.values()))
     assert type(node.sched) is SimScheduler
     r = sim.run().records[0]
@@ -78,7 +78,7 @@ def test_real_router_code_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Registry, "charge", charge)
     monkeypatch.setattr(Registry, "heartbeat", heartbeat)
     f, w = small(n=400)
-    r = core.simulate(f, w, "weighted_least_load", 1)
+    r = core.simulate(f, w, "predicted_latency", 1)
     assert charged == [x.node_id for x in r.records]
     assert set(beats) == {x.node_id for x in f.nodes}
     lr = core.simulate(f, w, "least_request", 1)
@@ -88,7 +88,7 @@ def test_real_router_code_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_several_routers_share_the_fleet() -> None:
     f, w = small(n=400)
     f = fleets.FleetSpec(f.name, f.nodes, routers=3)
-    sim = core.Simulation(f, w, "weighted_least_load", 1)
+    sim = core.Simulation(f, w, "predicted_latency", 1)
     r = sim.run()
     assert {x.router for x in r.records} == {0, 1, 2}
     # each node's ledger counted every router's admissions
@@ -115,7 +115,7 @@ def test_workloads(name: str) -> None:
 
 def test_fleet_events_run() -> None:
     f, w = small(n=800, workload="join-leave")
-    r = core.simulate(f, w, "weighted_least_load", 1)
+    r = core.simulate(f, w, "predicted_latency", 1)
     left = [e.node_id for e in w.events if e.kind == "leave"]
     t_leave = min(e.at_s for e in w.events if e.kind == "leave")
     t_join = min(e.at_s for e in w.events if e.kind == "join")
@@ -137,7 +137,7 @@ def test_trace_replay_and_fleet_toml(tmp_path: Path) -> None:
     f = fleets.load(toml)
     assert [n.engine.speed for n in f.nodes] == [2.0, 2.0] and f.routers == 2
     assert f.nodes[0].weight == 2.0 and f.nodes[0].engine.max_num_seqs == 8
-    r = core.simulate(f, w, "weighted_least_load", 1)
+    r = core.simulate(f, w, "predicted_latency", 1)
     assert len(r.records) == 50 and not any(x.error for x in r.records)
     bad = tmp_path / "bad.toml"
     bad.write_text("[[group]]\nspeeed = 2\n")
@@ -148,16 +148,16 @@ def test_trace_replay_and_fleet_toml(tmp_path: Path) -> None:
 def test_metrics_and_report() -> None:
     f, w = small(n=400)
     slo = metrics.SLOSpec(100, 15)
-    cell = grid.run_cell(f, "lognormal", 150.0, ["weighted_least_load", "least_request"],
+    cell = grid.run_cell(f, "lognormal", 150.0, ["predicted_latency", "least_request"],
                          [1, 2], 400, slo)
-    a = cell["agg"]["weighted_least_load"]
+    a = cell["agg"]["predicted_latency"]
     assert a["seeds"] == 2 and a["ttft_p50"][0] <= a["ttft_p99"][0]
     assert sum(a["share"].values()) == pytest.approx(1.0)
     rec = {"fleet": f.name, "workload": "lognormal", "load": 0.5, "rate": 150.0,
            "requests": 400, "seeds": [1, 2], "nodes": [x.node_id for x in f.nodes],
            "speeds": [x.engine.speed for x in f.nodes], **cell}
     md = report.markdown([rec])
-    assert "TTFT p99 ÷ LR" in md and "wll (default)" in md
+    assert "TTFT p99 ÷ LR" in md and "predicted (default)" in md
     assert metrics.mean_ci([1.0, 2.0, 3.0]) == pytest.approx((2.0, 4.303 / 3 ** 0.5))
 
 
@@ -167,8 +167,8 @@ def test_cli_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
                      "--out", str(trace)]) == 0
     assert cli.main(["run", "--fleet", "homo", "--trace", str(trace), "--rate", "100",
                      "--requests", "300", "--seeds", "1", "--policies",
-                     "weighted_least_load,least_request"]) == 0
-    assert "| wll (default) |" in capsys.readouterr().out
+                     "predicted_latency,least_request"]) == 0
+    assert "| predicted (default) |" in capsys.readouterr().out
     out = tmp_path / "plan"
     assert cli.main(["--fleet", "homo", "--fleet", "hetero-speed", "--trace", str(trace),
                      "--slo", "200:20", "--rates", "50,100", "--seeds", "1",
@@ -218,16 +218,16 @@ def test_grid_shards_merge_and_replace(tmp_path: Path) -> None:
     assert grid.units(["homo", "hetero-kv"], ["lognormal"], [0.8], list(grid.POLICIES), 150,
                       [1], have=recs) == []
     before = {r["fleet"]: r["runs"]["least_request"] for r in recs}
-    wll = {r["fleet"]: r["runs"]["weighted_least_load"] for r in recs}
+    wll = {r["fleet"]: r["runs"]["predicted_latency"] for r in recs}
     out = tmp_path / "out"
     out.mkdir()
     (out / "grid.jsonl").write_text(merged.read_text())
-    assert cli.main([*common, "--policies", "weighted_least_load", "--replace",
-                     "--router", "service_weight=0", "--out", str(out)]) == 0
+    assert cli.main([*common, "--policies", "predicted_latency", "--replace",
+                     "--router", "routing=output_tokens_default=16", "--out", str(out)]) == 0
     again = grid.read_records(out / "grid.jsonl")
     assert len(again) == 2 and all(list(r["runs"]) == list(grid.POLICIES) for r in again)
     assert {r["fleet"]: r["runs"]["least_request"] for r in again} == before
-    assert {r["fleet"]: r["runs"]["weighted_least_load"] for r in again} != wll
+    assert {r["fleet"]: r["runs"]["predicted_latency"] for r in again} != wll
     assert grid.units(["homo"], ["lognormal"], [0.8], list(grid.POLICIES), 150, [1],
                       have=again, replace=["least_request"]) == [
         ("homo", "lognormal", 0.8, "least_request")]

@@ -116,7 +116,7 @@ def test_livecal_recovers_a_known_step_model(tmp_path: Path) -> None:
     import asyncio
 
     from gpumesh.launcher import ChildProcess, free_port, stop_all, wait_serving
-    from gpumesh_bench.livecal import calibrate
+    from gpumesh_bench.sim.livecal import calibrate
 
     port = free_port()
     want = {"step_a_ms": 8.0, "step_b_decode_ms": 0.4, "step_b_prefill_ms": 0.06}  # CPU-like

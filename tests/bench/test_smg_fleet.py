@@ -1,4 +1,4 @@
-"""gpumesh vs SMG on one simulated fleet (gpumesh_bench.smg_fleet): exact-size BPE prompts,
+"""gpumesh vs SMG on one simulated fleet (gpumesh_bench.peers.smg_fleet): exact-size BPE prompts,
 the report, and a real run where a gpumesh router and a real SMG 1.13.0 gateway front the same
 sim nodes (skipped with the installer's reason when SMG cannot be installed)."""
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh_bench import smg_fleet
+from gpumesh_bench.peers import smg_fleet
 from gpumesh_bench.fleet import Fleet, RouterSpec, SimNodeSpec
 from gpumesh_bench.loadgen import LoadConfig
 from gpumesh.launcher import stop_all
-from gpumesh_bench import smg_gateway, smg_report
-from gpumesh_bench.smg_clients import BpePrompts, Target, run_target
-from gpumesh_bench.smg_gateway import SmgGateway, SmgSpec
+from gpumesh_bench.peers import smg_gateway, smg_report
+from gpumesh_bench.peers.smg_clients import BpePrompts, Target, run_target
+from gpumesh_bench.peers.smg_gateway import SmgGateway, SmgSpec
 from gpumesh_bench.stats import summarize
 from gpumesh_bench.workload import BenchRequest
 from tests.interop.conftest import smg_exe  # noqa: F401 (the session fixture: installs SMG)
@@ -69,18 +69,18 @@ def _run(label: str, gateway: str, load: float, p99: float, good: float) -> dict
 
 
 def test_report_and_verdict() -> None:
-    runs = [_run("gpumesh-weighted_least_load", "gpumesh", 0.8, 100, 0.9),
-            _run("gpumesh-weighted_least_load", "gpumesh", 0.8, 140, 0.8),
+    runs = [_run("gpumesh-predicted_latency", "gpumesh", 0.8, 100, 0.9),
+            _run("gpumesh-predicted_latency", "gpumesh", 0.8, 140, 0.8),
             _run("smg-least_load", "smg", 0.8, 120, 0.85),
             _run("smg-cache_aware", "smg", 0.8, 300, 0.95)]
     agg = smg_report.aggregate(runs)
-    assert agg[("w", 0.8, "gpumesh-weighted_least_load")]["ttft_p99"] == 120
+    assert agg[("w", 0.8, "gpumesh-predicted_latency")]["ttft_p99"] == 120
     v = smg_report.verdict(agg, "w", 0.8)
     assert "smg-least_load" in v and "1.00x met" in v and "goodput 85.0% vs 85.0% met" in v
     assert "highest goodput: missed" in v
     md = smg_report.markdown({"args": {"fleet": "f", "time_scale": 3}, "capacity": {},
                              "runs": runs})
-    assert "| 80% | gpumesh-weighted_least_load | 60 | 120 | 100, 140 |" in md
+    assert "| 80% | gpumesh-predicted_latency | 60 | 120 | 100, 140 |" in md
     assert "x1 40 · x2 60" in md
 
 
@@ -94,7 +94,7 @@ def test_both_gateways_front_the_same_sim_fleet(tmp_path: Path, tiny_model_dir: 
     nodes = [SimNodeSpec("n00-x1", 1.0, 65536, sim=sim), SimNodeSpec("n01-x2", 2.0, 65536, sim=sim)]
     prompts = BpePrompts(model)
     reqs = [BenchRequest(i, 0.02 * i, 16 + 8 * i, 12) for i in range(24)]
-    with Fleet(nodes, routers=[RouterSpec("weighted_least_load", "weighted_least_load")],
+    with Fleet(nodes, routers=[RouterSpec("predicted_latency", "predicted_latency")],
                time_scale=1.0, model=model, log_dir=tmp_path) as fleet:
         workers = [fleet.node_address(n.node_id) for n in nodes]
         gw = SmgGateway(smg_exe, SmgSpec("smg-ll", "least_load", 1), workers, model, tmp_path,
@@ -102,7 +102,7 @@ def test_both_gateways_front_the_same_sim_fleet(tmp_path: Path, tiny_model_dir: 
         try:
             gw.wait_ready(60)
             url_node = {f"grpc://{fleet.node_address(n.node_id)}": n.node_id for n in nodes}
-            targets = [Target("gpumesh", "grpc", fleet.address("weighted_least_load")),
+            targets = [Target("gpumesh", "grpc", fleet.address("predicted_latency")),
                        Target("smg", "http", gw.base, model, url_node)]
             for t in targets:
                 lc = LoadConfig(target=t.address, rate=50.0, num_requests=len(reqs),
@@ -115,6 +115,6 @@ def test_both_gateways_front_the_same_sim_fleet(tmp_path: Path, tiny_model_dir: 
                     assert r.output_tokens == 12 and r.ttft_s is not None and not r.error
                     assert r.node_id in {"n00-x1", "n01-x2"}, (t.name, r.node_id)
                 assert math.isclose(sum(s["node_share"].values()), 1.0)
-                asyncio.run(fleet.wait_idle("weighted_least_load", timeout_s=20))
+                asyncio.run(fleet.wait_idle("predicted_latency", timeout_s=20))
         finally:
             stop_all([gw.child], 10.0)

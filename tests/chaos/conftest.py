@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpumesh_bench.faultmesh import FaultMesh, MeshSpec
+from gpumesh_bench.reliability.faultmesh import FaultMesh, MeshSpec
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpumesh_bench.faultmesh import InFlight, Tally, closed_loop, lookaside_loop
+from gpumesh_bench.reliability.faultmesh import InFlight, Tally, closed_loop, lookaside_loop
 from tests.chaos.orphans import descendants, wait_gone
 
 pytestmark = [pytest.mark.chaos]

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from gpumesh.launcher import wait_serving_async
-from gpumesh_bench.faultmesh import MODEL, Tally, client_channel, closed_loop
+from gpumesh_bench.reliability.faultmesh import MODEL, Tally, client_channel, closed_loop
 from gpumesh.v1 import inference_pb2 as pb
 from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 

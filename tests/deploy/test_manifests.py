@@ -27,7 +27,7 @@ from gpumesh.router.telemetry import SATURATION_GAUGES
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu-sim", "gpu", "gpu-tp2", "gpu-tls")
+OVERLAYS = ("cpu-sim", "gpu", "gpu-tp2", "gpu-tls", "gpu-pd")
 # the oldest release these manifests target (gRPC probes GA 1.27, preStop sleep 1.30) and
 # the newest the validator knows
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -269,3 +269,27 @@ def test_examples_parse_and_query_the_exported_names():
     exprs = " ".join(r["expr"] for g in alerts["spec"]["groups"] for r in g["rules"])
     for name, *_ in SATURATION_GAUGES[:1]:
         assert name.replace(".", "_") in exprs
+
+
+def test_the_pd_overlay_runs_a_prefill_and_a_decode_pool(tmp_path: Path) -> None:
+    """gpu-pd: the nodes' StatefulSet is the decode pool, a Deployment the prefill pool; the
+    same engine on both sides of the transfer, each exposing its KV side channel."""
+    objs = render("gpu-pd")
+    decode = one(objs, "StatefulSet", "gpumesh-node")
+    prefill = one(objs, "Deployment", "gpumesh-node-prefill")
+    dcfg = _load_node(mounted_config(objs, decode, "node.toml"), tmp_path)
+    pcfg = _load_node(mounted_config(objs, prefill, "node.toml"), tmp_path)
+    dc, pc = container(decode, "node"), container(prefill, "node")
+    assert env(dc)["GPUMESH_NODE_ROLE"] == "decode" and pcfg.role == "prefill"
+    assert "GPUMESH_NODE_ROLE" not in env(pc)
+    kv_ports = (int(env(dc)["GPUMESH_NODE_KV_PORT"]), pcfg.kv_port)
+    assert kv_ports == (port_of(dc, "kv"), port_of(pc, "kv"))
+    for field in ("engine", "model", "served_name", "dtype", "max_model_len",
+                  "tensor_parallel_size"):
+        assert getattr(pcfg, field) == getattr(dcfg, field), field
+    for c in (dc, pc):
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert env(c)["GPUMESH_NODE_ADVERTISE_ADDRESS"] == f"$(POD_IP):{dcfg.port}"
+    # the two pools' pods are told apart by their selectors
+    sel = prefill["spec"]["selector"]["matchLabels"]
+    assert not sel.items() <= decode["spec"]["template"]["metadata"]["labels"].items()

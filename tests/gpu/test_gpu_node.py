@@ -1,10 +1,10 @@
 """The node on vLLM CUDA: a real router (in process) and a real node process on one GPU.
 
 Skipped without CUDA (and without vllm). The model is Qwen2.5-0.5B-Instruct shaped with dummy
-weights (``load_format="dummy"``) and the synthetic tokenizer (gpumesh_bench.dummy_model), or the
-folder in ``$GPUMESH_GPU_MODEL``. ``bench/gpu/kit/run_mesh_gpu.sh`` runs this module before the
-benchmarks; ``$GPUMESH_GPU_ARTIFACTS`` (optional) receives the `gpumesh status` table seen under
-load. CUDA graphs on (no enforce_eager), as in the raw-vLLM reference runs.
+weights (``load_format="dummy"``) and the synthetic tokenizer (gpumesh_bench.gpu.dummy_model),
+or the folder in ``$GPUMESH_GPU_MODEL``. ``bench/gpu/kit/run_mesh_gpu.sh`` runs this module
+before the benchmarks; ``$GPUMESH_GPU_ARTIFACTS`` (optional) receives the `gpumesh status` table
+seen under load. CUDA graphs on (no enforce_eager), as in the raw-vLLM reference runs.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def gpu_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("GPUMESH_GPU_MODEL")
     if env and (Path(env) / "config.json").is_file():
         return Path(env)
-    from gpumesh_bench.dummy_model import build_dummy_model
+    from gpumesh_bench.gpu.dummy_model import build_dummy_model
 
     return build_dummy_model(tmp_path_factory.mktemp("model") / "qwen-0.5b-dummy", "0.5b")
 

@@ -26,8 +26,9 @@ def test_demo_answers_and_shows_the_serving_nodes_figures(tmp_path) -> None:
     cols = lines[head].split()
     assert cols[cols.index("tok/s") + 1:cols.index("tok/s") + 3] == ["step", "ms"]
     row = next(line.split() for line in lines[head + 1:] if line.startswith(node))
-    # node, address, state, model, weight, fe, running, waiting, KV%, in flight, tok/s, step ms
+    # node, address, state, role, model, weight, fe, running, waiting, KV%, in flight, tok/s,
+    # step ms
     assert row[1].startswith("127.0.0.1:"), row
-    assert row[2] == "healthy" and row[5] == "1" and row[9] == "0/0", row
-    assert float(row[10]) > 0, row           # the request's tokens, not a report from before
-    assert float(row[11]) > 0, row           # its decode step, measured
+    assert row[2] == "healthy" and row[3] == "both" and row[6] == "1" and row[10] == "0/0", row
+    assert float(row[11]) > 0, row           # the request's tokens, not a report from before
+    assert float(row[12]) > 0, row           # its decode step, measured

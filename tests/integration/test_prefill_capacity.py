@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -17,7 +16,7 @@ from gpumesh.node.engines.base import EngineRequest, Sampling
 from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from gpumesh.router.app import RouterServer
 from gpumesh.router.config import RouterConfig
-from gpumesh.router.scheduling import WaitModel, expected_wait_s
+from gpumesh.router.scheduling.predictor import step_cost
 
 
 async def test_heartbeat_carries_prefill_capacity_to_the_router_and_get_fleet() -> None:
@@ -43,13 +42,10 @@ async def test_heartbeat_carries_prefill_capacity_to_the_router_and_get_fleet() 
         (cand,) = router.registry.candidates("sim")
         assert cand.report is not None
         assert cand.report.prefill_capacity_tokens_per_s == pytest.approx(expected)
-        # The estimate divides by it (not by the 8000 tokens/s floor): 32 unreported prompt
-        # tokens cost 32 / 39,937 s.
-        wm = WaitModel(reference_prompt_tokens_per_s=8000.0, decode_s_per_request=0.0,
-                       kv_penalty_s=0.0, prefill_from_capacity=True)
-        probe = replace(cand, unreported_prompt_tokens=32, decode_delta=0)
-        assert expected_wait_s(probe, wm) == pytest.approx(
-            (cand.report.pending_prefill_tokens + 32) / expected)
+        # The prediction prefills at it (not at the 8,000 tokens/s default): an idle node that
+        # has fitted no step model yet is priced from its measured capacity.
+        cost = step_cost(cand, None)
+        assert cost.source == "measured" and cost.prefill_s == pytest.approx(1 / expected)
         async with grpc.aio.insecure_channel(router.address) as ch:
             resp = await control_pb2_grpc.RouterStub(ch).GetFleet(
                 control_pb2.GetFleetRequest(), timeout=5)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpumesh.router.fleet import locality
+from gpumesh.router import tokenizers
 from gpumesh.v1 import inference_pb2, inference_pb2_grpc
 from tests.integration.test_prefix_locality import MODEL, SYSTEM, mesh, wait_for
 
@@ -27,15 +27,15 @@ async def test_a_burst_of_first_requests_loads_the_tokenizer_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     loads: list[str] = []
     lock = threading.Lock()
-    real = locality.load_tokenizer
+    real = tokenizers.load_tokenizer
 
-    def slow_load(spec: str) -> locality.PromptTokenizer:
+    def slow_load(spec: str) -> tokenizers.PromptTokenizer:
         with lock:
             loads.append(spec)
         time.sleep(LOAD_S)   # on the tokenizer thread, as an HF tokenizer's load takes time
         return real(spec)
 
-    monkeypatch.setattr(locality, "load_tokenizer", slow_load)
+    monkeypatch.setattr(tokenizers, "load_tokenizer", slow_load)
     async with mesh(2, prefix_locality="precise",
                     prefix_tokenizers=(f"{MODEL}=sim",)) as (router, _nodes):
         async with grpc.aio.insecure_channel(router.address) as ch:
@@ -57,15 +57,15 @@ async def test_a_burst_of_first_requests_loads_the_tokenizer_once(
 def _recording(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float]]:
     """Records each tokenizer load as (spec, start, end) on the monotonic clock."""
     loads: list[tuple[str, float, float]] = []
-    real = locality.load_tokenizer
+    real = tokenizers.load_tokenizer
 
-    def load(spec: str) -> locality.PromptTokenizer:
+    def load(spec: str) -> tokenizers.PromptTokenizer:
         t0 = time.monotonic()
         tok = real(spec)
         loads.append((spec, t0, time.monotonic()))
         return tok
 
-    monkeypatch.setattr(locality, "load_tokenizer", load)
+    monkeypatch.setattr(tokenizers, "load_tokenizer", load)
     return loads
 
 
@@ -75,7 +75,7 @@ async def test_a_model_s_tokenizer_loads_when_the_model_registers(
     async with mesh(2, prefix_locality="approximate",
                     prefix_tokenizers=(f"{MODEL}={tiny_model_dir}",)) as (router, _nodes):
         # no request is sent: the nodes' registration alone loads the real HF tokenizer
-        await wait_for(lambda: router.locality.tokenizer_ready(MODEL), timeout=120)
+        await wait_for(lambda: router.tokenizers.ready(MODEL), timeout=120)
         assert [spec for spec, _, _ in loads] == [str(tiny_model_dir)]
         count, hashes = await router.locality.hashes(
             inference_pb2.GenerateRequest(model=MODEL, text=SYSTEM), MODEL)

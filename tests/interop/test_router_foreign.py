@@ -174,8 +174,10 @@ async def test_mixed_fleet_routes_as_one(mesh, tiny_model_dir):
     try:
         await _reported(router, "sim-peer", "the sim node's first heartbeat")
         stub = pb_grpc.InferenceStub(ch)
+        # prompts without a shared prefix, so locality ties none of them to a node
         calls = [stub.GenerateStream(_req(tiny_model_dir, 24, token_ids=pb.TokenIds(
-            ids=list(range(3, 200 + i)))), timeout=300) for i in range(8)]
+            ids=[(7 * i + k) % 1900 + 3 for k in range(197)])), timeout=300)
+                 for i in range(8)]
         served: list[str] = []
         for c in calls:
             chunks = [x async for x in c]

@@ -62,9 +62,13 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
     # registered as the node's front-end processes' own addresses (node.frontends)
     frontend_addresses: tuple[str, ...] = ()
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    # disaggregated prefill/decode: "prefill" answers a {"do_remote_decode": true} request with
+    # parameters naming itself; every request's kv_transfer_params is kept in kv_seen
+    role: str = "both"
 
     def __post_init__(self) -> None:
         self.seen: list[Seen] = []
+        self.kv_seen: list[str] = []
         self.cancelled = 0
         self.active = 0
         self.completed = 0
@@ -118,7 +122,7 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
     def _registration(self) -> control_pb2.NodeMessage:
         return control_pb2.NodeMessage(registration=control_pb2.Registration(
             node_id=self.node_id, address=self.address, incarnation=self.incarnation,
-            engine="fake", max_concurrency=self.max_concurrency,
+            engine="fake", max_concurrency=self.max_concurrency, role=self.role,
             frontend_addresses=self.frontend_addresses,
             models=[control_pb2.ServedModel(name=self.model, aliases=self.aliases,
                                             max_context_length=4096,
@@ -170,6 +174,7 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
         charged = int(meta.get(md.CHARGED_TOKENS, "0"))
         self.seen.append(Seen(request.request_id, request.model, meta.get(md.ROUTER_ID, ""),
                               charged, max_tokens))
+        self.kv_seen.append(request.kv_transfer_params)
         return max_tokens, charged
 
     async def _tokens(self, request: inference_pb2.GenerateRequest, max_tokens: int,
@@ -233,7 +238,9 @@ class FakeNode(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.GenerateResponse(
             text="".join(parts), token_ids=ids, finish_reason=inference_pb2.FINISH_REASON_LENGTH,
             usage=inference_pb2.Usage(prompt_tokens=charged, completion_tokens=len(ids)),
-            request_id=request.request_id or uuid.uuid4().hex)
+            request_id=request.request_id or uuid.uuid4().hex,
+            kv_transfer_params=f'{{"remote_engine_id": "{self.node_id}"}}'
+            if self.role == "prefill" and request.kv_transfer_params else "")
 
     async def ListModels(self, request, context):  # type: ignore[no-untyped-def]
         return inference_pb2.ListModelsResponse(models=[inference_pb2.ModelInfo(

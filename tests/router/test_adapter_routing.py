@@ -1,6 +1,6 @@
-"""LoRA adapter routing: the adapter scorer's curve, the serves_adapter filter, the steered
-profile's preference for nodes holding the adapter, and the router's NOT_FOUND for an adapter
-no node serves (table-driven, no servers except the last test's in-process router)."""
+"""LoRA adapter routing: the serves_adapter filter, the prediction's preference for nodes
+holding the adapter (a missing adapter costs its load time), and the router's NOT_FOUND for an
+adapter no node serves (table-driven, no servers)."""
 
 from __future__ import annotations
 
@@ -9,26 +9,23 @@ import random
 import grpc
 import pytest
 
-from gpumesh.router.api.intake import check_routing_fields
+from gpumesh.router.dispatch.context import check_routing_fields
 from gpumesh.router.errors import RouterError
 from gpumesh.router.fleet import Registry
 from gpumesh.router.scheduling import (
     Candidate,
+    NoCandidate,
     NodeState,
     RequestInfo,
-    WaitModel,
-    build_profile,
+    RoutingSettings,
+    build_policy,
     default_filters,
     select,
 )
-from gpumesh.router.scheduling.profiles import NoCandidate
-from gpumesh.router.scheduling.scorers.adapter import adapter_score, serves_adapter
-from gpumesh.router.scheduling.steering import SteeringModel, request_filters, steer
+from gpumesh.router.scheduling.filters import request_filters, serves_adapter
 from gpumesh.types import LoadReport, ModelSpec, Registration
 from gpumesh.v1 import inference_pb2 as pb
 
-WM = WaitModel(reference_prompt_tokens_per_s=1000.0, wait_scale_s=0.5)
-WEIGHTS = {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 0.0}
 
 
 def cand(i: int, *, serves: tuple[str, ...] = ("a", "b"), loaded: tuple[str, ...] = (),
@@ -44,17 +41,6 @@ def cand(i: int, *, serves: tuple[str, ...] = ("a", "b"), loaded: tuple[str, ...
                      unreported_prompt_tokens=0, unreported_requests=0, adapters=serves)
 
 
-@pytest.mark.parametrize("kw, adapter, expect", [
-    ({"loaded": ("a",)}, "a", 1.0),                 # loaded: no cost
-    ({"loaded": ("b",)}, "", 1.0),                  # no adapter asked: neutral
-    ({}, "a", 1 / (1 + 1.0 / 0.5)),                 # not loaded, nothing measured: default 1 s
-    ({"load_s": 0.25}, "a", 1 / (1 + 0.25 / 0.5)),  # the node's own measured load time
-    ({"stale": True, "loaded": ("a",)}, "a", 1 / (1 + 1.0 / 0.5)),  # no fresh report: unknown
-])
-def test_adapter_score_curve(kw, adapter, expect) -> None:
-    assert adapter_score(cand(0, **kw), adapter, 1.0, 0.5) == pytest.approx(expect)
-
-
 def test_serves_adapter_filter_drops_nodes_that_cannot() -> None:
     cs = [cand(0, serves=("a",)), cand(1, serves=()), cand(2, serves=("b", "a"))]
     kept, dropped = serves_adapter("a")(cs)
@@ -63,8 +49,8 @@ def test_serves_adapter_filter_drops_nodes_that_cannot() -> None:
     assert request_filters(RequestInfo("m", 1)) == ()
 
 
-def pick(cs, adapter: str, **model) -> str:
-    p = steer(build_profile("weighted_least_load", WEIGHTS, WM), SteeringModel(**model))
+def pick(cs, adapter: str) -> str:
+    p = build_policy(RoutingSettings(adapter_load_s=1.0))   # 8,000 prompt tokens/s default
     info = RequestInfo("m", 100, adapter=adapter)
     return select(p, cs, info, random.Random(1),
                   (*default_filters(0.92), *request_filters(info))).node_id
@@ -75,7 +61,7 @@ def pick(cs, adapter: str, **model) -> str:
     ([{"loaded": ()}, {"loaded": ("a",)}, {"loaded": ("b",)}], "n1"),
     # a short extra queue does not outweigh a 1 s load ...
     ([{"loaded": ("a",), "pending": 200}, {"pending": 0}], "n0"),
-    # ... a long one does (20,000 queued tokens at 1,000/s: 20 s of wait)
+    # ... a long one does (20,000 queued tokens at 8,000/s: 2.5 s of wait)
     ([{"loaded": ("a",), "pending": 20_000}, {"pending": 0}], "n1"),
     # the only node that can serve it wins even when busier
     ([{"serves": (), "pending": 0}, {"serves": ("a",), "pending": 5000}], "n1"),
@@ -86,18 +72,13 @@ def test_adapter_preference_trades_with_load(nodes, expect) -> None:
     assert pick([cand(i, **kw) for i, kw in enumerate(nodes)], "a") == expect
 
 
-def test_adapter_weight_zero_ignores_where_it_is_loaded() -> None:
-    cs = [cand(0, loaded=("a",), pending=200), cand(1)]
-    assert pick(cs, "a", adapter_weight=0.0) == "n1"
-
-
 def test_only_busy_adapter_nodes_queue_instead_of_going_elsewhere() -> None:
     """Nodes that serve the adapter are all at their limit: the request waits (busy), it is
     never sent to a node that cannot serve it."""
     cs = [cand(0, serves=(), pending=0), cand(1, serves=("a",), max_concurrency=1,
                                                in_flight=1)]
     info = RequestInfo("m", 100, adapter="a")
-    p = steer(build_profile("weighted_least_load", WEIGHTS, WM), SteeringModel())
+    p = build_policy(RoutingSettings())
     with pytest.raises(NoCandidate) as e:
         select(p, cs, info, random.Random(1), (*default_filters(0.92), *request_filters(info)))
     assert e.value.busy
@@ -147,19 +128,3 @@ def test_node_adapter_fields_are_validated_where_they_enter(adapters, loaded, lo
         assert not ok
     else:
         assert ok and r.models[0].adapters == adapters and l.loaded_adapters == loaded
-
-
-def test_steered_totals_keep_the_profiles_request_terms() -> None:
-    """With the adapter loaded on both nodes the adapter term is equal, so the pick is the
-    load profile's own, including its request-dependent service time (a long prompt goes to
-    the node with ten times the prefill capacity)."""
-    from dataclasses import replace
-
-    slow, fast = cand(0, loaded=("a",)), cand(1, loaded=("a",))
-    slow = replace(slow, report=replace(slow.report, prefill_capacity_tokens_per_s=1000.0))
-    fast = replace(fast, report=replace(fast.report, prefill_capacity_tokens_per_s=10_000.0))
-    p = steer(build_profile("weighted_least_load", WEIGHTS, WM), SteeringModel())
-    info = RequestInfo("m", 5000, adapter="a")
-    picks = {select(p, [slow, fast], info, random.Random(s), default_filters(0.92)).node_id
-             for s in range(20)}
-    assert picks == {"n1"}

@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from gpumesh.router.fleet import Credit, Registry
 from gpumesh.router.scheduling import (
     RequestInfo,
-    WaitModel,
-    build_profile,
+    RoutingSettings,
+    build_policy,
     default_filters,
     select,
 )
+from gpumesh.profiles import EngineProfile
+from gpumesh.router.scheduling.policies import PredictedLatency
 from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
 
 CAP = 128
@@ -34,7 +36,8 @@ STEP_S = 0.01
 HB_STEPS = 25            # a report every 250 ms
 DECODE_STEPS = 190       # ~1.9 s of decode, +-10 %
 PROMPT = 32
-WM = WaitModel()         # the router's defaults (decode_s_per_request 2 ms, 8000 tokens/s)
+ENGINE = EngineProfile("closed-loop", platform="cpu", max_num_seqs=CAP, a_ms=STEP_S * 1000,
+                       b_prefill_ms=0.0001)
 
 
 @dataclass
@@ -59,7 +62,7 @@ class _Node:
 
 
 def closed_loop(routers: int, seconds: float = 30.0, seed: int = 0,
-                policy: str = "weighted_least_load", jitter: float = 0.1,
+                policy: str = "predicted_latency", jitter: float = 0.1,
                 finish_delay: int = 0, report_finished: bool = True) -> tuple[list[int], int]:
     """Runs the loop; returns (|in-flight a - in-flight b| at every step after 5 s, requests
     finished after 5 s). ``jitter``: decode lengths vary by +-jitter (0 = identical requests,
@@ -74,7 +77,9 @@ def closed_loop(routers: int, seconds: float = 30.0, seed: int = 0,
     for reg in regs:
         for i, n in enumerate(nodes, 1):
             reg.register(Registration(n, f"{n}:1", (ModelSpec("m"),), "i1"), i)
-    profile = build_profile(policy, {"expected_wait": 1.0}, WM)
+    # the nodes' engine profile: CAP running at most, STEP_S steps, prefill all but free
+    profile = (PredictedLatency(RoutingSettings(), profiles=lambda model: ENGINE)
+               if policy == "predicted_latency" else build_policy(RoutingSettings(policy=policy)))
     filters = default_filters(0.92)
     seq = [0]
 
@@ -209,7 +214,7 @@ def _pair(running_a: int, running_b: int) -> tuple[Registry, list[Credit]]:
 
 
 def _pick(r: Registry, rng: random.Random) -> str:
-    profile = build_profile("weighted_least_load", {"expected_wait": 1.0}, WM)
+    profile = build_policy(RoutingSettings(policy="predicted_latency"))
     return select(profile, r.candidates("m"), RequestInfo("m", PROMPT), rng,
                   default_filters(0.92)).node_id
 

@@ -7,43 +7,49 @@ from pathlib import Path
 
 import pytest
 
+from gpumesh.config import ConfigError
 from gpumesh.router.config import RouterConfig, add_arguments, from_args
+from gpumesh.router.scheduling.settings import RoutingSettings
 
 
 def test_defaults_are_valid_and_router_ids_unique() -> None:
     a, b = RouterConfig(), RouterConfig()
-    assert a.policy == "weighted_least_load" and a.router_id != b.router_id
-    assert "." not in a.router_id and a.scorer_weights["expected_wait"] == 1.0
+    assert a.policy == "predicted_latency" and a.router_id != b.router_id
+    assert "." not in a.router_id and a.routing == RoutingSettings()
+    assert a.decision_sample_size == a.routing.sample_size == 32
 
 
 def test_precedence_file_env_flags(tmp_path: Path) -> None:
     f = tmp_path / "router.toml"
-    f.write_text('policy = "least_request"\nqueue_bound = 7\nlease_ttl_s = 4.5\n'
-                 '[scorer_weights]\nkv_headroom = 0.25\n')
+    f.write_text('queue_bound = 7\nlease_ttl_s = 4.5\n'
+                 '[routing]\npolicy = "least_request"\nsample_size = 8\n')
     env = {"GPUMESH_ROUTER_QUEUE_BOUND": "9", "GPUMESH_TICKET_SECRET": "s3cret"}
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--config", str(f), "--policy", "power_of_two",
-                              "--scorer-weight", "least_request=0.5", "--port", "0"])
+    args = parser.parse_args(["--config", str(f), "--policy", "power_of_two", "--port", "0"])
     cfg = from_args(args, env=env)
     assert cfg.policy == "power_of_two"          # flag beats file
     assert cfg.queue_bound == 9                  # env beats file
     assert cfg.lease_ttl_s == 4.5 and cfg.port == 0
-    assert dict(cfg.scorer_weights) == {"expected_wait": 1.0, "kv_headroom": 0.25,
-                                        "least_request": 0.5}
+    assert cfg.routing.sample_size == 8          # the file's other routing keys stay
+    args = parser.parse_args(["--config", str(f), "--routing", "objective=min_ttft"])
+    assert from_args(args, env=env).routing == RoutingSettings(objective="min_ttft")
     assert cfg.ticket_secret == "s3cret" and "s3cret" not in repr(cfg)
 
 
-def test_env_weights_and_peers() -> None:
-    cfg = RouterConfig.load(env={"GPUMESH_ROUTER_SCORER_WEIGHTS": "expected_wait=2,kv_headroom=1",
+def test_env_routing_and_peers() -> None:
+    cfg = RouterConfig.load(env={"GPUMESH_ROUTER_ROUTING": "policy=round_robin,ttft_slo_s=0.5",
                                  "GPUMESH_ROUTER_PEER_ADDRESSES": "h:1, h:2"})
-    assert cfg.scorer_weights["expected_wait"] == 2.0 and cfg.peer_addresses == ("h:1", "h:2")
+    assert cfg.routing == RoutingSettings(policy="round_robin", ttft_slo_s=0.5)
+    assert cfg.policy == "round_robin" and cfg.peer_addresses == ("h:1", "h:2")
+    with pytest.raises(ConfigError, match="routing.objective"):
+        RouterConfig.load(env={"GPUMESH_ROUTER_ROUTING": "objective=fastest"})
 
 
 @pytest.mark.parametrize("bad", [
-    {"policy": "random"}, {"router_id": "a.b"}, {"scorer_weights": {"nope": 1.0}},
-    {"scorer_weights": {"expected_wait": 0.0, "least_request": 0.0}},
-    {"admission_weight": -1.0}, {"output_weight": -0.1}, {"lease_ttl_s": 0}, {"kv_hard_threshold": 1.5},
+    {"routing": {"policy": "random"}}, {"router_id": "a.b"}, {"routing": {"nope": 1.0}},
+    {"routing": {"sample_size": -1}}, {"routing": {"adapter_load_s": float("nan")}},
+    {"lease_ttl_s": 0}, {"kv_hard_threshold": 1.5},
     {"max_attempts": 0},
 ])
 def test_invalid_values_rejected(bad: dict) -> None:
@@ -60,8 +66,8 @@ def test_unknown_key_rejected(tmp_path: Path) -> None:
 
 def test_bool_fields_from_env_and_flags() -> None:
     for text, want in (("1", True), ("true", True), ("off", False), ("false", False)):
-        cfg = RouterConfig.load(env={"GPUMESH_ROUTER_PREFILL_FROM_CAPACITY": text})
-        assert cfg.prefill_from_capacity is want, text
-    assert RouterConfig.load().prefill_from_capacity is True
-    with pytest.raises(ValueError, match="prefill_from_capacity must be true or false"):
-        RouterConfig.load(env={"GPUMESH_ROUTER_PREFILL_FROM_CAPACITY": "maybe"})
+        cfg = RouterConfig.load(env={"GPUMESH_ROUTER_STEP_FROM_REPORT": text})
+        assert cfg.step_from_report is want, text
+    assert RouterConfig.load().step_from_report is True
+    with pytest.raises(ValueError, match="step_from_report must be true or false"):
+        RouterConfig.load(env={"GPUMESH_ROUTER_STEP_FROM_REPORT": "maybe"})

@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from gpumesh.router import errors
-from gpumesh.router.dispatch import failover, migration
+from gpumesh import migration
+from gpumesh.router.dispatch import failover
 from gpumesh.router.dispatch.ejection import EjectionPolicy, OutlierEjector
 from gpumesh.router.dispatch.watch import InFlightWatch
 from gpumesh.v1 import inference_pb2 as pb

@@ -7,6 +7,7 @@ from gpumesh.kvblocks import block_hashes
 from gpumesh.router.fleet.locality import PrefixLocality
 from gpumesh.router.fleet.prefix_index import PrefixIndex, PrefixIndexes
 from gpumesh.router.scheduling.types import RequestInfo
+from gpumesh.router.tokenizers import RouterTokenizers
 from gpumesh.v1 import control_pb2, inference_pb2
 
 A = block_hashes(list(range(160)))                 # 10 blocks
@@ -103,8 +104,8 @@ def test_annotate_and_approximate_routing() -> None:
 
 
 async def test_hashes_from_token_ids_and_sim_text() -> None:
-    loc = PrefixLocality("auto", PrefixIndexes(), clock=lambda: 0.0,
-                         engine_of=lambda model: "sim")
+    tokenizers = RouterTokenizers(engine_of=lambda model: "sim")
+    loc = PrefixLocality("auto", PrefixIndexes(), clock=lambda: 0.0, tokenizers=tokenizers)
     req = inference_pb2.GenerateRequest(model="m", token_ids=inference_pb2.TokenIds(
         ids=list(range(160))))
     assert await loc.hashes(req, "m") == (160, tuple(A))
@@ -113,15 +114,15 @@ async def test_hashes_from_token_ids_and_sim_text() -> None:
     want = block_hashes(SimEngine().tokenize(text))
     n, got = await loc.hashes(inference_pb2.GenerateRequest(model="m", text=text), "m")
     assert got == tuple(want) and len(got) > 5 and n == len(SimEngine().tokenize(text))
-    loc.close()
+    tokenizers.close()
 
 
 async def test_an_adapters_prefix_is_its_own() -> None:
     """The same prompt under two LoRA adapters and the base model hashes to three disjoint
     chains (the engine keys adapter blocks apart), so a node that served it under one adapter
     is no holder for the others."""
-    loc = PrefixLocality("auto", PrefixIndexes(), clock=lambda: 0.0,
-                         engine_of=lambda model: "sim")
+    tokenizers = RouterTokenizers(engine_of=lambda model: "sim")
+    loc = PrefixLocality("auto", PrefixIndexes(), clock=lambda: 0.0, tokenizers=tokenizers)
     ids = inference_pb2.TokenIds(ids=list(range(160)))
     chains = {}
     for adapter in ("", "alpha", "beta"):
@@ -134,14 +135,19 @@ async def test_an_adapters_prefix_is_its_own() -> None:
     assert dict(loc.annotate(RequestInfo("m", 160, prefix_hashes=chains["alpha"]))
                 .cached_tokens) == {"lv": 160}
     assert loc.annotate(RequestInfo("m", 160, prefix_hashes=chains["beta"])).cached_tokens == {}
-    loc.close()
+    tokenizers.close()
 
 
 def test_sampled_decisions_include_the_holders() -> None:
     import random
 
     from gpumesh.router.fleet import Registry
-    from gpumesh.router.scheduling import WaitModel, build_profile, default_filters, select_from
+    from gpumesh.router.scheduling import (
+        RoutingSettings,
+        build_policy,
+        default_filters,
+        select_from,
+    )
     from gpumesh.types import LoadReport, ModelSpec, Registration
 
     reg = Registry("rt", lease_ttl_s=30.0, freshness_s=30.0, max_concurrency_default=0,
@@ -151,7 +157,7 @@ def test_sampled_decisions_include_the_holders() -> None:
         reg.register(Registration(nid, f"h:{i}", (ModelSpec("m", (), 8192, 1, 1.0),), "x"), i)
         reg.heartbeat(nid, i, 1, 0, LoadReport(num_running=2, prefill_capacity_tokens_per_s=1e4,
                                               kv_capacity_tokens=10**6))
-    profile = build_profile("weighted_least_load", {"expected_wait": 1.0}, WaitModel())
+    profile = build_policy(RoutingSettings(policy="predicted_latency"))
     info = RequestInfo("m", 4200, prefix_hashes=tuple(A), cached_tokens={"n37": 4000})
     rng = random.Random(0)
     picks = {select_from(profile, reg.candidate_source("m"), info, rng,

@@ -218,7 +218,7 @@ async def test_no_healthy_node_unavailable() -> None:
 
 async def test_node_dies_before_first_token_is_retried_elsewhere() -> None:
     async with fleet({"node_id": "a-bad", "fail_mode": "before_first"}, {"node_id": "b-good"},
-                     policy="round_robin") as f:
+                     routing={"policy": "round_robin"}) as f:
         chunks, trailing = await stream_all(f.stub, req(max_tokens=3))
         assert "".join(c.text for c in chunks) == "t0 t1 t2 "
         assert trailing[md.NODE_ID] == "b-good" and trailing[md.ATTEMPTS] == "2"
@@ -227,7 +227,7 @@ async def test_node_dies_before_first_token_is_retried_elsewhere() -> None:
 
 async def test_unary_retried_when_node_dies() -> None:
     async with fleet({"node_id": "a-bad", "fail_mode": "before_first"}, {"node_id": "b-good"},
-                     policy="round_robin") as f:
+                     routing={"policy": "round_robin"}) as f:
         call = f.stub.Generate(req(max_tokens=2))
         assert (await call).text == "t0 t1 "
         assert dict(await call.trailing_metadata())[md.ATTEMPTS] == "2"
@@ -235,7 +235,7 @@ async def test_unary_retried_when_node_dies() -> None:
 
 async def test_node_dies_after_first_token_stream_continues_elsewhere() -> None:
     async with fleet({"node_id": "a-bad", "fail_mode": "after_first"}, {"node_id": "b-good"},
-                     policy="round_robin") as f:
+                     routing={"policy": "round_robin"}) as f:
         call = f.stub.GenerateStream(req(max_tokens=5))
         chunks = [c async for c in call]
         assert "".join(c.text for c in chunks) == "t0 t1 t2 t3 t4 "
@@ -248,7 +248,7 @@ async def test_node_dies_after_first_token_stream_continues_elsewhere() -> None:
 
 async def test_node_dies_after_first_token_unavailable_naming_node() -> None:
     async with fleet({"node_id": "a-bad", "fail_mode": "after_first"}, {"node_id": "b-good"},
-                     policy="round_robin") as f:
+                     routing={"policy": "round_robin"}) as f:
         opted_out = req(max_tokens=5)
         opted_out.no_migration = True
         call = f.stub.GenerateStream(opted_out)
@@ -349,7 +349,7 @@ async def test_get_fleet_health_and_stale_lease() -> None:
         resp = await f.admin.GetFleet(control_pb2.GetFleetRequest())
         (node,) = resp.nodes
         assert node.state == control_pb2.NODE_STATE_HEALTHY and node.load.kv_cache_usage == 0.4
-        assert resp.policy == "weighted_least_load" and node.engine == "fake"
+        assert resp.policy == "predicted_latency" and node.engine == "fake"
         health = health_pb2_grpc.HealthStub(f.channel)
         ok = await health.Check(health_pb2.HealthCheckRequest(service="gpumesh.v1.Inference"))
         assert ok.status == health_pb2.HealthCheckResponse.SERVING

@@ -17,20 +17,18 @@ from gpumesh.router.scheduling import (
     ListCandidates,
     NodeState,
     RequestInfo,
-    WaitModel,
-    build_profile,
+    NoCandidate,
+    RoutingSettings,
+    build_policy,
     default_filters,
     select,
     select_from,
 )
-from gpumesh.router.scheduling.profiles import NoCandidate
+from gpumesh.router.scheduling.policies.predicted import PredictedLatency, _cost
 from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
 
-WM = WaitModel(reference_prompt_tokens_per_s=1000.0, kv_penalty_s=0.05, kv_usage_cap=0.98,
-               decode_s_per_request=0.002, wait_scale_s=0.5, kv_output_allowance_tokens=64)
 REQ = RequestInfo("m", 100)
-WEIGHTS = {"expected_wait": 1.0, "kv_headroom": 0.0, "least_request": 0.0}
-POLICIES = ["weighted_least_load", "least_request", "power_of_two", "round_robin"]
+POLICIES = ["predicted_latency", "least_request", "power_of_two", "round_robin"]
 FILTERS = default_filters(0.92)
 
 
@@ -61,7 +59,7 @@ def random_fleet(n: int, seed: int) -> list[Candidate]:
 def test_small_fleets_are_exact(policy: str, n: int, d: int) -> None:
     """Up to d nodes (or d = 0) select_from makes the very decisions select makes."""
     cs = random_fleet(n, seed=n)
-    a, b = build_profile(policy, WEIGHTS, WM), build_profile(policy, WEIGHTS, WM)
+    a, b = build_policy(RoutingSettings(policy=policy)), build_policy(RoutingSettings(policy=policy))
     ra, rb = random.Random(3), random.Random(3)
     for _ in range(50):
         da = select(a, cs, REQ, ra, FILTERS)
@@ -71,7 +69,7 @@ def test_small_fleets_are_exact(policy: str, n: int, d: int) -> None:
 
 def test_round_robin_is_never_sampled() -> None:
     cs = random_fleet(100, seed=1)
-    p = build_profile("round_robin", WEIGHTS, WM)
+    p = build_policy(RoutingSettings(policy="round_robin"))
     picks = [select_from(p, cs, REQ, random.Random(0), FILTERS, 8).node_id for _ in range(100)]
     assert picks == [c.node_id for c in cs]
 
@@ -79,14 +77,16 @@ def test_round_robin_is_never_sampled() -> None:
 # ---------------------------------------------------------------- sampling: fairness, quality
 
 
-@pytest.mark.parametrize("policy", ["weighted_least_load", "least_request", "power_of_two"])
+@pytest.mark.parametrize("policy", ["predicted_latency", "least_request", "power_of_two"])
 def test_sampling_is_fair_under_equal_load(policy: str) -> None:
-    """256 identical nodes, d = 32: every node is picked about equally often."""
+    """256 identical nodes, d = 32: every node is picked about equally often (the predictive
+    policy breaks ties by the request's key, so the requests differ by routing key)."""
     cs = [cand(i) for i in range(256)]
-    p = build_profile(policy, WEIGHTS, WM)
+    p = build_policy(RoutingSettings(policy=policy))
     rng = random.Random(42)
     n = 256 * 60
-    picks = Counter(select_from(p, cs, REQ, rng, FILTERS, 32).node_id for _ in range(n))
+    picks = Counter(select_from(p, cs, RequestInfo("m", 100, f"k{i}"), rng, FILTERS,
+                                32).node_id for i in range(n))
     assert len(picks) == 256
     assert max(picks.values()) < 100 and min(picks.values()) > 25, picks.most_common(3)
 
@@ -96,8 +96,11 @@ def test_sampled_pick_is_near_the_best(n: int, d: int) -> None:
     """The pick is the best of d uniform draws: its rank among all n by exact total is about
     n / (d + 1) on average, and the exact pick (d = 0) has rank 0."""
     cs = random_fleet(n, seed=n + d)
-    p = build_profile("weighted_least_load", WEIGHTS, WM)
-    ranked = sorted(cs, key=lambda c: -p.total(c, REQ))
+    p = build_policy(RoutingSettings(policy="predicted_latency"))
+    assert isinstance(p, PredictedLatency)
+    cost = {c.node_id: _cost(q, "max_slo_attainment", 0.0)
+            for c, q in zip(cs, p.predictions(cs, REQ))}
+    ranked = sorted(cs, key=lambda c: cost[c.node_id])
     rank = {c.node_id: i for i, c in enumerate(ranked)}
     rng = random.Random(9)
     ranks = [rank[select_from(p, cs, REQ, rng, FILTERS, d).node_id] for _ in range(2000)]
@@ -111,7 +114,7 @@ def _balance(n: int, d: int, steps: int, seed: int) -> int:
     with probability 1/2 when it has work. Returns the largest in-flight count seen."""
     rng, done = random.Random(seed), random.Random(seed + 1)
     load = [0] * n
-    p = build_profile("weighted_least_load", WEIGHTS, WM)
+    p = build_policy(RoutingSettings(policy="predicted_latency"))
     worst = 0
     for _ in range(steps):
         cs = [cand(i, in_flight=load[i], pending=100 * load[i]) for i in range(n)]
@@ -161,7 +164,7 @@ def test_sampled_decisions_keep_filter_semantics(case: str, expect: object) -> N
     else:
         cs = [cand(i, state=NodeState.HEALTHY if i == 5 else NodeState.DRAINING)
               for i in range(n)]
-    p = build_profile("weighted_least_load", WEIGHTS, WM)
+    p = build_policy(RoutingSettings(policy="predicted_latency"))
     rng = random.Random(1)
     for _ in range(50):
         if isinstance(expect, bool):
@@ -175,11 +178,11 @@ def test_sampled_decisions_keep_filter_semantics(case: str, expect: object) -> N
 
 def test_sampled_decision_keeps_top_scores_and_the_chosen() -> None:
     cs = random_fleet(300, seed=2)
-    p = build_profile("weighted_least_load", WEIGHTS, WM)
+    p = build_policy(RoutingSettings(policy="predicted_latency"))
     d = select_from(p, cs, REQ, random.Random(4), FILTERS, 32)
     assert d.sampled_from == 300 and d.candidates == 32
     assert d.node_id == d.considered[0].node_id and len(d.considered) == 3
-    assert set(d.considered[0].scores) == {"expected_wait", "kv_headroom", "least_request"}
+    assert set(d.considered[0].scores) == {"ttft_s", "completion_s", "imposed_s"}
     assert d.considered[0].total == max(s.total for s in d.considered)
 
 

@@ -1,9 +1,7 @@
-"""The decode term in each node's own measured step time (router/scheduling/scorers.py).
-
-With the prefill capacity as T, a running request costs ``decode_steps_per_request`` (1) of the
-node's measured decode step (the running count averaged over reports / generation_tokens_per_s,
-derived in ``Registry.heartbeat``) instead of the constant ``decode_s_per_request`` per unit of declared
-weight; a node that never had a measurable step falls back to the constant.
+"""Each node's measured decode step (``Candidate.step_s``: the node's own timing, or the running
+count averaged over reports / generation_tokens_per_s, derived in ``Registry.heartbeat``) and
+how the prediction uses it where a node has no fitted step model (scheduling.predictor's
+"measured" step cost).
 """
 
 from __future__ import annotations
@@ -19,22 +17,24 @@ from gpumesh.router.fleet import Registry
 from gpumesh.router.fleet.speed import STEP_AVERAGE_S
 from gpumesh.router.scheduling import (
     Candidate,
-    NodeState,
     RequestInfo,
-    WaitModel,
-    build_profile,
+    RoutingSettings,
+    build_policy,
     default_filters,
-    expected_wait_s,
     select,
 )
+from gpumesh.router.scheduling.predictor import predict, step_cost
 from gpumesh.types import LoadReport, ModelSpec, Registration, RouterAccount
 from tests.clock import ManualClock
 
 RID = "r1"
-# Measured terms on (capacity T, step-time decode term), KV off so the decode term shows.
-WM = WaitModel(reference_prompt_tokens_per_s=8000.0, kv_penalty_s=0.0,
-               decode_s_per_request=0.002, prefill_from_capacity=True,
-               decode_steps_per_request=1.0)
+
+
+def wait(c: Candidate) -> float:
+    """The predicted time to first token of a one-token request on ``c`` (measured source:
+    the node's step and prefill capacity, scheduling.predictor)."""
+    return predict(c, RequestInfo("m", 1), step_cost(c, None), out=1, best_held=0,
+                   out_default=256, adapter_load_s=1.0).ttft_s
 
 
 def registry(*nodes: tuple[str, float], from_report: bool = True) -> tuple[Registry, ManualClock]:
@@ -130,69 +130,12 @@ def test_faster_measured_step_gets_the_lower_wait_for_the_same_running_count() -
     settle(r, clock, "fast", 1, 1, running=20, gen=4000.0)
     beat(r, "slow", 2, 1, running=20, gen=1000.0)
     fast, slow = candidate(r, "fast"), candidate(r, "slow")
-    assert expected_wait_s(fast, WM) == pytest.approx(0.005 * 20)
-    assert expected_wait_s(slow, WM) == pytest.approx(0.020 * 20)
-    profile = build_profile("weighted_least_load", {"expected_wait": 1.0}, WM)
+    assert wait(fast) == pytest.approx(1.5 * 0.005 + 1 / 50_000)   # the measured step's
+    assert wait(slow) == pytest.approx(1.5 * 0.020 + 1 / 50_000)
+    profile = build_policy(RoutingSettings(policy="predicted_latency"))
     picks = {select(profile, r.candidates("m"), RequestInfo("m", 32), random.Random(s),
                     default_filters(0.92)).node_id for s in range(20)}
     assert picks == {"fast"}
-
-
-def test_measured_step_holds_the_speed_so_weight_does_not_divide_it() -> None:
-    r, clock = registry(("a", 2.0))
-    settle(r, clock, "a", 1, 1, running=10, gen=1000.0)   # 10 ms steps
-    assert expected_wait_s(candidate(r, "a"), WM) == pytest.approx(0.010 * 10)
-
-
-def cand(*, running: int, step_s: float = 0.0, capacity: float = 0.0, weight: float = 1.0,
-         pending: int = 0, tps: float = 0.0) -> Candidate:
-    load = LoadReport(num_running=running, pending_prefill_tokens=pending,
-                      prompt_tokens_per_s=tps, prefill_capacity_tokens_per_s=capacity)
-    return Candidate(node_id="n", address="n:1", state=NodeState.HEALTHY,
-                     capacity_weight=weight, max_concurrency=0, report=load, report_age_s=0.1,
-                     kv_cache_usage=0.0, router_in_flight=running,
-                     outstanding_prompt_tokens=0, outstanding_requests=0,
-                     unreported_prompt_tokens=0, unreported_requests=0, step_s=step_s)
-
-
-@pytest.mark.parametrize("c, expected", [
-    # capacity and a measured step: 800 / 40,000 s + one 10 ms step per running request
-    (cand(running=10, step_s=0.010, capacity=40_000.0, pending=800), 0.02 + 0.1),
-    # capacity, never a measured step (never busy): the constant per unit of weight
-    (cand(running=10, capacity=40_000.0, weight=2.0), 0.002 * 10 / 2),
-    # no capacity (a foreign node, a vLLM node before its first prefill): the floor formula,
-    # a measured step notwithstanding
-    (cand(running=10, step_s=0.010, pending=800, weight=2.0), (0.1 + 0.002 * 10) / 2),
-    (cand(running=10, step_s=0.010, pending=800, tps=16_000.0), 0.05 + 0.002 * 10),
-])
-def test_fallbacks_without_a_capacity_or_a_measured_step(c: Candidate, expected: float) -> None:
-    assert expected_wait_s(c, WM) == pytest.approx(expected)
-
-
-def test_zero_steps_per_request_keeps_the_constant_decode_term() -> None:
-    c = cand(running=10, step_s=0.010, capacity=40_000.0, weight=2.0)
-    assert expected_wait_s(c, replace(WM, decode_steps_per_request=0.0)) == \
-        pytest.approx(0.002 * 10 / 2)
-
-
-def test_without_prefill_from_capacity_the_step_time_is_not_used() -> None:
-    c = cand(running=10, step_s=0.010, capacity=40_000.0, pending=800)
-    assert expected_wait_s(c, replace(WM, prefill_from_capacity=False)) == \
-        pytest.approx(0.1 + 0.002 * 10)
-
-
-def test_wait_model_defaults_are_the_router_config_defaults() -> None:
-    cfg, wm = RouterConfig(router_id="x"), WaitModel()
-    assert wm.prefill_from_capacity is cfg.prefill_from_capacity
-    assert wm.decode_steps_per_request == cfg.decode_steps_per_request
-    assert wm.decode_s_per_request == cfg.decode_s_per_request
-
-
-def test_decode_steps_per_request_from_env_and_refused_below_zero() -> None:
-    cfg = RouterConfig.load(env={"GPUMESH_ROUTER_DECODE_STEPS_PER_REQUEST": "0.25"})
-    assert cfg.decode_steps_per_request == 0.25
-    with pytest.raises(ValueError, match="decode_steps_per_request"):
-        RouterConfig(router_id="x", decode_steps_per_request=-1.0)
 
 
 def test_a_node_never_busy_takes_the_models_measured_speed_scaled_by_weight() -> None:
@@ -215,10 +158,10 @@ def test_a_node_never_busy_takes_the_models_measured_speed_scaled_by_weight() ->
     assert report(r, "c").prefill_capacity_tokens_per_s == pytest.approx(100_000.0)
     a, b = candidate(r, "a"), candidate(r, "b")
     for pending in (0, 3):
-        assert expected_wait_s(replace(a, unreported_requests=pending,
-                                       unreported_prompt_tokens=32 * pending), WM) == \
-            pytest.approx(expected_wait_s(replace(b, unreported_requests=pending,
-                                                  unreported_prompt_tokens=32 * pending), WM))
+        assert wait(replace(a, unreported_requests=pending,
+                            unreported_prompt_tokens=32 * pending)) == \
+            pytest.approx(wait(replace(b, unreported_requests=pending,
+                                       unreported_prompt_tokens=32 * pending)))
     settle(r, clock, "b", 2, 3, running=10, gen=2000.0, capacity=20_000.0)   # b's own: 5 ms
     assert candidate(r, "b").step_s == pytest.approx(0.005)
     assert report(r, "b").prefill_capacity_tokens_per_s == pytest.approx(20_000.0)

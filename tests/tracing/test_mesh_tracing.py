@@ -99,7 +99,7 @@ async def test_one_trace_across_client_router_node(mesh, receiver):
     assert node.resource["service.instance.id"] == result.node_id
 
     a = router.attributes
-    assert a["gpumesh.routing.policy"] == "weighted_least_load"
+    assert a["gpumesh.routing.policy"] == "predicted_latency"
     assert a["gpumesh.routing.candidates"] == 2
     assert a["gpumesh.routing.chosen_node"] == result.node_id == a["gpumesh.node.id"]
     assert a["gpumesh.routing.attempts"] == 1

@@ -92,7 +92,7 @@ def _cs(node, total, wait=None):
     ((_cs("b", 0.5), _cs("a", 0.5)), 3, ["a", "b"]),   # ties: by node id
 ])
 def test_decision_attributes_top_n(considered, top_n, expected_nodes):
-    d = Decision("weighted_least_load", expected_nodes[0] if expected_nodes else "a",
+    d = Decision("predicted_latency", expected_nodes[0] if expected_nodes else "a",
                  len(considered), considered)
     attrs = decision_attributes(d, 0.25, 0.0, top_n)
     got = [attrs[f"gpumesh.routing.candidate.{i}.node_id"] for i in range(len(expected_nodes))]
@@ -118,7 +118,7 @@ def test_decision_attributes_fields():
 
 
 def test_decision_attributes_name_the_sampled_fleet_size():
-    sampled = Decision("weighted_least_load", "a", 32, (), sampled_from=4096)
+    sampled = Decision("predicted_latency", "a", 32, (), sampled_from=4096)
     assert decision_attributes(sampled, 0.1, 0.0)["gpumesh.routing.sampled_from"] == 4096
     assert "gpumesh.routing.sampled_from" not in decision_attributes(
-        Decision("weighted_least_load", "a", 3, ()), 0.1, 0.0)
+        Decision("predicted_latency", "a", 3, ()), 0.1, 0.0)

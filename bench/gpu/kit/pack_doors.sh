@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Here (network): pack what the front-door and cache-aware phases (doors05, doors7, uneq05,
-# prefix05, prefix7) need on the GPU host beyond the vLLM kit and the extras, into git-ignored
-# folders that ship with the checkout:
+# On the build machine (network access): pack what the front-door and cache-aware phases
+# (doors05, doors7, uneq05, prefix05, prefix7) need on the GPU host beyond the vLLM kit and the
+# extras, into git-ignored folders that are copied with the checkout:
 #
 #   .gpukit/doors/doors.tar.xz (~1.4 MB): vLLM's OpenAI server's missing Python deps (wheels of
-#       bench/gpu/kit/doors-requirements.txt, installed over /tmp/site) and nginx (Debian's
+#       bench/gpu/kit/doors-requirements.txt, installed into the kit's folder) and nginx (Debian's
 #       nginx and libpcre2 packages, unpacked under .ngx/, run with its own lib/)
 #   .gpukit/smg/smg.tar.xz (~21 MB): SMG's Python package with its Rust extension stripped of
 #       debug symbols (106 MB -> 75 MB; `python -m smg launch`; needs setproctitle, in the kit)
 #
-# bench/gpu/kit/run_doors.sh unpacks both over /tmp/site (once per host, by checksum).
+# bench/gpu/kit/run_doors.sh unpacks both into the kit's folder (once per host, by checksum).
 #   bash bench/gpu/kit/pack_doors.sh          (SMG from .smg-venv, or SMG_WHEEL=path)
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Here (network): pack the wheels of bench/gpu/kit/gpu-extra.txt for the GPU host into
-# .gpukit/extra/extra.tar.xz (git-ignored; ~5 MiB, grpcio's cygrpc is most of it).
+# On the build machine (network access): pack the wheels of bench/gpu/kit/gpu-extra.txt for the
+# GPU host into .gpukit/extra/extra.tar.xz (git-ignored; ~5 MiB, grpcio's cygrpc is most of it).
 #
 # Packed apart from the vLLM kit (prepare_kit.sh's EXTRA_REQ would rebuild the kit): the kit
 # stays as built and this pack is rebuilt in seconds. bench/gpu/kit/run_mesh_gpu.sh unpacks it
-# over /tmp/site after the kit.
-#   bash bench/gpu/kit/pack_extra.sh     then ship .gpukit/one .gpukit/tools .gpukit/extra
+# into the kit's folder after the kit.
+#   bash bench/gpu/kit/pack_extra.sh     then copy .gpukit/one .gpukit/tools .gpukit/extra with
+#                                        the checkout
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 cd "$ROOT"
@@ -24,7 +25,7 @@ $PY -m pip install -q --no-deps --no-index --no-compile $PLAT --find-links $K/ca
 test -f $S/grpc/__init__.py -a -f $S/smg_grpc_proto/__init__.py -a -f $S/pytest_asyncio/__init__.py
 find $S -name __pycache__ -type d -prune -exec rm -rf {} +
 rm -rf $S/bin
-# Smaller to ship: type stubs, licence texts and grpc's TLS root bundle (read only when a TLS
+# Smaller: type stubs, licence texts and grpc's TLS root bundle (read only when a TLS
 # channel is made; every channel of the GPU bench is plaintext loopback) stay here: -215 KB.
 find $S \( -name '*.pyi' -o -name 'LICENSE*' \) -type f -delete
 rm -f $S/grpc/_cython/_credentials/roots.pem

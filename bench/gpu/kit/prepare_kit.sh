@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Build, on a machine with network to PyPI (no GPU needed), the vLLM 0.26.0 kit
-# that a GPU host without network or vLLM installs (kit_install.sh): Python 3.12,
-# torch 2.11.0 built for CUDA 13 on the host. Idempotent: reruns only when this
-# script, fatbin_prune.py or kit-requirements.txt changed (or FORCE=1). Needs
-# python3 with pip, unzip, xz, tar, sha256sum. Takes ~6 min on 2 cores (xz -9e).
+# Build, on a machine with network access to PyPI (no GPU needed), the vLLM 0.26.0
+# kit that a GPU host installs without network or a vLLM install of its own
+# (kit_install.sh): for Python 3.12 and torch 2.11.0 built for CUDA 13 on the host.
+# Idempotent: reruns only when this script, fatbin_prune.py or kit-requirements.txt
+# changed (or FORCE=1). Needs python3 with pip, unzip, xz, tar, sha256sum. Takes
+# ~6 min on 2 cores (xz -9e).
 #
 # Output (all under the git-ignored .gpukit/, never committed):
 #   .gpukit/cache/vllm/   vllm-0.26.0 wheel (304 MB; VLLM_WHEEL=path reuses one)
@@ -15,8 +16,9 @@
 #   .gpukit/orig/         optional (~53 MiB): the untouched _C (C_orig.so.xz),
 #                         for a run with vLLM's own binary (GPUs other than sm_90)
 #
-# Run it from the root of the checkout that ships to the GPU host (the kit
-# lands in its .gpukit/).
+# Run it from the root of the checkout that is copied to the GPU host (the kit
+# lands in its .gpukit/). MAX_KIT=BYTES (optional): fail when a payload folder
+# is larger.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(git rev-parse --show-toplevel)
@@ -30,7 +32,7 @@ if [ -n "${EXTRA_REQ:-}" ]; then
 fi
 VLLM_VERSION=0.26.0
 WHL=vllm-$VLLM_VERSION-cp38-abi3-manylinux_2_28_x86_64.whl
-MAX_KIT=${MAX_KIT:-$((62 * 1024 * 1024))}   # largest payload folder accepted (bytes)
+MAX_KIT=${MAX_KIT:-0}   # largest payload folder accepted (bytes); 0 = any
 
 EXCL=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$EXCL")"
@@ -80,9 +82,9 @@ xz -6 -T0 -c $S/vllm/_C_stable_libtorch.abi3.so > $K/orig/C_orig.so.xz
 for d in $K/one $K/orig; do
   sz=$(du -sb $d | cut -f1)
   echo "$d: $sz bytes ($((sz / 1048576)) MiB)"
-  [ "$sz" -le $MAX_KIT ] || { echo "ERROR: $d exceeds MAX_KIT ($MAX_KIT bytes)"; exit 1; }
+  [ "$MAX_KIT" = 0 ] || [ "$sz" -le "$MAX_KIT" ] || { echo "ERROR: $d exceeds MAX_KIT ($MAX_KIT bytes)"; exit 1; }
 done
 echo "$stamp" > $K/one/STAMP
 ls -l $K/one $K/orig
 mkdir -p $K/tools && cp "$HERE"/*.sh "$HERE"/*.py "$HERE"/*.txt $K/tools/
-echo "tools copied to $K/tools (ship it with $K/one)"
+echo "tools copied to $K/tools (copy it to the GPU host with $K/one)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU host: the whole GPU measurement of the mesh in one invocation (from the repo root).
+# On the GPU host, from the root of the checkout: the GPU measurement of the mesh.
 #
 #   bash bench/gpu/kit/run_mesh_gpu.sh [PHASES]        PHASES: comma list, default all
 #     raw,raw7,rawdp05,eng05,eng7,p05,p05q,share,unequal,unequal2,tp05,p7,tp7,ab05,ab7,dp05,dp7,
@@ -9,31 +9,41 @@
 #     front-end process per node against several; vsraw05/vsraw7: the node and raw vLLM on the
 #     same GPU, interleaved rounds)
 #
-# 1. installs the vLLM kit (.gpukit/one: bench/gpu/kit/prepare_kit.sh, slimmed by slim_kit.sh;
-#    skipped when this host's /tmp/site has it) and the extras (.gpukit/extra,
-#    bench/gpu/kit/pack_extra.sh) into /tmp/site;
+# Steps:
+# 1. ENGINE=vllm (the default): installs the vLLM kit (.gpukit/one, built by prepare_kit.sh and
+#    slim_kit.sh) and the extras (.gpukit/extra, pack_extra.sh) into SITE (default /tmp/site),
+#    each once per host (an installed kit is recognised by its checksum and skipped);
 # 2. runs the GPU test module tests/gpu (pytest -m gpu) unless GPU_TEST=0;
-# 3. runs `python -m gpumesh_bench.gpu run --phases PHASES` (routers with --workers,
-#    load from gpumesh bench's multi-process generator), within BUDGET seconds in all
-#    (default 570);
-# 4. leaves in $OUT (default /tmp/gpumesh-out): log (copy of stdout), results.json,
-#    summary.md, plots.png, gpu_status_under_load.txt, logs.tgz (node/router/pytest/raw logs).
+# 3. runs `python -m gpumesh_bench.gpu run --phases PHASES` (routers with --workers, load from
+#    gpumesh bench's multi-process generator) with BENCH_ARGS appended;
+# 4. results land in RESULTS_DIR/res (default bench-results/gpu/res in the checkout, git-ignored):
+#    results.json (every record; a later run adds its phases to the same file), summary.md,
+#    plots.png; logs in RESULTS_DIR/logs. OUT=DIR also copies them there, with logs.tgz.
 #
-# Ship the checkout with its .gpukit/ folder (one, tools, extra; doors and smg for the
+# How long: each phase starts its own engines (a 0.5B node is up in about a minute, a 7B one in
+# about two; vLLM's compile cache makes later starts on the same host faster) and runs its
+# rounds (20-75 s each); the default phases take up to about 20 minutes (the rough worst case of
+# each phase: `need` in gpumesh_bench.gpu.cli). BUDGET=SECONDS bounds the run: a phase or round
+# that would not fit in what is left is skipped, and said so in the results.
+# RAW_TOOL (default .gpukit/tools/seed_table.py): a script that runs raw vLLM in a closed loop,
+# the reference of the raw* and vsraw* phases (gpumesh_bench.gpu.reference: its arguments);
+# without it those phases are skipped.
+#
+# Copy the checkout with its .gpukit/ folder (one, tools, extra; doors and smg for the
 # front-door phases) to the GPU host, e.g. `rsync -a --exclude .venv ./ HOST:gpumesh/`, and run
 #   ssh HOST 'cd gpumesh && bash bench/gpu/kit/run_mesh_gpu.sh raw,p05 2>&1 | tee log'
 # ENGINE=sim runs the same phases on CPU with simulated nodes (no kit, no GPU) as a dry run:
-#   ENGINE=sim GPU_TEST=0 OUT=/tmp/o bash bench/gpu/kit/run_mesh_gpu.sh p05,share
-# A later run on the same host adds its phases to the same results (RESULTS_DIR).
+#   ENGINE=sim GPU_TEST=0 bash bench/gpu/kit/run_mesh_gpu.sh p05,share
 set -uo pipefail
 T0=$(date +%s)
-OUT=${OUT:-/tmp/gpumesh-out}
+OUT=${OUT:-}                          # optional: a folder to copy the results and logs into
 ENGINE=${ENGINE:-vllm}
 GPU_TEST=${GPU_TEST:-1}
-BUDGET=${BUDGET:-570}                 # seconds for this whole script
+BUDGET=${BUDGET:-0}                   # seconds for this whole script; 0 = no bound
 PHASES=${1:-raw,p05,share,unequal,tp05,p7,tp7}
-W=${RESULTS_DIR:-/tmp/gpumesh-gpu}    # results of every run on this host, appended
-mkdir -p "$OUT" "$W/logs"
+SITE=${SITE:-/tmp/site}               # where the kit is installed on this host
+W=${RESULTS_DIR:-$PWD/bench-results/gpu}   # results of every run, appended
+mkdir -p "$W/logs"
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
 # PYTHONSAFEPATH: `python -m` would put the checkout first on sys.path, where gpumesh/ has no
@@ -49,21 +59,22 @@ ln -s "$PWD/router" "$PY/gpumesh/router" && ln -s "$PWD/node" "$PY/gpumesh/node"
   && ln -s "$PWD/bench" "$PY/gpumesh_bench" || exit 1
 if [ "$ENGINE" = vllm ]; then
   echo "== install ($(elapsed)s)"
-  bash .gpukit/tools/kit_install.sh .gpukit/one > "$W/logs/install.log" 2>&1 \
+  SITE=$SITE bash .gpukit/tools/kit_install.sh .gpukit/one > "$W/logs/install.log" 2>&1 \
     || { echo "KIT INSTALL FAILED"; cat "$W/logs/install.log"; exit 1; }
   if [ -f .gpukit/extra/extra.tar.xz ]; then
     sum=$(sha256sum .gpukit/extra/extra.tar.xz | cut -c1-16)
-    if ! grep -qx "extra $sum" /tmp/site/.kit-installed; then
-      tar -C /tmp/site -xJf .gpukit/extra/extra.tar.xz || { echo "EXTRA INSTALL FAILED"; exit 1; }
-      echo "extra $sum" >> /tmp/site/.kit-installed
+    if ! grep -qx "extra $sum" "$SITE/.kit-installed"; then
+      tar -C "$SITE" -xJf .gpukit/extra/extra.tar.xz || { echo "EXTRA INSTALL FAILED"; exit 1; }
+      echo "extra $sum" >> "$SITE/.kit-installed"
     fi
-  elif ! grep -q '^extra ' /tmp/site/.kit-installed; then
-    echo "NO EXTRAS: .gpukit/extra absent and /tmp/site has none (bench/gpu/kit/pack_extra.sh)"; exit 1
+  elif ! grep -q '^extra ' "$SITE/.kit-installed"; then
+    echo "NO EXTRAS: no .gpukit/extra and none installed in $SITE (bench/gpu/kit/pack_extra.sh)"; exit 1
   fi
   tail -3 "$W/logs/install.log"
   # vLLM 0.26 imports flashinfer for its sampler unless told not to (the kit leaves it out);
-  # NVLink multicast stays off on multi-GPU hosts (NCCL's NVLS and torch's symmetric memory).
-  export PYTHONPATH=/tmp/site:$PY:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+  # NVLink multicast off (NCCL's NVLS, torch's symmetric memory, NVSHMEM): the data-parallel
+  # phases run independent engines, which need no collective across GPUs.
+  export PYTHONPATH=$SITE:$PY:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
@@ -80,7 +91,7 @@ python3 -c "import sys, grpc, google.protobuf as pb; print('python', sys.version
 # One model folder per shape for the test and every node: vLLM keys its compile cache on the
 # model path, so later engine starts on this machine skip torch.compile.
 MODELS=/tmp/gpumesh-models
-python3 -m gpumesh_bench.dummy_model $MODELS/qwen-0.5b-dummy 0.5b && python3 -m gpumesh_bench.dummy_model $MODELS/qwen-7b-dummy 7b || exit 1
+python3 -m gpumesh_bench.gpu.dummy_model $MODELS/qwen-0.5b-dummy 0.5b && python3 -m gpumesh_bench.gpu.dummy_model $MODELS/qwen-7b-dummy 7b || exit 1
 export GPUMESH_GPU_MODEL=$MODELS/qwen-0.5b-dummy
 
 if [ "$GPU_TEST" = 1 ]; then
@@ -94,17 +105,26 @@ if [ "$GPU_TEST" = 1 ]; then
   [ "$ENGINE" = vllm ] && for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
 fi
 
-left=$(( BUDGET - $(elapsed) - 15 ))
-echo "== bench phases $PHASES ($(elapsed)s, ${left}s left)"
+if [ "$BUDGET" -gt 0 ]; then
+  left=$(( BUDGET - $(elapsed) - 15 )); left=$(( left > 30 ? left : 30 ))
+  budget_args=(--budget "$left"); limit=(timeout -k 10 "$left"); bound="${left}s left"
+else
+  budget_args=(); limit=(); bound="no time bound"
+fi
+echo "== bench phases $PHASES ($(elapsed)s, $bound)"
 RAW_TOOL=${RAW_TOOL:-.gpukit/tools/seed_table.py}   # the raw-vLLM reference (raw* and vsraw* phases)
-timeout -k 10 $(( left > 30 ? left : 30 )) python3 -m gpumesh_bench.gpu run --phases "$PHASES" \
-  --engine "$ENGINE" --out "$W/res" --model-root $MODELS --raw-tool "$RAW_TOOL" --budget "$left" \
+[ -f "$RAW_TOOL" ] || RAW_TOOL=""
+"${limit[@]}" python3 -m gpumesh_bench.gpu run --phases "$PHASES" \
+  --engine "$ENGINE" --out "$W/res" --model-root $MODELS --raw-tool "$RAW_TOOL" "${budget_args[@]}" \
   ${BENCH_ARGS:-}
 echo "== bench rc=$? ($(elapsed)s)"
 
-cp "$W/res/results.json" "$W/res/summary.md" "$OUT/" 2>/dev/null
-cp "$W/res/plots.png" "$OUT/" 2>/dev/null
-cp "$W/gpu_status_under_load.txt" "$OUT/" 2>/dev/null
-tar -czf "$OUT/logs.tgz" -C "$W" logs res/logs 2>/dev/null
-ls -la "$OUT"
-echo "== done ($(elapsed)s)"
+if [ -n "$OUT" ]; then
+  mkdir -p "$OUT"
+  cp "$W/res/results.json" "$W/res/summary.md" "$OUT/" 2>/dev/null
+  cp "$W/res/plots.png" "$OUT/" 2>/dev/null
+  cp "$W/gpu_status_under_load.txt" "$OUT/" 2>/dev/null
+  tar -czf "$OUT/logs.tgz" -C "$W" logs res/logs 2>/dev/null
+  ls -la "$OUT"
+fi
+echo "== done ($(elapsed)s): results in $W/res"

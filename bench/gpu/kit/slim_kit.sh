@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Here (no network needed): make the vLLM kit (.gpukit/one/site.tar.xz, built by
-# bench/gpu/kit/prepare_kit.sh) smaller to ship, then print the size of what ships to the GPU
+# On the build machine (no network needed): make the vLLM kit (.gpukit/one/site.tar.xz, built
+# by bench/gpu/kit/prepare_kit.sh) smaller, then print the size of what is copied to the GPU
 # host (the tree, the kit, the tools and the extras of bench/gpu/kit/pack_extra.sh, as one tar).
 #
 # This drops mistral_common's two Tekken tokenizer tables (34 MB unpacked, ~2.9 MB packed),
@@ -8,14 +8,14 @@
 # GPU bench serves, and pycountry's translations (pycountry/locales, 22 MB unpacked: gettext
 # catalogues, read only when a country name is translated); nothing else in the kit changes.
 #   bash bench/gpu/kit/prepare_kit.sh && bash bench/gpu/kit/slim_kit.sh && bash bench/gpu/kit/pack_extra.sh
-# SHIP_LIMIT=BYTES (optional): fail when what ships is larger.
+# SHIP_LIMIT=BYTES (optional): fail when what is copied is larger.
 # Idempotent (a slimmed kit is stamped in .gpukit/one/SLIM); ~7 min on 2 cores (xz -9e).
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 cd "$ROOT"
 K=.gpukit/one
 LIMIT=${SHIP_LIMIT:-0}
-ship_size() {  # the tree and the kit as one tar
+copy_size() {  # the tree and the kit as one tar
   { git ls-files; git ls-files -o --exclude-standard
     find .gpukit/one .gpukit/tools .gpukit/extra .gpukit/doors -type f 2>/dev/null || true; } \
     | tar -T - -cf - 2>/dev/null | wc -c
@@ -40,6 +40,6 @@ else
   sha256sum $K/site.tar.xz | cut -c1-16 > $K/SLIM
   echo "slim: $(stat -c %s $K/site.tar.xz) bytes"
 fi
-size=$(ship_size)
+size=$(copy_size)
 echo "the tree and the kit: $size bytes"
 [ "$LIMIT" = 0 ] || [ "$size" -le "$LIMIT" ] || { echo "ERROR: over SHIP_LIMIT ($LIMIT bytes)"; exit 1; }

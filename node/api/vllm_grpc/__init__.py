@@ -28,7 +28,8 @@ Field semantics follow the reference servicer (smg-grpc-servicer 0.14.1), field 
 - ``GetLoads``: one ``SchedulerLoad`` (dp_rank 0): running / waiting from the engine's
   scheduler, ``token_usage`` = KV-cache usage, ``gen_throughput`` = the engine's generation
   tokens/s, and ``num_waiting_uncached_tokens`` = the node ledger's
-  ``pending_prefill_tokens`` (prompt tokens admitted with no first token yet, every client's).
+  ``pending_prefill_tokens`` (prompt tokens admitted with no first token yet, less the
+  prefix the node's cache holds where it knows it; every client's).
   vLLM's servicer estimates the same quantity from the requests it forwarded that the engine
   has not started; the ledger's figure also holds a request whose prefill is in progress.
 - ``SubscribeKvEvents`` streams the node's KV block events (``kv_stream.KvEventLog``, on a

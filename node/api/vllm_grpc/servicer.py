@@ -4,6 +4,7 @@ package docstring states the contract)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -16,7 +17,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from gpumesh.node.accounting import Admission
+from gpumesh.node.api.generation import GenerationLoop, Prepared
 from gpumesh.node.cache import KvPublisher
 from gpumesh.node.api.vllm_grpc.facts import engine_limits, model_file_facts
 from gpumesh.node.api.vllm_grpc.kv_stream import KvEventLog
@@ -61,6 +62,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._engine = engine
         self._prompts = prompts or PromptEncoder(engine)
         self._state = state
+        self._loop = GenerationLoop(engine, state)
         self._model_path = model_path
         self._require_ticket = require_ticket
         self._clock = clock
@@ -110,8 +112,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     "this node only serves requests routed by a gpumesh router")
             ids = await self._prompt(request)
             params = request_params(request.sampling_params, len(ids),
-                             self._engine.model.max_context_length)
-            self._state.claim_request_id(rid)   # ALREADY_EXISTS for an id in flight
+                                    self._engine.model.max_context_length)
         except RequestError as err:
             await context.abort(err.code, err.message)
             return
@@ -119,53 +120,40 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         if self.kv_log is not None:
             self.kv_log.learn(ids)
         n_prompt = len(ids)
-        admission: Admission = self._state.ledger.admit("", n_prompt)
-        engine_done = False
         generated = 0
         all_ids: list[int] = []
+        prep = Prepared(EngineRequest(rid, tuple(ids), params.sampling))
         try:
-            async for out in self._engine.generate(
-                    EngineRequest(rid, tuple(ids), params.sampling)):
-                delta = list(out.token_ids)
-                finish = out.finish
-                engine_done = finish is not None
-                if delta:
-                    admission.first_token()
-                matched = None
-                if params.stop_token_ids:
-                    for i, t in enumerate(delta):
-                        if t in params.stop_token_ids and generated + i + 1 > params.min_tokens:
-                            delta, finish, matched = delta[:i + 1], Finish.STOP, t
-                            break
-                generated += len(delta)
-                if request.stream:
-                    yield chunk_response(delta, n_prompt)
+            # aclosing: ending here (a stop token, a cancelled call) aborts in the engine at once
+            async with contextlib.aclosing(self._loop.run(prep)) as outs:
+                async for out in outs:
+                    delta = list(out.token_ids)
+                    finish = out.finish
+                    matched = None
+                    if params.stop_token_ids:
+                        floor = params.min_tokens - generated   # no stop before min_tokens
+                        for i, t in enumerate(delta):
+                            if t in params.stop_token_ids and i + 1 > floor:
+                                delta, finish, matched = delta[:i + 1], Finish.STOP, t
+                                break
+                    generated += len(delta)
+                    if request.stream:
+                        yield chunk_response(delta, n_prompt)
+                        if finish is not None:
+                            yield complete_response(delta, finish, n_prompt, matched)
+                    else:
+                        all_ids.extend(delta)
+                        if finish is not None:
+                            yield complete_response(all_ids, finish, n_prompt, matched)
                     if finish is not None:
-                        yield complete_response(delta, finish, n_prompt, matched)
-                else:
-                    all_ids.extend(delta)
-                    if finish is not None:
-                        yield complete_response(all_ids, finish, n_prompt, matched)
-                if finish is not None:
-                    return
-        except RequestError as err:
-            await context.abort(err.code, err.message)
+                        return
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as exc:  # the engine's, mapped once here
+        except Exception as exc:  # RequestError from the loop (engine errors mapped there)
             err = engine_error(exc)
             if err.code is grpc.StatusCode.INTERNAL:
                 log.exception("Generate %s failed", rid)
             await context.abort(err.code, err.message)
-        finally:
-            admission.finish()
-            if not engine_done:
-                # Cancelled, failed, or ended here on a stop token: the engine drops it.
-                try:
-                    await self._engine.abort(rid)
-                except Exception:
-                    log.debug("abort of %s failed (best effort)", rid, exc_info=True)
-            self._state.request_ids.discard(rid)
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> vpb.AbortResponse:

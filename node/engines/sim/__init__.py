@@ -24,6 +24,9 @@ Model of the GPU (one asyncio task per engine runs continuous-batching steps):
   preempted (its KV is freed and it recomputes prompt + generated tokens when readmitted,
   vLLM's RECOMPUTE mode), and no new request is admitted in that step. A request whose
   prompt and maximum output exceed the KV cache even alone is refused when added.
+- Disaggregated serving (``transfer.py``, driven by the fleet simulator): a prefill leg keeps
+  its KV after it finishes until released; a decode leg takes KV blocks for its whole prompt,
+  waits for the transfer, then computes only its last prompt token.
 - ``front_end_tokens_per_s`` (0 = none): the node's front-end ceiling. A real node's vLLM
   front end (output processing, detokenising, the gRPC servicer) is one Python process and
   tops out at a host-dependent output-token rate whatever the GPU does; a step that samples

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumesh.profiles import EngineProfile, ProfileError, builtin_names, builtin_profile
-
-VOCAB_SIZE = 32_000
+from gpumesh.sim_tokenizer import SIM_VOCAB_SIZE as VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,10 @@ class SimEngineConfig:
     adapter_load_ms: float = 20.0
     # vLLM's automatic prefix caching (prefix_cache.py): cached prompt blocks skip prefill
     prefix_caching: bool = True
+    # bytes of KV cache per token (the profile's kv.bytes_per_token): what moving a prompt's
+    # KV to another engine transfers (the fleet simulator's disaggregated serving); 0 =
+    # unknown. The 0.5B shape: 2 x 24 layers x 2 KV heads x 64 x 2 bytes (bfloat16)
+    kv_bytes_per_token: int = 12288
 
     def __post_init__(self) -> None:
         if self.speed <= 0:
@@ -66,6 +69,8 @@ class SimEngineConfig:
             raise ValueError("kv_capacity_tokens must hold at least max_context_length tokens")
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError("eos_probability must be in [0, 1]")
+        if self.kv_bytes_per_token < 0:
+            raise ValueError("kv_bytes_per_token must be >= 0 (0 = unknown)")
         if self.vocab_size < 2:
             raise ValueError("vocab_size must be >= 2")
 
@@ -88,6 +93,7 @@ class SimEngineConfig:
             "kv_capacity_tokens": profile.kv_capacity_tokens,
             "kv_block_size": profile.kv_block_size,
             "prefix_caching": profile.prefix_caching,
+            "kv_bytes_per_token": profile.kv_bytes_per_token,
             "step_a_ms": profile.a_ms,
             "step_b_decode_ms": profile.b_decode_ms,
             "step_c_decode_ms": profile.c_decode_ms,

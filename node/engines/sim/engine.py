@@ -23,7 +23,8 @@ from gpumesh.node.engines.base import (
 from gpumesh.node.engines.sim.adapters import SimAdapters
 from gpumesh.node.engines.sim.config import SimEngineConfig
 from gpumesh.node.engines.sim.scheduler import SimRequest, SimScheduler
-from gpumesh.node.engines.sim.text import SimTokenizer, detokenize
+from gpumesh.node.engines.sim.text import detokenize
+from gpumesh.sim_tokenizer import SimTokenizer
 from gpumesh.types import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,7 @@ class SimEngine(SimScheduler):
         return self._tok.encode(text)
 
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        parts = [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages]
-        parts.append("<|im_start|>assistant\n")
-        return self._tok.encode("".join(parts))
+        return self._tok.render_chat(messages)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Queue the request at the first iteration (as vLLM's AsyncLLM does) and yield deltas.

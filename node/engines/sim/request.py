@@ -22,9 +22,11 @@ class SimRequest:
         "hashes",
         "hold",
         "id",
+        "keep_kv",
         "max_out",
         "out",
         "prompt_len",
+        "remote",
         "rng",
         "sent",
         "stop",
@@ -35,8 +37,14 @@ class SimRequest:
     )
 
     def __init__(self, rid: str, prompt_len: int, max_out: int, rng: random.Random,
-                 eos_p: float, stop: tuple[str, ...], hashes: tuple[int, ...] = ()) -> None:
+                 eos_p: float, stop: tuple[str, ...], hashes: tuple[int, ...] = (), *,
+                 remote: bool = False, keep_kv: bool = False) -> None:
         self.id = rid
+        # disaggregated serving (transfer.py): ``remote`` = its prompt's KV comes from another
+        # engine (the engine computes only the last prompt token); ``keep_kv`` = its KV stays
+        # after it finishes, until the driver releases it (the KV another engine reads)
+        self.remote = remote
+        self.keep_kv = keep_kv
         # prefix caching (prefix_cache.py): the prompt's full-block hashes, those this request
         # holds a cache reference on (counted in ``blocks`` too), blocks looked at so far
         self.hashes = hashes

@@ -20,7 +20,9 @@ from gpumesh.node.engines.base import EngineLoad, Finish, WindowMean
 from gpumesh.node.engines.sim.config import SimEngineConfig, SimStats
 from gpumesh.node.engines.sim.prefix_cache import PrefixCache
 from gpumesh.node.engines.sim.request import SimRequest, SimStep
-from gpumesh.node.engines.sim.text import NWORDS, WORDS
+from gpumesh.node.engines.sim.text import check_stop
+from gpumesh.node.engines.sim.transfer import KvTransfers
+from gpumesh.types import StepModel
 
 # Window of decode_step_s (seconds of the driver's clock): the mean length of the steps that
 # ended in it. The same as a vLLM node's (gpumesh.node.engines.vllm.stats): long enough to
@@ -28,10 +30,10 @@ from gpumesh.node.engines.sim.text import NWORDS, WORDS
 STEP_WINDOW_S = 3.0
 
 
-class SimScheduler:
+class SimScheduler(KvTransfers):
     """The requests of one simulated engine, its KV blocks, its step model and its load
     signals (module docstring: how to drive it). ``SimEngine`` adds the Engine protocol and
-    the step loop on an event loop."""
+    the step loop on an event loop; ``KvTransfers`` the legs of disaggregated serving."""
 
     def __init__(self, config: SimEngineConfig) -> None:
         self.config = cfg = config
@@ -40,6 +42,11 @@ class SimScheduler:
         self._reqs: dict[str, SimRequest] = {}
         self._running: list[SimRequest] = []
         self._waiting: deque[SimRequest] = deque()
+        # disaggregated serving (transfer.py): decode legs whose KV is arriving, those that
+        # took their blocks since take_started(), finished prefill legs holding their KV
+        self._loading: dict[str, SimRequest] = {}
+        self._started: list[SimRequest] = []
+        self._held: dict[str, SimRequest] = {}
         self._block = cfg.kv_block_size
         self._total_blocks = cfg.kv_capacity_tokens // cfg.kv_block_size
         self._free_blocks = self._total_blocks
@@ -124,7 +131,7 @@ class SimScheduler:
         gen_rate, prompt_rate = self._rates(now)
         return EngineLoad(
             num_running=len(self._running),
-            num_waiting=len(self._waiting),
+            num_waiting=len(self._waiting) + len(self._loading),
             kv_cache_usage=(self._total_blocks - self._free_blocks) / self._total_blocks,
             prefix_cache_hit_rate=self.prefix.hit_rate if self.prefix is not None else 0.0,
             generation_tokens_per_s=gen_rate,
@@ -132,7 +139,19 @@ class SimScheduler:
             kv_capacity_tokens=self._total_blocks * self._block,
             prefill_capacity_tokens_per_s=self._prefill_capacity,
             decode_step_s=self.decode_step_s(),
+            step_model=self.step_model(),
         )
+
+    def step_model(self) -> StepModel | None:
+        """The linear step model this engine runs (wall-clock ms: its constants / speed x
+        time_scale), reported as a live node reports its online fit (``LoadReport.
+        step_model``); None before its first step, as a live node has fitted nothing yet."""
+        if self._steps == 0:
+            return None
+        c = self.config
+        k = (c.time_scale if c.time_scale > 0 else 1.0) / c.speed
+        return StepModel(c.step_a_ms * k, c.step_b_decode_ms * k, c.step_b_prefill_ms * k,
+                         self._steps, 0.0)
 
     def decode_step_s(self) -> float:
         """Mean length (driver's clock) of the steps of the last ``STEP_WINDOW_S`` (the last
@@ -212,6 +231,7 @@ class SimScheduler:
         req.finish = finish
         self._free(req)
         self._reqs.pop(req.id, None)
+        self._loading.pop(req.id, None)
         if req in self._running:
             self._running.remove(req)
         else:
@@ -246,6 +266,7 @@ class SimScheduler:
                     victim = running.pop()
                     self._free(victim)
                     victim.computed = 0
+                    victim.remote = False  # its transferred KV is gone: recompute
                     self._waiting.appendleft(victim)
                     self._preempt += 1
                     preempted = True
@@ -269,6 +290,18 @@ class SimScheduler:
             waiting = self._waiting
             while waiting and len(running) < cfg.max_num_seqs and budget > 0:
                 req = waiting[0]
+                if req.remote:  # a decode leg (transfer.py)
+                    got = self._admit_remote(req)
+                    if got < 0:
+                        break  # KV full: it waits (holding no block)
+                    waiting.popleft()
+                    if got:
+                        req.remote = False
+                        running.append(req)
+                        scheduled.append((req, 1))
+                        budget -= 1
+                        n_dec += 1
+                    continue
                 n = self._admit(req, budget)
                 if n == 0:
                     break  # KV full: it waits (holding no block)
@@ -303,7 +336,7 @@ class SimScheduler:
                     tid = tid + 1 if tid + 1 < self._vocab else 0
                 out.append(tid)
                 if req.stop:
-                    self._check_stop(req, tid)
+                    check_stop(req, tid)
             gen += 1
             if len(out) == 1:
                 firsts.append(req)
@@ -311,7 +344,10 @@ class SimScheduler:
                 req.finish = Finish.LENGTH
             if req.finish is not None:
                 done.append(req)
-                self._free(req)
+                if req.keep_kv:
+                    self._held[req.id] = req  # another engine reads it (transfer.py)
+                else:
+                    self._free(req)
                 del self._reqs[req.id]
                 self._finished += 1
             w = req.waiter
@@ -378,16 +414,3 @@ class SimScheduler:
                 req.cached.append(h)
         if full > req.upto:
             req.upto = full
-
-    @staticmethod
-    def _check_stop(req: SimRequest, tid: int) -> None:
-        start = max(0, len(req.text) - req.hold)
-        req.text += WORDS[tid % NWORDS]
-        best = -1
-        for s in req.stop:
-            k = req.text.find(s, start)
-            if k != -1 and (best == -1 or k < best):
-                best = k
-        if best != -1:
-            req.text = req.text[:best]
-            req.finish = Finish.STOP

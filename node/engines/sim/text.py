@@ -1,13 +1,17 @@
 """The simulator's deterministic text: a fixed word list its token ids render to (with
-multi-byte characters, so streaming code sees them) and a BPE-like tokenizer for prompts."""
+multi-byte characters, so streaming code sees them). Its prompt tokenizer, ``SimTokenizer``,
+is in the core (``gpumesh.sim_tokenizer``: a router computes the same ids)."""
 
 from __future__ import annotations
 
-import re
-import zlib
 from collections.abc import Sequence
 
+from gpumesh.node.engines.base import Finish
 from gpumesh.node.engines.sim.config import VOCAB_SIZE
+from gpumesh.node.engines.sim.request import SimRequest
+from gpumesh.sim_tokenizer import SimTokenizer
+
+__all__ = ["EOS_TOKEN_ID", "NWORDS", "WORDS", "SimTokenizer", "check_stop", "detokenize"]
 
 EOS_TOKEN_ID = VOCAB_SIZE  # outside the sampled range, so it is never drawn by accident
 
@@ -38,28 +42,17 @@ def detokenize(token_ids: Sequence[int], eos: int = EOS_TOKEN_ID) -> str:
     return "".join([WORDS[t % NWORDS] for t in token_ids if t != eos])
 
 
-# Whitespace then up to four non-space characters: ~1 token per short word, ~4 chars per
-# token in longer ones, so a benchmark's prompt lengths come out close to what a BPE gives.
-_PIECE = re.compile(r"\s*\S{1,4}|\s+")
-
-
-class SimTokenizer:
-    """Text -> ids: one id per piece (see ``_PIECE``), a CRC of the piece modulo the vocab."""
-
-    __slots__ = ("_memo", "_vocab")
-
-    def __init__(self, vocab_size: int = VOCAB_SIZE) -> None:
-        self._memo: dict[str, int] = {}
-        self._vocab = vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        memo = self._memo
-        out: list[int] = []
-        for piece in _PIECE.findall(text):
-            tid = memo.get(piece)
-            if tid is None:
-                tid = zlib.crc32(piece.encode()) % self._vocab
-                if len(memo) < 200_000:
-                    memo[piece] = tid
-            out.append(tid)
-        return out
+def check_stop(req: SimRequest, tid: int) -> None:
+    """Appends token ``tid``'s text to ``req`` and, when one of its stop strings appears
+    (looking back only as far as one could straddle the last token), cuts the text there and
+    finishes the request (``Finish.STOP``)."""
+    start = max(0, len(req.text) - req.hold)
+    req.text += WORDS[tid % NWORDS]
+    best = -1
+    for s in req.stop:
+        k = req.text.find(s, start)
+        if k != -1 and (best == -1 or k < best):
+            best = k
+    if best != -1:
+        req.text = req.text[:best]
+        req.finish = Finish.STOP

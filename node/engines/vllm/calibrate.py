@@ -253,10 +253,3 @@ def _source(plan: CalibrationPlan) -> str:
             f"{plan.repeats} repeats; held out: batch {plan.held_out_batch}, batch "
             f"{plan.held_out_context[0]} after {plan.held_out_context[1]} prompt tokens, "
             f"prompt {plan.held_out_prompt}")
-
-
-def held_out_errors(profile: EngineProfile) -> Sequence[tuple[Sample, float]]:
-    """(sample, relative error of its prediction) of every held-out sample."""
-    return [(x, x.error) for x in profile.samples if x.held_out]
-
-

@@ -42,6 +42,12 @@ class VllmEngineConfig:
     max_cpu_loras: int = 0
     # Publish vLLM's KV-cache events to the node (kv_events.py): prefix-cache state for routers
     kv_events: bool = False
+    # Disaggregated prefill/decode (kv_transfer.py): "both" (no KV connector), "prefill" or
+    # "decode" (vLLM's NixlConnector); the NIXL side channel's host (what other nodes reach
+    # this one at) and port (0: a free one at start)
+    role: str = "both"
+    kv_side_channel_host: str = "127.0.0.1"
+    kv_side_channel_port: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @property

@@ -36,6 +36,11 @@ from gpumesh.node.engines.vllm.kv_events import (
     kv_events_config,
     new_endpoint,
 )
+from gpumesh.node.engines.vllm.kv_transfer import (
+    KvTransferTotals,
+    apply_side_channel,
+    check_params,
+)
 from gpumesh.node.engines.vllm.lifetime import install as die_with_node
 from gpumesh.node.engines.vllm.shared_core import FrontendSlot, SharedEngineCore
 from gpumesh.node.engines.vllm.stats import LoadStatLogger, stat_logger_factory
@@ -89,6 +94,13 @@ class VllmEngine:
         self._max_model_len = config.max_model_len or 0
         self._shut = False
         self._sampler_task: asyncio.Task[None] | None = None
+        self._kv_transfer = False            # a KV connector is configured (kv_transfer.py)
+        self.kv_side_channel: tuple[str, int] | None = None   # NIXL's (host, port) once started
+
+    @property
+    def kv_transfers(self) -> KvTransferTotals:
+        """What this engine's KV connector moved since start (zeros without one)."""
+        return self._stats.kv_transfers
 
     @property
     def gpu_model(self) -> str:
@@ -132,6 +144,11 @@ class VllmEngine:
                 **self._config.extra, "kv_events_config": kv_events_config(self._kv_endpoint)})
         # the engine core and its workers end when this process ends, however it ends
         die_with_node()
+        kv_config = engine_kwargs(self._config).get("kv_transfer_config")
+        if self._frontend is None and isinstance(kv_config, dict):
+            # before the engine core starts (this one's or a shared one): it reads these
+            self.kv_side_channel = apply_side_channel(
+                kv_config, self._config.kv_side_channel_host, self._config.kv_side_channel_port)
         if self._frontends > 1 and self._core is None:
             core = SharedEngineCore(self._config, self._frontends)
             launch = asyncio.ensure_future(asyncio.to_thread(core.launch))
@@ -142,7 +159,9 @@ class VllmEngine:
                 launch.add_done_callback(lambda _: loop.run_in_executor(None, core.shutdown))
                 raise
             self._core, self._frontend, self.peer_slots = core, slots[0], slots[1:]
-        args = AsyncEngineArgs(**engine_kwargs(self._config))
+        kwargs = engine_kwargs(self._config)
+        self._kv_transfer = kwargs.get("kv_transfer_config") is not None
+        args = AsyncEngineArgs(**kwargs)
         factory = stat_logger_factory(self._stats)
         t0 = time.monotonic()
         # Building the engine blocks for the whole engine-core start-up (tens of seconds:
@@ -249,6 +268,15 @@ class VllmEngine:
                 f"prompt has {n} tokens; the model's context window is {self._max_model_len}"
             )
         params = self._sampling_params(request)
+        if request.kv_transfer_params is not None:
+            if not self._kv_transfer:
+                raise InvalidRequest("kv_transfer_params needs a node with a KV connector "
+                                     "(role prefill or decode)")
+            try:
+                check_params(request.kv_transfer_params)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+            params.extra_args = {"kv_transfer_params": dict(request.kv_transfer_params)}
         # An already-rendered engine input: vLLM skips its (deprecated) raw-prompt path.
         prompt = tokens_input(list(request.prompt_token_ids))
         lora = None
@@ -261,14 +289,17 @@ class VllmEngine:
                 async for out in stream:
                     c = out.outputs[0]
                     finish = None
+                    kv_params = None
                     if out.finished:
                         if c.finish_reason == "error":
                             raise EngineError(f"vLLM failed request {request.request_id}")
                         # Anything else vLLM may add later ends the stream like a stop.
                         finish = _FINISH.get(c.finish_reason or "", Finish.STOP)
+                        if request.kv_transfer_params is not None:
+                            kv_params = getattr(out, "kv_transfer_params", None)
                     if not c.token_ids and not c.text and finish is None:
                         continue
-                    yield EngineOutput(tuple(c.token_ids), c.text, finish)
+                    yield EngineOutput(tuple(c.token_ids), c.text, finish, kv_params)
         except engine_errors as e:
             if "maximum model length" in str(e) or "max_model_len" in str(e):
                 raise PromptTooLong(str(e)) from e
@@ -293,6 +324,17 @@ class VllmEngine:
         if self._gpu_sampler is not None:
             return dataclasses.replace(snap, gpus=self._gpu_sampler.latest)
         return snap
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empties the engine's prefix cache (vLLM's ``reset_prefix_cache``: refused, False,
+        while a request holds KV blocks). On success the KV event sink hears ``cleared`` at
+        once (kv_events.py), so routers stop counting on the dropped prefixes."""
+        if self._llm is None:
+            return False
+        ok = bool(await self._llm.reset_prefix_cache())
+        if ok and self._kv_subscriber is not None:
+            self._kv_subscriber.translator.reset()
+        return ok
 
     def set_kv_event_sink(self, sink: KvEventSink) -> bool:
         """Mirrors the engine's KV events into ``sink`` (kv_events.py) from the start (or

@@ -7,6 +7,7 @@ from typing import Any
 
 from gpumesh.node.engines.vllm.compat import current_platform
 from gpumesh.node.engines.vllm.config import VllmEngineConfig
+from gpumesh.node.engines.vllm.kv_transfer import default_kv_transfer_config
 from gpumesh.node.engines.vllm.worker import WORKER_SETUP
 
 # On CUDA the node asks vLLM for full CUDA graphs on every batch, mixed prefill + decode
@@ -45,5 +46,9 @@ def engine_kwargs(c: VllmEngineConfig) -> dict[str, Any]:
         kwargs["worker_extension_cls"] = WORKER_SETUP
     elif platform.is_cuda() and not c.enforce_eager:
         kwargs["compilation_config"] = dict(CUDA_COMPILATION_CONFIG)
+    # the role's KV connector; an engine_args kv_transfer_config replaces it
+    kv = default_kv_transfer_config(c.role, platform.is_cpu())
+    if kv is not None:
+        kwargs["kv_transfer_config"] = kv
     kwargs.update(c.extra)
     return kwargs

@@ -14,6 +14,12 @@ extra hash keys (a LoRA adapter, multimodal inputs, a cache salt): a router's te
 cannot match them, so they are left out (with their descendants). A gap in the batches' seq
 (ZMQ dropped some at its high-water mark) clears the mirror: blocks are then learned again as
 they are stored, and never reported held when they might not be.
+
+A prefix-cache reset (``VllmEngine.reset_prefix_cache``) clears the mirror at once
+(``KvEventTranslator.reset``): vLLM queues its AllBlocksCleared but publishes it only with
+its next scheduler step, so an idle engine would otherwise be indexed as holding blocks it
+dropped until its next request. The AllBlocksCleared that follows clears again (anything
+mirrored in between was stored before the reset).
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ class KvEventTranslator:
         self._blocks: dict[Any, tuple[int, ...]] = {}
         self._seq = -1
         self.gaps = 0
+
+    def reset(self) -> None:
+        """The engine's prefix cache was just reset: the mirror holds nothing (module doc)."""
+        self._blocks.clear()
+        self.sink.cleared()
 
     def batch(self, seq: int, events: Sequence[Any]) -> None:
         if self._seq >= 0 and seq != self._seq + 1:

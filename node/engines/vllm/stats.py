@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpumesh.node.engines.base import EngineLoad, WindowMean
+from gpumesh.node.engines.vllm.kv_transfer import KvTransferTotals
 from gpumesh.profile_fit import OnlineStepFit
 
 
@@ -92,6 +93,7 @@ class LoadStatLogger:
         self._prefix_h = 0
         self.records = 0
         self.kv_capacity_tokens = 0  # blocks x block size, once vLLM has sized its KV cache
+        self.kv_transfers = KvTransferTotals()   # what the KV connector moved (kv_transfer.py)
 
     # -- vLLM StatLoggerBase interface (duck-typed; see stat_logger_factory) ---------------
 
@@ -113,6 +115,9 @@ class LoadStatLogger:
             pc = getattr(scheduler_stats, "prefix_cache_stats", None)
             if pc is not None:
                 self._observe_prefix(pc)
+            kvc = getattr(scheduler_stats, "kv_connector_stats", None)
+            if kvc:
+                self.kv_transfers = self.kv_transfers.add(kvc)
         if iteration_stats is not None:
             gen = int(getattr(iteration_stats, "num_generation_tokens", 0))
             pts = getattr(iteration_stats, "prompt_token_stats", None)

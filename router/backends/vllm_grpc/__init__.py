@@ -4,8 +4,9 @@ A worker started with vLLM's own launcher (``python -m vllm.entrypoints.launcher
 speaks no gpumesh: no Registration, no heartbeats, no ``gpumesh.v1.Inference``. The router does
 both halves a gpumesh node does itself: ``membership`` registers and reports each worker
 (``load`` maps vLLM's load messages), ``client`` is its node transport (``translate`` turns
-gpumesh requests into vLLM's, ``tokenizer`` tokenizes prompts and detokenizes the worker's
-token ids, ``call`` gives the result the grpc.aio call shape the dispatcher uses).
+gpumesh requests into vLLM's with the worker model's tokenizer from the router's
+``router.tokenizers``, ``detokenizer`` turns the worker's token ids into text, ``call`` gives
+the result the grpc.aio call shape the dispatcher uses).
 """
 
 from gpumesh.router.backends.vllm_grpc.client import ForeignClient, SentCounts
@@ -20,7 +21,8 @@ from gpumesh.router.backends.vllm_grpc.membership import (
     ForeignMember,
     ForeignSpec,
 )
-from gpumesh.router.backends.vllm_grpc.tokenizer import Detokenizer, Tokenizer
+from gpumesh.router.backends.vllm_grpc.detokenizer import Detokenizer
+from gpumesh.router.tokenizers import Tokenizer
 
 __all__ = ["KIND", "Detokenizer", "ForeignClient", "ForeignFleet", "ForeignMember",
            "ForeignSpec", "SentCounts", "Tokenizer", "load_from_record", "load_from_scheduler",

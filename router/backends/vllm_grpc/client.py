@@ -24,9 +24,10 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 
 from gpumesh.router.backends.vllm_grpc.call import WorkerStreamCall, rpc_error
-from gpumesh.router.backends.vllm_grpc.tokenizer import Detokenizer, Tokenizer
+from gpumesh.router.backends.vllm_grpc.detokenizer import Detokenizer
 from gpumesh.router.backends.vllm_grpc.translate import finish_reason, prompt_ids, to_vllm_request
 from gpumesh.router.errors import NOT_ADMITTED_CODES
+from gpumesh.router.tokenizers import Tokenizer
 from gpumesh.serial_worker import WorkerClosed
 from gpumesh.types import RouterAccount
 from gpumesh.v1 import inference_pb2 as pb

@@ -38,8 +38,8 @@ from smg_grpc_proto.generated import common_pb2 as smg_common
 from gpumesh.router.backends.channels import NodeChannels
 from gpumesh.router.backends.vllm_grpc.client import ForeignClient, SentCounts
 from gpumesh.router.backends.vllm_grpc.load import load_from_record, merge_scheduler_loads
-from gpumesh.router.backends.vllm_grpc.tokenizer import Tokenizer
 from gpumesh.router.fleet import Registry
+from gpumesh.router.tokenizers import RouterTokenizers, Tokenizer
 from gpumesh.types import LoadReport, ModelSpec, Registration
 
 log = logging.getLogger(__name__)
@@ -78,13 +78,14 @@ class ForeignMember:
     """Keeps one foreign worker registered and reported while it answers (module doc).
     ``rpc_timeout_s`` bounds each membership RPC (HealthCheck, GetModelInfo, GetLoads)."""
 
-    def __init__(self, spec: ForeignSpec, registry: Registry, channels: NodeChannels, *,
-                 poll_interval_s: float = 0.25, rpc_timeout_s: float = 5.0,
-                 max_backoff_s: float = 5.0) -> None:
+    def __init__(self, spec: ForeignSpec, registry: Registry, channels: NodeChannels,
+                 tokenizers: RouterTokenizers, *, poll_interval_s: float = 0.25,
+                 rpc_timeout_s: float = 5.0, max_backoff_s: float = 5.0) -> None:
         self.spec = spec
         self.node_id = spec.resolved_node_id
         self._registry = registry
         self._channels = channels
+        self._tokenizers = tokenizers
         self._poll = poll_interval_s
         self._timeout = rpc_timeout_s
         self._max_backoff = max_backoff_s
@@ -120,9 +121,7 @@ class ForeignMember:
                 backoff = 0.2
 
     async def close(self) -> None:
-        await self._channel.close(None)
-        if self._tokenizer is not None:
-            self._tokenizer.close()
+        await self._channel.close(None)   # its tokenizer is the router's (closed with it)
 
     def _leave(self, reason: str) -> None:
         if self._stream_id:
@@ -139,7 +138,7 @@ class ForeignMember:
             if not Path(path).exists():
                 raise RuntimeError(f"no local tokenizer for {self.node_id} at {path!r}; set "
                                    "tokenizer= in its foreign_nodes entry")
-            self._tokenizer = await asyncio.to_thread(Tokenizer, path)
+            self._tokenizer = await self._tokenizers.worker_tokenizer(path)
         name = info.served_model_name or info.model_path
         self._counts = SentCounts()   # a fresh incarnation: the ledger restarts with it
         self._stream_id = next(_stream_ids)
@@ -194,8 +193,8 @@ class ForeignFleet:
     """Every configured foreign worker's member task (wired by ``router.app``)."""
 
     def __init__(self, specs: Sequence[str], registry: Registry, channels: NodeChannels,
-                 poll_interval_s: float = 0.25) -> None:
-        self.members = [ForeignMember(ForeignSpec.parse(s), registry, channels,
+                 tokenizers: RouterTokenizers, poll_interval_s: float = 0.25) -> None:
+        self.members = [ForeignMember(ForeignSpec.parse(s), registry, channels, tokenizers,
                                       poll_interval_s=poll_interval_s) for s in specs]
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -14,7 +14,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 
 from gpumesh.router.backends.vllm_grpc.call import rpc_error
-from gpumesh.router.backends.vllm_grpc.tokenizer import Tokenizer
+from gpumesh.router.tokenizers import Tokenizer
 from gpumesh.serial_worker import WorkerClosed
 from gpumesh.v1 import inference_pb2 as pb
 

@@ -1,0 +1,165 @@
+"""Prediction feedback: how far each node's predicted times are from what happened.
+
+A predictive policy puts the chosen node's predicted time to first token and to the last token
+on its ``Decision`` (seconds from the decision, already multiplied by that node's
+``Candidate.prediction_scale``). The dispatcher reports what it then observed on the node
+(``PredictionTracker.observe``: the time from the dispatch to the first chunk of a stream, and
+to its end or the unary answer), and the tracker keeps per node:
+
+- ``scale``: the node's observed / predicted TTFT ratio, what the registry puts into
+  ``Candidate.prediction_scale`` so the policy's next predictions for the node come out right.
+  Each sample is the ratio against the unscaled prediction (the prediction divided by the scale
+  in effect), clipped to [``min_scale``, ``max_scale``]; the scale is the median of the last
+  ``window`` samples (an outlier, such as one request that met a long prefill, moves it by
+  nothing), 1.0 until ``min_samples`` samples exist, and always within the clip bounds.
+- ``ttft_error_p50`` / ``completion_error_p50``: the median absolute relative error
+  |predicted - observed| / observed of the last ``window`` predictions as they were made (0.2
+  = 20 %): how good the predictions the policy acted on were.
+- ``drifting``: enough samples and a scale outside [1/``drift_scale``, ``drift_scale``] or a
+  TTFT error above ``drift_error``: the profile no longer describes the node (``gpumesh
+  status`` marks it).
+
+Listeners (``add_listener``) get every sample's relative error, ``(node_id, kind, error)``
+with kind "ttft" or "completion": the router's telemetry records them in a histogram.
+
+Who calls it: the dispatcher (``observe``, on the event loop, in the same step as the credit
+change that makes the node's cached candidate rebuild, so the next decision reads the new
+scale), the registry (``scale`` when it builds a candidate, ``forget`` when a node leaves),
+``GetFleet`` (``stats``). A policy that does not predict leaves both predictions None: nothing
+is recorded. Requests the router does not see through (lookaside Pick) and unary calls' TTFT
+are not observed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpumesh.router.scheduling.types import Decision
+from gpumesh.status import DRIFT_ERROR, DRIFT_SCALE
+
+# (node id, "ttft" | "completion", |predicted - observed| / observed)
+ErrorListener = Callable[[str, str, float], None]
+
+MIN_OBSERVED_S = 1e-3   # relative errors are taken against at least a millisecond
+
+
+@dataclass(frozen=True)
+class PredictionStats:
+    """One node's prediction quality (``PredictionTracker.stats``)."""
+
+    scale: float                 # observed / predicted TTFT (1.0 until min_samples)
+    ttft_error_p50: float        # 0 = no sample
+    completion_error_p50: float  # 0 = no sample
+    samples: int                 # TTFT samples in the window
+    drifting: bool
+
+
+class _Node:
+    __slots__ = ("completion_errors", "log_ratios", "scale", "ttft_errors")
+
+    def __init__(self, window: int) -> None:
+        self.log_ratios: deque[float] = deque(maxlen=window)
+        self.ttft_errors: deque[float] = deque(maxlen=window)
+        self.completion_errors: deque[float] = deque(maxlen=window)
+        self.scale = 1.0
+
+
+def relative_error(predicted_s: float, observed_s: float) -> float:
+    """|predicted - observed| / observed (observed taken as at least ``MIN_OBSERVED_S``)."""
+    return abs(predicted_s - observed_s) / max(observed_s, MIN_OBSERVED_S)
+
+
+def _usable(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and x > 0
+
+
+class PredictionTracker:
+    """Per-node prediction feedback (module docstring). Not thread-safe: the router's event
+    loop owns it; listeners run on it too."""
+
+    def __init__(self, *, window: int = 32, min_samples: int = 4, min_scale: float = 0.25,
+                 max_scale: float = 4.0, drift_scale: float = DRIFT_SCALE,
+                 drift_error: float = DRIFT_ERROR) -> None:
+        if not 0 < min_scale <= 1.0 <= max_scale or window < 1 or min_samples < 1:
+            raise ValueError("need 0 < min_scale <= 1 <= max_scale, window and "
+                             "min_samples >= 1")
+        self.window = window
+        self.min_samples = min_samples
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.drift_scale = drift_scale
+        self.drift_error = drift_error
+        self._nodes: dict[str, _Node] = {}
+        self._listeners: list[ErrorListener] = []
+
+    def add_listener(self, cb: ErrorListener) -> None:
+        self._listeners.append(cb)
+
+    # --- the dispatcher's hook --------------------------------------------------------
+
+    def observe(self, node_id: str, decision: Decision, *, ttft_s: float | None = None,
+                completion_s: float | None = None) -> None:
+        """What happened on ``node_id`` after ``decision`` sent a request there: the seconds
+        from the dispatch to its first output (``ttft_s``) and to its end
+        (``completion_s``); either may be None (not observed). Called once per observation
+        (a stream calls it at its first chunk and again at its end)."""
+        if _usable(ttft_s) and _usable(decision.predicted_ttft_s):
+            assert ttft_s is not None and decision.predicted_ttft_s is not None
+            self._ttft(node_id, decision.predicted_ttft_s, ttft_s)
+        if _usable(completion_s) and _usable(decision.predicted_completion_s):
+            assert completion_s is not None and decision.predicted_completion_s is not None
+            err = relative_error(decision.predicted_completion_s, completion_s)
+            self._node(node_id).completion_errors.append(err)
+            self._tell(node_id, "completion", err)
+
+    def _ttft(self, node_id: str, predicted_s: float, observed_s: float) -> None:
+        n = self._node(node_id)
+        err = relative_error(predicted_s, observed_s)
+        n.ttft_errors.append(err)
+        # against the unscaled prediction: the policy multiplied it by the scale in effect
+        ratio = observed_s * n.scale / predicted_s
+        ratio = min(max(ratio, self.min_scale), self.max_scale)
+        n.log_ratios.append(math.log(ratio))
+        if len(n.log_ratios) >= self.min_samples:
+            n.scale = min(max(math.exp(statistics.median(n.log_ratios)), self.min_scale),
+                          self.max_scale)
+        self._tell(node_id, "ttft", err)
+
+    def _tell(self, node_id: str, kind: str, err: float) -> None:
+        for cb in self._listeners:
+            cb(node_id, kind, err)
+
+    def _node(self, node_id: str) -> _Node:
+        n = self._nodes.get(node_id)
+        if n is None:
+            n = self._nodes[node_id] = _Node(self.window)
+        return n
+
+    # --- reads ------------------------------------------------------------------------
+
+    def scale(self, node_id: str) -> float:
+        """The node's ``Candidate.prediction_scale`` (1.0 for a node without samples)."""
+        n = self._nodes.get(node_id)
+        return n.scale if n is not None else 1.0
+
+    def stats(self, node_id: str) -> PredictionStats:
+        n = self._nodes.get(node_id)
+        if n is None:
+            return PredictionStats(1.0, 0.0, 0.0, 0, False)
+        ttft = statistics.median(n.ttft_errors) if n.ttft_errors else 0.0
+        completion = statistics.median(n.completion_errors) if n.completion_errors else 0.0
+        enough = len(n.log_ratios) >= self.min_samples
+        drifting = enough and (not 1 / self.drift_scale <= n.scale <= self.drift_scale
+                               or ttft > self.drift_error)
+        return PredictionStats(n.scale, ttft, completion, len(n.log_ratios), drifting)
+
+    def forget(self, node_id: str) -> None:
+        """The node left the fleet: its history goes with it."""
+        self._nodes.pop(node_id, None)
+
+    def __len__(self) -> int:
+        return len(self._nodes)

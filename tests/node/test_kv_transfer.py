@@ -1,0 +1,86 @@
+"""The KV connector a node role sets up, the parameters a node accepts, and the transfer
+totals read from vLLM's connector stats (gpumesh.node.engines.vllm.kv_transfer)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpumesh.node.config import NodeConfig
+from gpumesh.node.engines.vllm.kv_transfer import (
+    KvTransferTotals,
+    apply_side_channel,
+    check_params,
+    default_kv_transfer_config,
+)
+
+
+@pytest.mark.parametrize(("role", "cpu", "want"), [
+    ("both", True, None),
+    ("prefill", True, {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                       "kv_buffer_device": "cpu"}),
+    ("decode", False, {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                       "kv_buffer_device": "cuda"}),
+])
+def test_role_sets_the_connector(role: str, cpu: bool, want) -> None:
+    assert default_kv_transfer_config(role, cpu) == want
+
+
+def test_unknown_role_is_refused() -> None:
+    with pytest.raises(ValueError, match="role"):
+        default_kv_transfer_config("mixed", True)
+    with pytest.raises(ValueError, match="role"):
+        NodeConfig(role="mixed")
+    with pytest.raises(ValueError, match="engine = 'vllm'"):
+        NodeConfig(role="prefill", engine="sim")
+    with pytest.raises(ValueError, match="kv_port"):
+        NodeConfig(role="decode", kv_port=70000)
+
+
+def test_advertised_host() -> None:
+    assert NodeConfig(host="10.0.0.5").advertised_host() == "10.0.0.5"
+    assert NodeConfig(host="0.0.0.0", advertise_address="pod-1:50051").advertised_host() == "pod-1"
+    assert NodeConfig(host="0.0.0.0").advertised_host() not in ("", "0.0.0.0")
+
+
+def test_side_channel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
+    assert apply_side_channel(None, "h", 0) is None
+    assert apply_side_channel({"kv_connector": "ExampleConnector"}, "h", 0) is None
+    host, port = apply_side_channel({"kv_connector": "NixlConnector"}, "10.1.2.3", 0)
+    assert host == "10.1.2.3" and 0 < port < 65536
+    assert os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.2.3"
+    assert os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(port)
+    assert apply_side_channel({"kv_connector": "NixlConnector"}, "h", 5600) == ("h", 5600)
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_decode": True},
+    {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]],
+     "remote_host": "h", "remote_port": 5600},
+])
+def test_accepted_params(params) -> None:
+    check_params(params)
+
+
+@pytest.mark.parametrize(("params", "match"), [
+    ({}, "do_remote"),
+    ({"do_remote_decode": "yes"}, "do_remote"),
+    ({"do_remote_prefill": True}, "remote_engine_id"),
+    ({"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [],
+      "remote_host": "h", "remote_port": 0}, "remote_port"),
+])
+def test_refused_params(params, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_params(params)
+
+
+def test_totals_add_nixl_payloads() -> None:
+    t = KvTransferTotals()
+    t = t.add({"transfer_duration": [0.5, 0.25], "bytes_transferred": [100, 300],
+               "num_failed_transfers": [], "post_duration": [0.1, 0.1]})
+    t = t.add({"data": {"bytes_transferred": [], "num_failed_handshakes": [1]}})
+    t = t.add({"unknown": 1})
+    t = t.add(None)
+    assert t == KvTransferTotals(transfers=2, bytes=400, seconds=0.75, failures=1)
