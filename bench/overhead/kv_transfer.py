@@ -37,13 +37,50 @@ from pathlib import Path
 from typing import Any
 
 
-def _config(model: str, role: str, max_len: int, dummy: bool) -> Any:
+def _config(model: str, role: str, max_len: int, dummy: bool, gpu_mem: float) -> Any:
     from gpumesh.node.engines.vllm import VllmEngineConfig
 
     return VllmEngineConfig(model=model, served_name="m", max_model_len=max_len,
                             enforce_eager=True, role=role, enable_prefix_caching=True,
                             load_format="dummy" if dummy else "auto",
+                            dtype="bfloat16" if dummy else "auto",
+                            gpu_memory_utilization=gpu_mem,
                             tokenizer=str(Path(model) / "tokenizer") if dummy else None)
+
+
+async def _tokens(engine: Any, ids: list[int], max_tokens: int,
+                  params: dict | None) -> tuple[list[int], dict | None]:
+    """Greedy output token ids of one request, and the kv_transfer_params it ended with."""
+    from gpumesh.node.engines.base import EngineRequest, Sampling
+
+    req = EngineRequest(uuid.uuid4().hex, tuple(ids), Sampling(max_tokens=max_tokens,
+                        temperature=0.0, ignore_eos=True), None, params)
+    out: list[int] = []
+    kv = None
+    async for o in engine.generate(req):
+        out.extend(o.token_ids)
+        if o.finish is not None:
+            kv = o.kv_transfer_params
+    return out, kv
+
+
+async def _identical(pre: Any, dec: Any, rng: random.Random, vocab: int, lengths: list[int],
+                     max_tokens: int) -> list[dict[str, Any]]:
+    """Per prompt length: the aggregated answer (prefill engine alone) against the
+    disaggregated one (prefill leg, then the decode engine from its KV), greedy, token for
+    token."""
+    rows = []
+    for n in lengths:
+        ids = [rng.randrange(10, vocab) for _ in range(n)]
+        whole, _ = await _tokens(pre, ids, max_tokens, None)
+        _, kv = await _tokens(pre, ids, 1, {"do_remote_decode": True})
+        split, _ = await _tokens(dec, ids, max_tokens, kv)
+        same = sum(1 for a, b in zip(whole, split) if a == b)
+        rows.append({"prompt_tokens": n, "output_tokens": len(whole),
+                     "identical": whole == split, "matching_prefix": next(
+                         (i for i, (a, b) in enumerate(zip(whole, split)) if a != b),
+                         min(len(whole), len(split))), "matching_tokens": same})
+    return rows
 
 
 async def _first(engine: Any, ids: list[int], params: dict | None) -> tuple[float, dict | None]:
@@ -78,15 +115,18 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 async def run(model: str, lengths: list[int], trials: int, vocab: int, dummy: bool,
-              seed: int) -> dict[str, Any]:
+              seed: int, gpu_mem: float = 0.4, identical_tokens: int = 0) -> dict[str, Any]:
     from gpumesh.node.engines.vllm import VllmEngine
+    from gpumesh.node.engines.vllm.compat import current_platform
+
+    cpu = current_platform().is_cpu()
 
     rng = random.Random(seed)
     max_len = max(lengths) + 16
     engines = []
     for core, role in ((0, "prefill"), (1, "decode")):
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-        e = VllmEngine(_config(model, role, max_len, dummy))
+        e = VllmEngine(_config(model, role, max_len + identical_tokens, dummy, gpu_mem))
         await e.start()
         engines.append(e)
     pre, dec = engines
@@ -128,12 +168,24 @@ async def run(model: str, lengths: list[int], trials: int, vocab: int, dummy: bo
             row["extra_ms_per_token"] = _summary([1000 * x / n for x in extra])
             row["handover_ms_per_token"] = _summary([1000 * x / n for x in samples["handover_s"]])
             rows.append(row)
+        same = (await _identical(pre, dec, rng, vocab, lengths, identical_tokens)
+                if identical_tokens else [])
     finally:
         for e in engines:
             await e.shutdown()
-    return {"model": model, "dummy_weights": dummy, "engine": "vllm-cpu",
-            "connector": "NixlConnector (UCX, host memory)", "machine": platform.node(),
-            "cpus": os.cpu_count(), "rows": rows}
+    return {"model": model, "dummy_weights": dummy, "engine": "vllm-cpu" if cpu else "vllm-cuda",
+            "connector": "NixlConnector (UCX, %s memory)" % ("host" if cpu else "GPU"),
+            "gpu_memory_utilization": None if cpu else gpu_mem, "device": _device(cpu),
+            "machine": platform.node(), "cpus": os.cpu_count(), "rows": rows,
+            "identical": same}
+
+
+def _device(cpu: bool) -> str:
+    if cpu:
+        return platform.processor() or platform.machine()
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,11 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--vocab", type=int, default=2000, help="prompt ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                   help="each engine's share of the GPU (CUDA; two engines share GPU 0)")
+    p.add_argument("--identical", type=int, default=0, metavar="N",
+                   help="also check, per prompt length, that a disaggregated greedy answer of "
+                        "N tokens equals the aggregated one token for token")
     p.add_argument("--out", required=True, help="JSON results file")
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = asyncio.run(run(a.model, [int(x) for x in a.lengths.split(",")], a.trials,
-                             a.vocab, a.dummy, a.seed))
+                             a.vocab, a.dummy, a.seed, a.gpu_memory_utilization,
+                             a.identical))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     for r in result["rows"]:
@@ -160,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['extra_ms_per_token']['median']:.3f} ms  NIXL {r['nixl_transfer_s']['median']*1000:.2f} ms"
               f" {r['nixl_bytes']['median']/1024:.0f} KiB  hand-over "
               f"{r['handover_s']['median']*1000:.1f} ms")
-    return 0
+    for r in result["identical"]:
+        print(f"{r['prompt_tokens']:>5} tokens  disaggregated == aggregated over "
+              f"{r['output_tokens']} greedy tokens: {r['identical']}")
+    return 0 if all(r["identical"] for r in result["identical"]) else 1
 
 
 if __name__ == "__main__":
