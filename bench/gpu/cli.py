@@ -37,7 +37,13 @@ from gpumesh_bench.gpu.phases import (
     phase_unequal,
 )
 from gpumesh_bench.gpu.plot import plot
-from gpumesh_bench.gpu.prefix.phases import PREFIX_PHASES, PrefixWorkload, phase_prefix, prefix_need
+from gpumesh_bench.gpu.prefix.phases import (
+    PREFIX_PHASES,
+    PREFIX_SETUPS,
+    PrefixWorkload,
+    phase_prefix,
+    prefix_need,
+)
 from gpumesh_bench.gpu.prefix.report import prefix_markdown
 from gpumesh_bench.gpu.reference import phase_eng, phase_raw
 from gpumesh_bench.gpu.report import cmd_report, report_markdown
@@ -133,6 +139,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     failed = []
     doors = tuple(d for d in a.doors.split(",") if d)
     door_engines = tuple(sorted({int(x) for x in a.door_engines.split(",") if x}))
+    prefix_setups = tuple(x for x in a.prefix_setups.split(",") if x)
+    if not prefix_setups or set(prefix_setups) - set(PREFIX_SETUPS):
+        raise SystemExit(f"--prefix-setups: a comma list of {', '.join(PREFIX_SETUPS)}")
     if not door_engines or set(door_engines) - {1, 2}:
         raise SystemExit(f"--door-engines: 1, 2 or 1,2 (not {a.door_engines!r})")
     if set(doors) - set(DOORS):
@@ -182,7 +191,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                                            concurrency=a.door_concurrency or UNEQ_CONCURRENCY),
              **{pp: (lambda pp=pp: phase_prefix(env, pp, rounds=a.rounds, work=PrefixWorkload(
                  tenants=a.prefix_tenants, system_words=a.prefix_system_words,
-                 concurrency=a.prefix_concurrency))) for pp in PREFIX_PHASES},
+                 concurrency=a.prefix_concurrency), setups=prefix_setups))
+                 for pp in PREFIX_PHASES},
              "vsraw05": lambda: phase_vsraw(env, "0.5b", "vsraw05", rounds=a.rounds),
              "vsraw7": lambda: phase_vsraw(env, "7b", "vsraw7", rounds=a.rounds),
              "vsrawdp05": lambda: phase_vsraw(env, "0.5b", "vsrawdp05", rounds=a.rounds,
@@ -290,6 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--prefix-concurrency", type=int, default=PrefixWorkload.concurrency,
                    help="prefix05/prefix7: closed-loop concurrency of every balancer (each node's KV "
                         "is sized from it and the workload: gpu.prefix.PrefixWorkload)")
+    r.add_argument("--prefix-setups", default=",".join(PREFIX_SETUPS),
+                   help=f"prefix05/prefix7: the balancers, comma-separated (of "
+                        f"{', '.join(PREFIX_SETUPS)})")
     r.add_argument("--raw-tool", default="")
     r.add_argument("--budget", type=float, default=0.0,
                    help="seconds for all phases: a phase or round that would not fit is skipped "

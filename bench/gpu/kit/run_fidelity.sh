@@ -31,6 +31,8 @@ if [ "${CALIBRATE:-1}" = 1 ]; then
     --model "$M" --tokenizer "$M/tokenizer" --load-format dummy --dtype bfloat16 \
     --gpu-memory-utilization 0.4 --max-model-len 4096 --served-name m \
     --engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192 \
+    --batches 1,8,16,32,64,128,256 --held-out-batch 16 --prompts 128,512,1024,2048,3072 \
+    --held-out-prompt 512 --contexts 64x1024,16x3072,32x512 --held-out-context 32x512 \
     --name cuda-0.5b --out "$OUTDIR/profile-0.5b.toml" > "$OUTDIR/calibrate.log" 2>&1
   echo "calibrate rc=$?"; tail -25 "$OUTDIR/calibrate.log"
   [ -s "$OUTDIR/profile-0.5b.toml" ] && PROFILE_ARGS=(--profile "$OUTDIR/profile-0.5b.toml")
