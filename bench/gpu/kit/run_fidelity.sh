@@ -38,7 +38,7 @@ if [ "${CALIBRATE:-1}" = 1 ]; then
   [ -s "$OUTDIR/profile-0.5b.toml" ] && PROFILE_ARGS=(--profile "$OUTDIR/profile-0.5b.toml")
 fi
 echo "== validate ($(elapsed)s)"
-timeout -k 10 ${VALIDATE_TIMEOUT:-420} python3 -m gpumesh.cli sim validate --model "$M" --cores '' \
+timeout -k 10 ${VALIDATE_TIMEOUT:-420} python3 -c "import sys; from gpumesh_bench.sim.cli import main; sys.exit(main(sys.argv[1:]))" validate --model "$M" --cores '' \
   "${ENGINE_ARGS[@]}" --max-model-len 4096 \
   --policies "${POLICIES:-least_request,predicted_latency,round_robin}" \
   --requests "${REQUESTS:-2000}" --rate "${RATES:-100,100}" "${PROFILE_ARGS[@]}" \

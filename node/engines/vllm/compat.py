@@ -28,6 +28,18 @@ def cache_vllm_envs() -> None:
         enable()
 
 
+def refresh_vllm_envs() -> None:
+    """Undo :func:`cache_vllm_envs` before another engine starts in this process: its engine
+    core is forked with the parent's ``vllm.envs``, and a frozen cache would hand it the first
+    engine's settings (the NIXL side-channel port among them: the second engine's handshake
+    listener then fails to bind and vLLM waits for it without end)."""
+    import vllm.envs
+
+    disable = getattr(vllm.envs, "disable_envs_cache", None)
+    if callable(disable):
+        disable()
+
+
 def vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
     """(engine errors to map, overload errors, client errors) of the installed vLLM.
 

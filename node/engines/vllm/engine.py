@@ -24,6 +24,7 @@ from gpumesh.node.engines.base import (
 )
 from gpumesh.node.engines.vllm.compat import (
     cache_vllm_envs,
+    refresh_vllm_envs,
     import_entry_points,
     vllm_error_types,
 )
@@ -145,6 +146,7 @@ class VllmEngine:
         # the engine core and its workers end when this process ends, however it ends
         die_with_node()
         kv_config = engine_kwargs(self._config).get("kv_transfer_config")
+        await asyncio.to_thread(refresh_vllm_envs)
         if self._frontend is None and isinstance(kv_config, dict):
             # before the engine core starts (this one's or a shared one): it reads these
             self.kv_side_channel = apply_side_channel(
