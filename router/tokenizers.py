@@ -195,6 +195,10 @@ class RouterTokenizers:
                 task = loop.create_task(self.prompt_tokenizer(model))
                 task.add_done_callback(lambda _t, m=model: self._starting.discard(m))
 
+    def started(self, model: str) -> bool:
+        """Whether the model's tokenizer load has begun (or is decided)."""
+        return model in self._models or model in self._starting
+
     def ready(self, model: str) -> bool:
         """Whether the model's tokenizer is decided (loaded, or none for it)."""
         return model in self._models

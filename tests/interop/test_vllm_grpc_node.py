@@ -108,6 +108,12 @@ async def test_abort_and_loads(node):
              for i in range(200)]
     firsts = await asyncio.gather(*(c.read() for c in calls[:3]))
     assert all(f.HasField("chunk") for f in firsts)
+    # every call reached the node and was admitted (the client sends them concurrently: on a
+    # busy machine the last ones arrive after the first chunks)
+    for _ in range(600):
+        if server.state.ledger.in_flight == 200:
+            break
+        await asyncio.sleep(0.05)
     loads = await stub(node).GetLoads(vpb.GetLoadsRequest(), timeout=5)
     (load,) = loads.loads
     assert load.num_running_reqs > 0 and load.num_waiting_reqs > 0

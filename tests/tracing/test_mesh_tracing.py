@@ -108,7 +108,10 @@ async def test_one_trace_across_client_router_node(mesh, receiver):
     assert {a["gpumesh.routing.candidate.0.node_id"], a["gpumesh.routing.candidate.1.node_id"]} \
         == set(NODES)
     assert a["gpumesh.routing.candidate.0.total"] >= a["gpumesh.routing.candidate.1.total"]
-    assert 0.0 <= a["gpumesh.routing.candidate.0.score.expected_wait"] <= 1.0
+    # each kept candidate carries its prediction in seconds
+    ttft = a["gpumesh.routing.candidate.0.score.ttft_s"]
+    assert 0.0 < ttft <= a["gpumesh.routing.candidate.0.score.completion_s"]
+    assert a["gpumesh.routing.candidate.0.score.imposed_s"] >= 0.0
     assert a["gen_ai.request.model"] == SIM_MODEL and a["gen_ai.request.max_tokens"] == 8
     assert a["rpc.grpc.status_code"] == 0 and a["gpumesh.ttft_s"] > 0
     assert "gpumesh.first_chunk" in router.event_names()
