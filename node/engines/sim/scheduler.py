@@ -42,11 +42,7 @@ class SimScheduler(KvTransfers):
         self._reqs: dict[str, SimRequest] = {}
         self._running: list[SimRequest] = []
         self._waiting: deque[SimRequest] = deque()
-        # disaggregated serving (transfer.py): decode legs whose KV is arriving, those that
-        # took their blocks since take_started(), finished prefill legs holding their KV
-        self._loading: dict[str, SimRequest] = {}
-        self._started: list[SimRequest] = []
-        self._held: dict[str, SimRequest] = {}
+        self._init_transfers()
         self._block = cfg.kv_block_size
         self._total_blocks = cfg.kv_capacity_tokens // cfg.kv_block_size
         self._free_blocks = self._total_blocks
@@ -290,17 +286,12 @@ class SimScheduler(KvTransfers):
             waiting = self._waiting
             while waiting and len(running) < cfg.max_num_seqs and budget > 0:
                 req = waiting[0]
-                if req.remote:  # a decode leg (transfer.py)
-                    got = self._admit_remote(req)
-                    if got < 0:
+                if req.remote:  # a decode leg (transfer.py): 0 or 1 token
+                    n = self._schedule_remote(req, scheduled)
+                    if n < 0:
                         break  # KV full: it waits (holding no block)
-                    waiting.popleft()
-                    if got:
-                        req.remote = False
-                        running.append(req)
-                        scheduled.append((req, 1))
-                        budget -= 1
-                        n_dec += 1
+                    budget -= n
+                    n_dec += n
                     continue
                 n = self._admit(req, budget)
                 if n == 0:
@@ -344,10 +335,7 @@ class SimScheduler(KvTransfers):
                 req.finish = Finish.LENGTH
             if req.finish is not None:
                 done.append(req)
-                if req.keep_kv:
-                    self._held[req.id] = req  # another engine reads it (transfer.py)
-                else:
-                    self._free(req)
+                self._free_or_hold(req)
                 del self._reqs[req.id]
                 self._finished += 1
             w = req.waiter
