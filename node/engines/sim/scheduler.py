@@ -19,7 +19,7 @@ from collections import deque
 from gpumesh.node.engines.base import EngineLoad, Finish, WindowMean
 from gpumesh.node.engines.sim.config import SimEngineConfig, SimStats
 from gpumesh.node.engines.sim.prefix_cache import PrefixCache
-from gpumesh.node.engines.sim.request import SimRequest, SimStep
+from gpumesh.node.engines.sim.request import SimRequest, SimStep, attention_context
 from gpumesh.node.engines.sim.text import check_stop
 from gpumesh.node.engines.sim.transfer import KvTransfers
 from gpumesh.types import StepModel
@@ -92,15 +92,7 @@ class SimScheduler(KvTransfers):
             return None
         c = self.config
         if c.step_b_decode_context_ms or c.step_c_prefill_ms:
-            # attention: what the scheduled tokens attend to (each request's computed
-            # tokens are still those before this step)
-            dctx = pairs = 0
-            for req, n in scheduled:
-                if n == 1 and req.out:
-                    dctx += req.computed + 1
-                else:
-                    pairs += n * req.computed + n * (n + 1) // 2
-            dt = self.step_time_s(n_dec, n_pre, dctx, pairs)
+            dt = self.step_time_s(n_dec, n_pre, *attention_context(scheduled))
         else:
             dt = self.step_time_s(n_dec, n_pre)
         self._steps += 1
