@@ -53,6 +53,39 @@ class RouterAccount:
     first_token_prompt_tokens: int = 0
     finished_requests: int | None = None
 
+    # The counting, in one place for whoever keeps the account (the node's admission ledger,
+    # the router's client of a stock vLLM worker, a merge over a node's front ends).
+
+    def admit(self, prompt_tokens: int, requests: int = 1) -> RouterAccount:
+        """This account plus ``requests`` admitted of ``prompt_tokens`` (negative: an admission
+        taken back, a request the worker refused)."""
+        return RouterAccount(self.router_id, self.admitted_requests + requests,
+                             self.admitted_prompt_tokens + prompt_tokens,
+                             self.first_token_requests, self.first_token_prompt_tokens,
+                             self.finished_requests)
+
+    def first_token(self, prompt_tokens: int) -> RouterAccount:
+        """This account plus one request of ``prompt_tokens`` past its first token."""
+        return RouterAccount(self.router_id, self.admitted_requests,
+                             self.admitted_prompt_tokens, self.first_token_requests + 1,
+                             self.first_token_prompt_tokens + prompt_tokens,
+                             self.finished_requests)
+
+    def finish(self) -> RouterAccount:
+        """This account plus one finished request (``finished_requests`` counted from 0)."""
+        return RouterAccount(self.router_id, self.admitted_requests,
+                             self.admitted_prompt_tokens, self.first_token_requests,
+                             self.first_token_prompt_tokens, (self.finished_requests or 0) + 1)
+
+    def merged(self, other: RouterAccount) -> RouterAccount:
+        """The sum of two counts of the same router (a node's front ends, each counting its
+        own requests); ``finished_requests`` None counts as 0."""
+        return RouterAccount(self.router_id, self.admitted_requests + other.admitted_requests,
+                             self.admitted_prompt_tokens + other.admitted_prompt_tokens,
+                             self.first_token_requests + other.first_token_requests,
+                             self.first_token_prompt_tokens + other.first_token_prompt_tokens,
+                             (self.finished_requests or 0) + (other.finished_requests or 0))
+
 
 @dataclass(frozen=True)
 class StepModel:

@@ -19,15 +19,6 @@ from gpumesh.types import RouterAccount
 
 
 @dataclass
-class _Account:
-    admitted_requests: int = 0
-    admitted_prompt_tokens: int = 0
-    first_token_requests: int = 0
-    first_token_prompt_tokens: int = 0
-    finished_requests: int = 0
-
-
-@dataclass
 class Admission:
     """One admitted request's ledger entry; the servicer calls first_token/finish on it."""
 
@@ -60,7 +51,7 @@ class AdmissionLedger:
     different ledger of what it dispatched). Single event loop; not thread-safe."""
 
     def __init__(self) -> None:
-        self._accounts: dict[str, _Account] = {}
+        self._accounts: dict[str, RouterAccount] = {}
         self.in_flight = 0
         # admitted requests past their first token and not ended: the streams sending
         # messages now (the coalescing budget divides by it)
@@ -74,30 +65,21 @@ class AdmissionLedger:
         CHARGED_TOKENS or the ticket), so the per-router token counters match the router's own
         credit arithmetic exactly; ``prompt_tokens`` (the real count) drives pending prefill."""
         charged = prompt_tokens if charged_tokens is None else charged_tokens
-        acc = self._accounts.setdefault(router_id, _Account())
-        acc.admitted_requests += 1
-        acc.admitted_prompt_tokens += charged
+        acc = self._accounts.get(router_id) or RouterAccount(router_id, finished_requests=0)
+        self._accounts[router_id] = acc.admit(charged)
         self.in_flight += 1
         self.pending_prefill_tokens += prompt_tokens
         return Admission(router_id, prompt_tokens, charged, self)
 
     def _on_first(self, a: Admission) -> None:
-        acc = self._accounts[a.router_id]
-        acc.first_token_requests += 1
-        acc.first_token_prompt_tokens += a.charged_tokens
+        self._accounts[a.router_id] = self._accounts[a.router_id].first_token(a.charged_tokens)
         self.pending_prefill_tokens -= a.prompt_tokens
         self.streaming += 1
 
     def _on_finish(self, a: Admission) -> None:
         self.in_flight -= 1
         self.streaming -= 1
-        self._accounts[a.router_id].finished_requests += 1
+        self._accounts[a.router_id] = self._accounts[a.router_id].finish()
 
     def accounts(self) -> tuple[RouterAccount, ...]:
-        return tuple(
-            RouterAccount(rid, a.admitted_requests, a.admitted_prompt_tokens,
-                          a.first_token_requests, a.first_token_prompt_tokens,
-                          a.finished_requests)
-            for rid, a in self._accounts.items()
-            if rid
-        )
+        return tuple(a for rid, a in self._accounts.items() if rid)

@@ -25,6 +25,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -44,45 +45,50 @@ REFUSALS = frozenset({
 REFUSAL_LOG_S = 30.0
 
 
+@dataclass(slots=True, eq=False)
 class HeartbeatClient:
-    def __init__(self, routers: tuple[str, ...], registration: Callable[[], cpb.Registration],
-                 load: Callable[[], cpb.LoadReport], busy_interval_s: float = 0.25,
-                 idle_interval_s: float = 2.0, max_backoff_s: float = 5.0,
-                 on_drain: Callable[[str], None] | None = None,
-                 on_undrain: Callable[[str], None] | None = None,
-                 on_stream_lost: Callable[[str], None] | None = None,
-                 rng: random.Random | None = None,
-                 kv_publishers: Sequence[KvPublisher] = ()) -> None:
-        self._seeds = routers
-        self._registration = registration
-        self._load = load
-        self._busy = busy_interval_s
-        self._idle = idle_interval_s
-        self._max_backoff = max_backoff_s
-        self._on_drain = on_drain
-        self._rng = rng or random.Random()
-        self._seq = 0
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._wake = asyncio.Event()
-        self._closing = False
-        self.connected: dict[str, str] = {}  # address -> router_id of live streams
-        self.reconnects = 0
-        self._stops: dict[str, asyncio.Event] = {}
-        # Set by node.app: TLS to routers (called per stream, so rotated files are read) and
-        # the Connect metadata (the join token); None / () = plaintext, no metadata.
-        self.credentials: Callable[[], grpc.ChannelCredentials] | None = None
-        self.metadata: tuple[tuple[str, str], ...] = ()
-        self._on_undrain = on_undrain
-        self._on_stream_lost = on_stream_lost
-        self._discovered: set[str] = set()   # addresses from discovery (set_discovered)
-        self._retired: set[str] = set()      # discovered before, no longer: streams end
-        self._server_names: dict[str, str] = {}   # discovered address -> its DNS name
-        # prefix-cache block events, one subscription per stream (gpumesh.node.cache)
-        self._kv = tuple(kv_publishers)
-        self._refused: dict[str, tuple[grpc.StatusCode, str, float]] = {}  # last, per router
+    """The node's Connect streams to its ``routers`` (module docstring): ``registration``
+    and ``load`` build the messages each stream sends; ``on_drain`` / ``on_undrain`` take a
+    router's orders; ``on_stream_lost`` hears of every broken stream. Set by ``node.app``
+    before ``start()``: ``credentials`` (TLS to routers, called per stream, so rotated files
+    are read) and ``metadata`` (the Connect metadata: the join token); None / () = plaintext,
+    no metadata."""
+
+    routers: tuple[str, ...]
+    registration: Callable[[], cpb.Registration]
+    load: Callable[[], cpb.LoadReport]
+    busy_interval_s: float = 0.25
+    idle_interval_s: float = 2.0
+    max_backoff_s: float = 5.0
+    on_drain: Callable[[str], None] | None = None
+    on_undrain: Callable[[str], None] | None = None
+    on_stream_lost: Callable[[str], None] | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    # prefix-cache block events, one subscription per stream (gpumesh.node.cache)
+    kv_publishers: Sequence[KvPublisher] = ()
+    credentials: Callable[[], grpc.ChannelCredentials] | None = field(init=False, default=None)
+    metadata: tuple[tuple[str, str], ...] = field(init=False, default=())
+    connected: dict[str, str] = field(init=False, default_factory=dict)  # address -> router_id
+    reconnects: int = field(init=False, default=0)
+    _seq: int = field(init=False, default=0)
+    _tasks: dict[str, asyncio.Task[None]] = field(init=False, default_factory=dict)
+    _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _closing: bool = field(init=False, default=False)
+    _stops: dict[str, asyncio.Event] = field(init=False, default_factory=dict)
+    # addresses from discovery (set_discovered); those discovered before, no longer listed
+    # (their streams end); discovered address -> its DNS name
+    _discovered: set[str] = field(init=False, default_factory=set)
+    _retired: set[str] = field(init=False, default_factory=set)
+    _server_names: dict[str, str] = field(init=False, default_factory=dict)
+    # the last refusal per router: (code, reason, when)
+    _refused: dict[str, tuple[grpc.StatusCode, str, float]] = field(
+        init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.kv_publishers = tuple(self.kv_publishers)
 
     def start(self) -> None:
-        for addr in self._seeds:
+        for addr in self.routers:
             self._ensure(addr)
 
     def _ensure(self, addr: str) -> None:
@@ -125,9 +131,9 @@ class HeartbeatClient:
     def _report(self) -> cpb.LoadReport:
         """The node's load now, stamped with its engine epoch (the newest of its KV
         publishers'; left as the node set it without publishers)."""
-        load = self._load()
-        if self._kv:
-            load.engine_epoch = max(p.epoch for p in self._kv)
+        load = self.load()
+        if self.kv_publishers:
+            load.engine_epoch = max(p.epoch for p in self.kv_publishers)
         return load
 
     def _heartbeat(self) -> cpb.NodeMessage:
@@ -137,7 +143,7 @@ class HeartbeatClient:
 
     async def _messages(self, stop: asyncio.Event, kv: Sequence[KvSubscription] = (),
                         hello: asyncio.Event | None = None) -> AsyncIterator[cpb.NodeMessage]:
-        yield cpb.NodeMessage(registration=self._registration())
+        yield cpb.NodeMessage(registration=self.registration())
         if hello is not None:
             # Nothing more until the router accepted the registration (its hello): a router
             # that refuses ends the stream meanwhile, and the node sees the router's status
@@ -163,14 +169,14 @@ class HeartbeatClient:
             went_idle, was_busy = was_busy and not busy, busy
             # (a busy node's heartbeat waits half an interval: prefix-cache updates wake the
             # loop more often than that)
-            if ((busy and now - last_sent >= self._busy / 2) or went_idle
-                    or self._wake.is_set() or now - last_sent >= self._idle):
+            if ((busy and now - last_sent >= self.busy_interval_s / 2) or went_idle
+                    or self._wake.is_set() or now - last_sent >= self.idle_interval_s):
                 self._wake.clear()
                 last_sent = now
                 yield cpb.NodeMessage(heartbeat=cpb.Heartbeat(
                     seq=self._next_seq(), sent_unix_ms=int(time.time() * 1000), load=load,
                     router_ids=self.router_ids()))
-            timeout = self._busy
+            timeout = self.busy_interval_s
             for sub in kv:   # prefix-cache updates, each bounded in size and rate
                 for update in sub.take(loop.time()):
                     yield cpb.NodeMessage(kv_cache=update)
@@ -193,7 +199,7 @@ class HeartbeatClient:
             parked = False
             stop = asyncio.Event()
             self._stops[addr] = stop
-            subs = {p.model: p.subscribe() for p in self._kv}
+            subs = {p.model: p.subscribe() for p in self.kv_publishers}
             hello = asyncio.Event()
             try:
                 async with (grpc.aio.secure_channel(addr, self.credentials(),
@@ -225,10 +231,10 @@ class HeartbeatClient:
                             sub = subs.get(msg.kv_snapshot.model)
                             if sub is not None:
                                 sub.resnapshot()
-                        elif kind == "drain" and self._on_drain is not None:
-                            self._on_drain(msg.drain.reason or f"drain ordered by {addr}")
-                        elif kind == "undrain" and self._on_undrain is not None:
-                            self._on_undrain(msg.undrain.reason or f"undrain ordered by {addr}")
+                        elif kind == "drain" and self.on_drain is not None:
+                            self.on_drain(msg.drain.reason or f"drain ordered by {addr}")
+                        elif kind == "undrain" and self.on_undrain is not None:
+                            self.on_undrain(msg.undrain.reason or f"undrain ordered by {addr}")
                     if self._closing:
                         return
             except asyncio.CancelledError:
@@ -239,7 +245,7 @@ class HeartbeatClient:
                 log.warning("heartbeat stream to %s failed", addr, exc_info=True)
             finally:
                 self.connected.pop(addr, None)
-                for p in self._kv:
+                for p in self.kv_publishers:
                     p.unsubscribe(subs[p.model])
             if self._closing:
                 return
@@ -248,15 +254,15 @@ class HeartbeatClient:
             if parked:
                 # Come back to the shared address only when no worker stream is left (the
                 # router restarted elsewhere, or on other control ports).
-                await asyncio.sleep(self._max_backoff)
+                await asyncio.sleep(self.max_backoff_s)
                 while self.connected and not self._closing:
-                    await asyncio.sleep(self._max_backoff)
+                    await asyncio.sleep(self.max_backoff_s)
                 continue
             self.reconnects += 1
-            if self._on_stream_lost is not None:
-                self._on_stream_lost(addr)
-            delay = backoff * (0.5 + self._rng.random())
-            backoff = min(self._max_backoff, backoff * 2)
+            if self.on_stream_lost is not None:
+                self.on_stream_lost(addr)
+            delay = backoff * (0.5 + self.rng.random())
+            backoff = min(self.max_backoff_s, backoff * 2)
             await asyncio.sleep(delay)
 
     def _log_end(self, addr: str, exc: grpc.aio.AioRpcError) -> None:

@@ -59,12 +59,7 @@ def merge_reports(reports: Sequence[tuple[float, LoadReport]]) -> LoadReport:
     for r in rs:
         for a in r.router_accounts:
             acc = accounts.get(a.router_id)
-            accounts[a.router_id] = a if acc is None else RouterAccount(
-                a.router_id, acc.admitted_requests + a.admitted_requests,
-                acc.admitted_prompt_tokens + a.admitted_prompt_tokens,
-                acc.first_token_requests + a.first_token_requests,
-                acc.first_token_prompt_tokens + a.first_token_prompt_tokens,
-                (acc.finished_requests or 0) + (a.finished_requests or 0))
+            accounts[a.router_id] = a if acc is None else acc.merged(a)
     fits = [r.step_model for r in rs if r.step_model is not None]
     return dataclasses.replace(
         freshest,

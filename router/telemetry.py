@@ -19,11 +19,8 @@ client's W3C context. Attributes:
   candidates by total score
   ``gpumesh.routing.candidate.<i>.node_id`` / ``.total`` / ``.score.<scorer>`` /
   ``.expected_wait_s`` (i = 0 is the best).
-- The decision's prediction for the chosen node (a predictive policy):
-  ``gpumesh.predicted_ttft_s`` / ``gpumesh.predicted_completion_s`` (seconds from the
-  dispatch), and what happened: ``gpumesh.observed_ttft_s`` (dispatch -> first chunk) and
-  ``gpumesh.observed_completion_s`` (dispatch -> the end of a request that succeeded); the
-  router learns from the difference (``router.fleet.predictions``).
+- The decision's prediction for the chosen node and what happened
+  (``router.telemetry_predictions``).
 - ``gpumesh.routing.attempts`` (dispatch attempts), ``gpumesh.node.id`` (the serving node),
   ``gpumesh.chunks`` (stream messages forwarded), ``gpumesh.ttft_s`` (router receipt ->
   first chunk forwarded).
@@ -44,9 +41,8 @@ state 0 healthy / 1 stale / 2 draining), ``gpumesh.router.heartbeat_age`` (s),
 kv_utilization, prefill_backlog, at_limit_fraction, nodes, nodes_wanted}``); counters ``gpumesh.router.lease_expiries``,
 ``gpumesh.router.stale_transitions``, ``gpumesh.heartbeat.reconnects`` (a node id registering
 again with a new stream); ``gpumesh.requests`` / ``gpumesh.request.duration`` /
-``gpumesh.request.time_to_first_token`` with ``model``, ``node``, ``status``; the histogram
-``gpumesh.router.prediction.error`` (|predicted - observed| / observed, per ``node`` and
-``kind`` "ttft" or "completion"; one sample per observation the prediction feedback takes).
+``gpumesh.request.time_to_first_token`` with ``model``, ``node``, ``status``; the prediction
+error histogram (``router.telemetry_predictions``).
 
 Who calls it: ``router.api`` (``RouterTelemetry.start`` per request, then the
 ``RouterRequestTrace`` hooks) and ``router.dispatch`` (``attempt`` via its ``on_attempt``
@@ -67,6 +63,12 @@ from opentelemetry import trace
 from gpumesh import metadata as md
 from gpumesh import telemetry as gt
 from gpumesh.router.auth.interceptor import current_key_name
+from gpumesh.router.fleet.saturation import SATURATION_GAUGES
+from gpumesh.router.telemetry_predictions import (
+    PredictionErrorMetric,
+    observed_attributes,
+    predicted_attributes,
+)
 
 if TYPE_CHECKING:
     from gpumesh.router.fleet.saturation import ModelSaturation
@@ -81,8 +83,6 @@ TOP_N = 3                # candidates recorded per decision (large fleets: the b
 MAX_FILTERED = 8         # filtered-out nodes listed per decision
 
 _STATE_VALUE = {"healthy": 0, "stale": 1, "draining": 2}
-# relative prediction errors (0.1 = 10 %)
-PREDICTION_ERROR_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 
 
 def decision_attributes(decision: Decision, report_age_s: float, queue_wait_s: float,
@@ -98,10 +98,7 @@ def decision_attributes(decision: Decision, report_age_s: float, queue_wait_s: f
     }
     if decision.sampled_from:
         attrs["gpumesh.routing.sampled_from"] = decision.sampled_from
-    for key, value in (("gpumesh.predicted_ttft_s", decision.predicted_ttft_s),
-                       ("gpumesh.predicted_completion_s", decision.predicted_completion_s)):
-        if value is not None and math.isfinite(value):
-            attrs[key] = value
+    attrs.update(predicted_attributes(decision))
     if decision.filtered:
         attrs["gpumesh.routing.filtered"] = [
             f"{n}: {r}" for n, r in sorted(decision.filtered.items())[:MAX_FILTERED]]
@@ -265,11 +262,8 @@ class RouterRequestTrace:
                 attrs["gpumesh.node.id"] = last.node_id
             if ttft is not None:
                 attrs["gpumesh.ttft_s"] = ttft
-            sent = self._t_sent
-            if sent is not None and self._t_first is not None and self._t_first >= sent:
-                attrs["gpumesh.observed_ttft_s"] = self._t_first - sent
-                if self._error is None and self._status == "OK":
-                    attrs["gpumesh.observed_completion_s"] = self._t0 + duration - sent
+            attrs.update(observed_attributes(self._t_sent, self._t_first, self._t0 + duration,
+                                             self._error is None and self._status == "OK"))
             if self._error is not None:
                 gt.set_error(span, *self._error)
             elif self._status == "CANCELLED":
@@ -302,13 +296,9 @@ class RouterTelemetry:
         self._fleet: list[tuple[str, dict[str, float]]] = []
         self._queues: list[tuple[str, int]] = []
         self._seen: dict[str, tuple[int, str]] = {}   # node id -> (stream id, state)
-        self._prediction_error = self.metrics.histogram(
-            "gpumesh.router.prediction.error", unit="1",
-            description="Relative error |predicted - observed| / observed of the router's "
-                        "predictions, per node and kind (ttft, completion)",
-            buckets=PREDICTION_ERROR_BUCKETS)
+        self.prediction_errors = PredictionErrorMetric(self.metrics)
         if registry is not None and self.metrics.enabled:
-            registry.predictions.add_listener(self.prediction_sample)
+            self.prediction_errors.attach(registry.predictions)
 
     @classmethod
     def disabled(cls) -> RouterTelemetry:
@@ -334,10 +324,6 @@ class RouterTelemetry:
             if key := current_key_name.get():   # the API key's name (router.auth), never the key
                 span.set_attribute("gpumesh.api_key", key)
         return RouterRequestTrace(self, span, method, record)
-
-    def prediction_sample(self, node_id: str, kind: str, error: float) -> None:
-        """One relative prediction error (``router.fleet.predictions``' listener)."""
-        self._prediction_error(error, {"node": node_id, "kind": kind})
 
     # --- fleet metrics -------------------------------------------------------------------
     def on_sweep(self, expired: Sequence[str], queue_length: Callable[[str], int]) -> None:
@@ -406,23 +392,3 @@ class RouterTelemetry:
                  {"model": model}) for model, s in latest().items()],
                 unit=unit, description=text)
 
-
-# (instrument, unit, ModelSaturation field, help text): what an autoscaler and alerts read.
-SATURATION_GAUGES = (
-    ("gpumesh.router.model.saturation", "1", "saturation",
-     "Demand over measured capacity per model: max(slot utilization, KV utilization, queued "
-     "prefill seconds / TTFT SLO); 1 = at capacity"),
-    ("gpumesh.router.model.slot_utilization", "1", "slot_utilization",
-     "(requests the nodes hold + this router's queue) / the nodes' concurrency slots"),
-    ("gpumesh.router.model.kv_utilization", "1", "kv_utilization",
-     "The nodes' KV-cache usage, averaged over their KV capacity"),
-    ("gpumesh.router.model.prefill_backlog", "s", "prefill_backlog_s",
-     "Queued prompt tokens / the nodes' measured prefill capacity, seconds"),
-    ("gpumesh.router.model.at_limit_fraction", "1", "at_limit_fraction",
-     "Fraction of recent time the model's nodes spent at their concurrency limit"),
-    ("gpumesh.router.model.nodes", "{node}", "nodes",
-     "Nodes serving the model that are not draining"),
-    ("gpumesh.router.model.nodes_wanted", "{node}", "nodes_wanted",
-     "Nodes that would keep saturation at the configured target (scale the node "
-     "Deployment on it)"),
-)

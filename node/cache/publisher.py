@@ -53,25 +53,28 @@ class KvSubscription:
         self._last_flush = -1e9
         self._epoch_sent = publisher.epoch   # an epoch change is sent without waiting
 
-    # called by the publisher ------------------------------------------------------------
+    # called by the publisher (a KvEventSink of its changes: new blocks, removals of held
+    # ones) --------------------------------------------------------------------------------
 
-    def _stored_one(self, h: int) -> None:
+    def stored(self, hashes: Sequence[int]) -> None:
+        self._pend(hashes, self._stored, self._removed)
+
+    def removed(self, hashes: Sequence[int]) -> None:
+        self._pend(hashes, self._removed, self._stored)
+
+    def _pend(self, hashes: Sequence[int], into: dict[int, None],
+              opposite: dict[int, None]) -> None:
+        """Adds changes to the pending ones (a snapshot pending: nothing to add); a change
+        cancels its pending opposite (a block stored then removed before a flush is sent as
+        neither)."""
         if self._snapshot:
             return
-        if self._removed.pop(h, 0) is None:
-            return   # removed then stored again before a flush: no change for the router
-        self._stored[h] = None
+        for h in hashes:
+            if opposite.pop(h, 0) is not None:   # (None: it was pending)
+                into[h] = None
         self._check()
 
-    def _removed_one(self, h: int) -> None:
-        if self._snapshot:
-            return
-        if self._stored.pop(h, 0) is None:
-            return
-        self._removed[h] = None
-        self._check()
-
-    def _clear(self) -> None:
+    def cleared(self) -> None:
         if self._snapshot:
             self.ready.set()   # the snapshot goes out at once, with the new epoch
             return
@@ -190,37 +193,28 @@ class KvPublisher:
 
     # the engine's sink --------------------------------------------------------------------
 
+    # (each change goes to every router stream's subscription, then to the listeners)
+
     def stored(self, hashes: Sequence[int]) -> None:
         held = self.held
-        new: list[int] = []
-        for h in hashes:
-            if h in held:
-                continue
-            held[h] = None
-            new.append(h)
-            for s in self._subs:
-                s._stored_one(h)
+        new = [h for h in dict.fromkeys(hashes) if h not in held]
         if new:
-            for sink in self._listeners:
+            held.update(dict.fromkeys(new))
+            for sink in (*self._subs, *self._listeners):
                 sink.stored(new)
 
     def removed(self, hashes: Sequence[int]) -> None:
         held = self.held
-        gone: list[int] = []
-        for h in hashes:
-            if held.pop(h, 0) is None:
-                gone.append(h)
-                for s in self._subs:
-                    s._removed_one(h)
+        gone = [h for h in dict.fromkeys(hashes) if h in held]
         if gone:
-            for sink in self._listeners:
+            for h in gone:
+                del held[h]
+            for sink in (*self._subs, *self._listeners):
                 sink.removed(gone)
 
     def cleared(self) -> None:
         """The engine holds nothing any more: a new epoch, sent to every router at once."""
         self.held.clear()
         self.epoch = next_epoch(self.epoch)
-        for s in self._subs:
-            s._clear()
-        for sink in self._listeners:
+        for sink in (*self._subs, *self._listeners):
             sink.cleared()

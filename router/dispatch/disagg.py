@@ -38,6 +38,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -133,28 +134,28 @@ def _span(tracer: Any, name: str, parent: Any, attrs: dict[str, Any],
                                         set_status_on_exception=True)
 
 
+@dataclass(slots=True, eq=False)
 class DisaggTransport:
     """The router's ``gpumesh.attempts.Transport[bytes]`` for a stream that ``route``
-    disaggregates: its first attempt is the two-leg call (``TwoLegCall``); any other attempt
-    (a retry before output, a continuation after it) is served whole by ``whole``."""
+    disaggregates: its first attempt is the two-leg call (``TwoLegCall``) over ``legs``
+    (None once used); any other attempt (a retry before output, a continuation after it) is
+    served whole by ``whole``."""
 
-    __slots__ = ("_ctx", "_d", "_legs", "_record", "_tried_legs", "_whole", "prompt_tokens",
-                 "streaming")
+    d: Dispatcher
+    ctx: RequestContext
+    record: DispatchRecord
+    legs: Legs | None
+    whole: ProxyTransport
+    streaming: bool = field(init=False, default=True)
+    prompt_tokens: int = field(init=False)
+    _tried_legs: TwoLegCall | None = field(init=False, default=None)
 
-    def __init__(self, d: Dispatcher, ctx: RequestContext, record: DispatchRecord, legs: Legs,
-                 whole: ProxyTransport) -> None:
-        self._d = d
-        self._ctx = ctx
-        self._record = record
-        self._legs: Legs | None = legs
-        self._whole = whole
-        self._tried_legs: TwoLegCall | None = None
-        self.streaming = True
-        self.prompt_tokens = whole.prompt_tokens
+    def __post_init__(self) -> None:
+        self.prompt_tokens = self.whole.prompt_tokens
 
     async def open(self, request: pb.GenerateRequest | None,
                    exclude: frozenset[str]) -> Any:
-        legs, self._legs = self._legs, None
+        legs, self.legs = self.legs, None
         if legs is not None and request is None:
             call = await self._open_legs(legs, exclude)
             if call is not None:
@@ -164,13 +165,13 @@ class DisaggTransport:
             # KV transfer: its decode node may serve the request whole (only prefill nodes
             # are kept out, by ``whole``)
             exclude = exclude - {self._tried_legs.node_id}
-        return await self._whole.open(request, exclude)
+        return await self.whole.open(request, exclude)
 
     async def _open_legs(self, legs: Legs, exclude: frozenset[str]) -> WatchedCall | None:
         """Admits the request on a decode node (charged no prompt tokens: its prompt's KV
         arrives over the wire) and returns the two-leg call; None when no decode node takes
         it within ``disagg_leg_timeout_s`` (the request is then served whole)."""
-        d, ctx = self._d, self._ctx
+        d, ctx = self.d, self.ctx
         wait = min(d.config.disagg_leg_timeout_s, ctx.deadline - d.clock())
 
         def charge(node_id: str, _: Decision) -> Any:
@@ -178,22 +179,23 @@ class DisaggTransport:
 
         try:
             slot = await asyncio.wait_for(
-                d.assign(ctx, legs[1] | exclude, charge, self._record), max(wait, 0.001))
+                d.assign(ctx, legs[1] | exclude, charge, self.record), max(wait, 0.001))
         except (errors.RouterError, grpc.aio.AioRpcError, TimeoutError) as e:
             log.info("disaggregated request served whole: no decode node: %s", e)
             return None
         extra = tuple(ctx.on_attempt(slot)) if ctx.on_attempt is not None else ()
-        call = TwoLegCall(d, ctx, self._record, slot, legs[0], extra)
+        call = TwoLegCall(d, ctx, self.record, slot, legs[0], extra)
         self._tried_legs = call
         return WatchedCall(call, d.watch, True)
 
     def message(self, chunk: bytes) -> pb.GenerateStreamResponse:
-        return self._whole.message(chunk)
+        return self.whole.message(chunk)
 
     def encode(self, message: pb.GenerateStreamResponse) -> bytes:
-        return self._whole.encode(message)
+        return self.whole.encode(message)
 
 
+@dataclass(slots=True, eq=False)
 class TwoLegCall:
     """The disaggregated attempt as one ``gpumesh.attempts.NodeCall[bytes]`` on the decode
     node (module doc). ``first`` runs the prefill leg, then opens the decode call and awaits
@@ -202,29 +204,28 @@ class TwoLegCall:
     chunk is raised as UNAVAILABLE (DEADLINE_EXCEEDED when the request's deadline passed):
     the retry layer then serves the request whole."""
 
-    __slots__ = ("_answered", "_cause", "_ctx", "_d", "_decode", "_extra", "_not_prefill",
-                 "_parent", "_record", "_rpc", "_slot", "node_id")
+    d: Dispatcher
+    ctx: RequestContext
+    record: DispatchRecord
+    slot: Assignment
+    not_prefill: frozenset[str]
+    extra: Sequence[tuple[str, str]]
+    node_id: str = field(init=False)
+    _parent: Any = field(init=False)      # the attempt span: parent of both legs' spans
+    _rpc: Any = field(init=False, default=None)   # the running leg's gRPC call
+    _decode: ObservedCall | None = field(init=False, default=None)
+    # the decode leg's own failure
+    _cause: failover.NodeError | None = field(init=False, default=None)
+    _answered: bool = field(init=False, default=False)  # the decode leg's first chunk arrived
 
-    def __init__(self, d: Dispatcher, ctx: RequestContext, record: DispatchRecord,
-                 slot: Assignment, not_prefill: frozenset[str],
-                 extra: Sequence[tuple[str, str]]) -> None:
-        self._d = d
-        self._ctx = ctx
-        self._record = record
-        self._slot = slot
-        self._not_prefill = not_prefill
-        self._extra = extra
-        self._parent = gt.extract(extra)   # the attempt span: parent of both legs' spans
-        self._rpc: Any = None              # the running leg's gRPC call
-        self._decode: ObservedCall | None = None
-        self._cause: failover.NodeError | None = None   # the decode leg's own failure
-        self._answered = False             # the decode leg's first chunk arrived
-        self.node_id = slot.node_id
+    def __post_init__(self) -> None:
+        self.node_id = self.slot.node_id
+        self._parent = gt.extract(self.extra)
 
     def _failed(self, why: str, node_id: str) -> errors.RouterError:
         """A leg failed before output: UNAVAILABLE (retried whole), or the request's
         deadline."""
-        if self._d.clock() >= self._ctx.deadline:
+        if self.d.clock() >= self.ctx.deadline:
             return errors.RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                       f"deadline exceeded in the disaggregated attempt: {why}",
                                       node_id)
@@ -236,7 +237,7 @@ class TwoLegCall:
 
     async def _prefill(self) -> str:
         """Runs the prompt on a prefill node; returns its KV-transfer parameters (JSON)."""
-        d, ctx, info = self._d, self._ctx, self._ctx.info
+        d, ctx, info = self.d, self.ctx, self.ctx.info
         deadline = ctx.deadline
         wait = max(0.001, min(d.config.disagg_leg_timeout_s, deadline - d.clock()))
 
@@ -245,11 +246,11 @@ class TwoLegCall:
 
         try:
             decision, credit, _ = await asyncio.wait_for(
-                d.admission.acquire(info, d.clock() + wait, charge, self._not_prefill), wait)
+                d.admission.acquire(info, d.clock() + wait, charge, self.not_prefill), wait)
         except (errors.RouterError, TimeoutError) as e:
             raise self._failed(f"no prefill node: {e}", "") from None
         node = decision.node_id
-        self._record.prefill_node_id = node
+        self.record.prefill_node_id = node
         leg = pb.GenerateRequest()
         leg.CopyFrom(ctx.request)
         leg.sampling.max_tokens = 1
@@ -264,7 +265,7 @@ class TwoLegCall:
         with _span(d.tracer, "gpumesh.router.prefill", self._parent, {
                 "gpumesh.node.id": node, "gpumesh.routing.prompt_tokens_estimate":
                 info.prompt_tokens}) as span:
-            meta = list(self._extra)
+            meta = list(self.extra)
             if span is not None:
                 meta = [m for m in meta if m[0] not in ("traceparent", "tracestate")]
                 gt.inject(meta, trace.set_span_in_context(span))
@@ -298,7 +299,7 @@ class TwoLegCall:
     async def _decode_first(self, params: str) -> bytes | None:
         """Sends the client's request with ``params`` to the decode node; its first chunk
         (the decode node pulled the prompt's KV and generated)."""
-        d, ctx, slot = self._d, self._ctx, self._slot
+        d, ctx, slot = self.d, self.ctx, self.slot
         dec = pb.GenerateRequest()
         dec.CopyFrom(ctx.request)
         dec.kv_transfer_params = params
@@ -306,12 +307,12 @@ class TwoLegCall:
         self._rpc = call = client.stream(
             dec.SerializeToString(),
             timeout_s=max(0.001, min(ctx.deadline - d.clock(), d.config.request_timeout_s)),
-            metadata=dispatch_metadata(d.registry.router_id, 0, self._extra))
-        self._decode = ObservedCall(ProxyCall(d, slot, call, True, ctx.deadline, self._record),
+            metadata=dispatch_metadata(d.registry.router_id, 0, self.extra))
+        self._decode = ObservedCall(ProxyCall(d, slot, call, True, ctx.deadline, self.record),
                                     d.ejector, ctx.deadline)
         with _span(d.tracer, "gpumesh.router.kv_transfer", self._parent, {
                 "gpumesh.node.id": slot.node_id,
-                "gpumesh.prefill.node.id": self._record.prefill_node_id},
+                "gpumesh.prefill.node.id": self.record.prefill_node_id},
                 trace.SpanKind.INTERNAL):
             wait = max(0.001, min(d.config.disagg_leg_timeout_s, ctx.deadline - d.clock()))
             try:
@@ -341,10 +342,10 @@ class TwoLegCall:
         else:   # the attempt ended before the decode call (in the prefill leg)
             if error is not None:
                 assert isinstance(error, errors.RouterError | grpc.aio.AioRpcError)
-                self._record.attempts[-1].error = failover.failed_code(error).name
-            self._slot.credit.finish(False)
+                self.record.attempts[-1].error = failover.failed_code(error).name
+            self.slot.credit.finish(False)
         if error is not None and not self._answered:
-            self._record.prefill_node_id = ""   # the answer comes from one node alone
+            self.record.prefill_node_id = ""   # the answer comes from one node alone
 
     def cancel(self) -> None:
         """The stall watch gave up on the call."""

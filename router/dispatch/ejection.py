@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -59,11 +59,14 @@ class EjectionPolicy:
         return self.consecutive_failures > 0 or self.latency_factor > 0
 
 
+@dataclass(slots=True, eq=False)
 class OutlierEjector:
-    def __init__(self, policy: EjectionPolicy, clock: Callable[[], float]) -> None:
-        self.policy = policy
-        self.clock = clock
-        self._nodes: dict[str, _NodeHealth] = {}
+    """Per-node consecutive failures and latency against ``policy``, on ``clock`` (monotonic
+    seconds)."""
+
+    policy: EjectionPolicy
+    clock: Callable[[], float]
+    _nodes: dict[str, _NodeHealth] = field(init=False, default_factory=dict)
 
     def _get(self, node_id: str) -> _NodeHealth:
         h = self._nodes.get(node_id)

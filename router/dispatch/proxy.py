@@ -15,6 +15,7 @@ recorded in the request's ``DispatchRecord``).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -31,43 +32,45 @@ if TYPE_CHECKING:
     from gpumesh.router.dispatch.dispatcher import Dispatcher
 
 
+@dataclass(slots=True, eq=False)
 class ProxyCall:
-    """One attempt's node call (``gpumesh.attempts.NodeCall[bytes]``): a ``grpc.aio`` call
-    or a backend's equivalent. A stream's first chunk is bounded by a first-token deadline
-    derived from the node's own queue (``failover.first_token_wait``)."""
+    """One attempt's node call (``gpumesh.attempts.NodeCall[bytes]``): ``call``, a
+    ``grpc.aio`` call or a backend's equivalent, to the node ``slot`` assigned, for the
+    request of ``record`` whose deadline is ``deadline`` (``d.clock()`` seconds). A stream's
+    first chunk is bounded by a first-token deadline derived from the node's own queue
+    (``failover.first_token_wait``)."""
 
-    __slots__ = ("_answered", "_call", "_d", "_deadline", "_ended", "_record", "_sent", "_slot",
-                 "_streaming", "node_id")
+    d: Dispatcher
+    slot: Assignment
+    call: Any
+    streaming: bool
+    deadline: float
+    record: DispatchRecord
+    node_id: str = field(init=False)
+    _sent: float = field(init=False)     # when the call started (d.clock())
+    _answered: bool = field(init=False, default=False)
+    _ended: bool = field(init=False, default=False)   # the node's whole answer arrived
 
-    def __init__(self, d: Dispatcher, slot: Assignment, call: Any, streaming: bool,
-                 deadline: float, record: DispatchRecord) -> None:
-        self._d = d
-        self._slot = slot
-        self._call = call
-        self._streaming = streaming
-        self._deadline = deadline
-        self._record = record
-        self._answered = False
-        self._ended = False   # the node's whole answer arrived
-        self._sent = d.clock()
-        self.node_id = slot.node_id
+    def __post_init__(self) -> None:
+        self.node_id = self.slot.node_id
+        self._sent = self.d.clock()
 
     async def first(self) -> bytes | None:
-        call = self._call
-        if not self._streaming:
+        call = self.call
+        if not self.streaming:
             response: bytes = await call
             self._first_chunk()
             self._ended = True
             return response
-        clock = self._d.clock
-        budget = failover.first_token_wait(self._slot.decision, self.node_id, self._d.config)
+        clock = self.d.clock
+        budget = failover.first_token_wait(self.slot.decision, self.node_id, self.d.config)
         try:
             chunk = await asyncio.wait_for(
-                call.read(), min(budget, max(self._deadline - clock(), 0.001)))
+                call.read(), min(budget, max(self.deadline - clock(), 0.001)))
         except TimeoutError:
             call.cancel()
             raise failover.first_token_timeout(self.node_id, budget, clock(),
-                                               self._deadline) from None
+                                               self.deadline) from None
         if chunk is grpc.aio.EOF:   # (read() raises when the node ended with an error)
             return None
         self._first_chunk()
@@ -76,20 +79,20 @@ class ProxyCall:
     def _first_chunk(self) -> None:
         """The node's first response reached the router."""
         self._answered = True
-        self._record.chunks += 1
-        if self._streaming:
-            self._slot.credit.first_token()
+        self.record.chunks += 1
+        if self.streaming:
+            self.slot.credit.first_token()
             # prediction feedback (router.fleet.predictions): right after the credit change,
             # which rebuilds the node's candidate, before any other decision runs
-            self._d.registry.predictions.observe(self.node_id, self._slot.decision,
-                                                 ttft_s=self._d.clock() - self._sent)
+            self.d.registry.predictions.observe(self.node_id, self.slot.decision,
+                                                ttft_s=self.d.clock() - self._sent)
 
     async def next(self) -> bytes | None:
-        chunk = await self._call.read()
+        chunk = await self.call.read()
         if chunk is grpc.aio.EOF:
             self._ended = True
             return None
-        self._record.chunks += 1
+        self.record.chunks += 1
         return chunk
 
     def close(self, error: Exception | None) -> None:
@@ -97,43 +100,42 @@ class ProxyCall:
         admitted = True
         if error is not None:
             assert isinstance(error, failover.NodeError)
-            self._record.attempts[-1].error = failover.failed_code(error).name
+            self.record.attempts[-1].error = failover.failed_code(error).name
             admitted = self._answered or failover.admitted(error)
         elif self._ended:
-            self._d.registry.predictions.observe(self.node_id, self._slot.decision,
-                                                 completion_s=self._d.clock() - self._sent)
-        self._slot.credit.finish(admitted)
-        if not self._call.done():
-            self._call.cancel()   # the client cancelled or the layers gave up: the node aborts
+            self.d.registry.predictions.observe(self.node_id, self.slot.decision,
+                                                completion_s=self.d.clock() - self._sent)
+        self.slot.credit.finish(admitted)
+        if not self.call.done():
+            self.call.cancel()   # the client cancelled or the layers gave up: the node aborts
 
     def cancel(self) -> None:
         """The stall watch gave up on the call."""
-        self._call.cancel()
+        self.call.cancel()
 
 
+@dataclass(slots=True, eq=False)
 class ProxyTransport:
     """The router's ``gpumesh.attempts.Transport[bytes]`` for one request (module doc).
     ``charge``: how admission charges the chosen node (a proxy stream's credit, or a blind
     one for a unary call). ``never``: nodes no attempt of this request may use (a model's
     prefill nodes while another node serves it: ``disagg.whole_request_exclude``)."""
 
-    __slots__ = ("_charge", "_ctx", "_d", "_never", "_record", "prompt_tokens", "streaming")
+    d: Dispatcher
+    ctx: RequestContext
+    record: DispatchRecord
+    streaming: bool
+    charge: ChargeFn
+    never: frozenset[str] = frozenset()
+    prompt_tokens: int = field(init=False)
 
-    def __init__(self, d: Dispatcher, ctx: RequestContext, record: DispatchRecord,
-                 streaming: bool, charge: ChargeFn, never: frozenset[str] = frozenset()
-                 ) -> None:
-        self._d = d
-        self._never = never
-        self._ctx = ctx
-        self._record = record
-        self._charge = charge
-        self.streaming = streaming
-        self.prompt_tokens = ctx.info.prompt_tokens
+    def __post_init__(self) -> None:
+        self.prompt_tokens = self.ctx.info.prompt_tokens
 
     async def open(self, request: pb.GenerateRequest | None,
                    exclude: frozenset[str]) -> ObservedCall:
-        d, ctx = self._d, self._ctx
-        slot = await d.assign(ctx, exclude | self._never, self._charge, self._record)
+        d, ctx = self.d, self.ctx
+        slot = await d.assign(ctx, exclude | self.never, self.charge, self.record)
         body = ctx.raw if request is None else request.SerializeToString()
         extra = ctx.on_attempt(slot) if ctx.on_attempt is not None else ()
         # charged = the prefill the node still does (prefix locality: less its cached prefix)
@@ -142,7 +144,7 @@ class ProxyTransport:
         client = d.channels.get(slot.node_id, slot.address, slot.frontends)
         rpc = client.stream if self.streaming else client.unary
         call = ProxyCall(d, slot, rpc(body, timeout_s=timeout_s, metadata=metadata),
-                         self.streaming, ctx.deadline, self._record)
+                         self.streaming, ctx.deadline, self.record)
         return ObservedCall(WatchedCall(call, d.watch, self.streaming), d.ejector,
                             ctx.deadline)
 

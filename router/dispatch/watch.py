@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,16 +126,16 @@ class WatchedCall:
         self._tracked = watch.track(inner.node_id, inner, streaming)
 
     async def first(self) -> bytes | None:
-        try:
-            chunk = await self._inner.first()
-        except asyncio.CancelledError as e:
-            raise lost_call(e, self._tracked) from None
-        self._tracked.last = self._clock()
-        return chunk
+        return await self._progress(self._inner.first())
 
     async def next(self) -> bytes | None:
+        return await self._progress(self._inner.next())
+
+    async def _progress(self, read: Awaitable[bytes | None]) -> bytes | None:
+        """One read of the inner call: progress marked, or the watch's cancellation raised
+        as the node's failure."""
         try:
-            chunk = await self._inner.next()
+            chunk = await read
         except asyncio.CancelledError as e:
             raise lost_call(e, self._tracked) from None
         self._tracked.last = self._clock()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from gpumesh.types import RouterAccount
 
@@ -36,32 +37,22 @@ from gpumesh.types import RouterAccount
 _NO_ACCOUNT = RouterAccount(router_id="")
 
 
+@dataclass(slots=True, eq=False)
 class Credit:
-    """One dispatched request's claim on a node. ``blind`` = the router will not see its first
-    token (unary, lookaside); ``holds_slot`` = it counts in router in-flight until
-    ``finish`` (proxy and unary) rather than until its tokens are released (lookaside)."""
+    """One dispatched request's claim on a node: the ``tokens`` charged for it, its
+    ``ordinal`` among the requests dispatched to the node, held until ``expires_at`` at most.
+    ``blind`` = the router will not see its first token (unary, lookaside);
+    ``slot_until_finish`` = it counts in router in-flight until ``finish`` (proxy and unary)
+    rather than until its tokens are released (lookaside)."""
 
-    __slots__ = (
-        "blind",
-        "expires_at",
-        "ledger",
-        "ordinal",
-        "pending",
-        "slot",
-        "slot_until_finish",
-        "tokens",
-    )
-
-    def __init__(self, ledger: CreditLedger, ordinal: int, tokens: int, blind: bool,
-                 expires_at: float, slot_until_finish: bool) -> None:
-        self.ledger = ledger
-        self.ordinal = ordinal
-        self.tokens = tokens
-        self.blind = blind
-        self.expires_at = expires_at
-        self.pending = True          # tokens still counted (before first token)
-        self.slot = True             # counted in router in-flight
-        self.slot_until_finish = slot_until_finish
+    ledger: CreditLedger
+    ordinal: int
+    tokens: int
+    blind: bool
+    expires_at: float
+    slot_until_finish: bool
+    pending: bool = field(init=False, default=True)   # tokens still counted (before first token)
+    slot: bool = field(init=False, default=True)      # counted in router in-flight
 
     def first_token(self) -> None:
         """The router forwarded this request's first token (proxy streams)."""

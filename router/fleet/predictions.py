@@ -36,7 +36,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpumesh.router.scheduling.types import Decision
 from gpumesh.status import DRIFT_ERROR, DRIFT_SCALE
@@ -77,24 +77,25 @@ def _usable(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x > 0
 
 
+@dataclass(slots=True, eq=False, kw_only=True)
 class PredictionTracker:
     """Per-node prediction feedback (module docstring). Not thread-safe: the router's event
     loop owns it; listeners run on it too."""
 
-    def __init__(self, *, window: int = 32, min_samples: int = 4, min_scale: float = 0.25,
-                 max_scale: float = 4.0, drift_scale: float = DRIFT_SCALE,
-                 drift_error: float = DRIFT_ERROR) -> None:
-        if not 0 < min_scale <= 1.0 <= max_scale or window < 1 or min_samples < 1:
+    window: int = 32
+    min_samples: int = 4
+    min_scale: float = 0.25
+    max_scale: float = 4.0
+    drift_scale: float = DRIFT_SCALE
+    drift_error: float = DRIFT_ERROR
+    _nodes: dict[str, _Node] = field(init=False, default_factory=dict)
+    _listeners: list[ErrorListener] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if (not 0 < self.min_scale <= 1.0 <= self.max_scale or self.window < 1
+                or self.min_samples < 1):
             raise ValueError("need 0 < min_scale <= 1 <= max_scale, window and "
                              "min_samples >= 1")
-        self.window = window
-        self.min_samples = min_samples
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.drift_scale = drift_scale
-        self.drift_error = drift_error
-        self._nodes: dict[str, _Node] = {}
-        self._listeners: list[ErrorListener] = []
 
     def add_listener(self, cb: ErrorListener) -> None:
         self._listeners.append(cb)

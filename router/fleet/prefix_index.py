@@ -48,22 +48,22 @@ class _Node:
     awaiting: bool = False  # a gap was seen: updates are ignored until the next snapshot
 
 
+@dataclass(slots=True, eq=False)
 class PrefixIndex:
     """Block hash -> nodes for one model (module docstring)."""
 
-    def __init__(self, max_entries: int = 4_000_000, ttl_s: float = 120.0,
-                 pending_ttl_s: float = 5.0) -> None:
-        self.max_entries = max_entries
-        self.ttl_s = ttl_s
-        self.pending_ttl_s = pending_ttl_s
-        self._blocks: dict[int, int] = {}        # hash -> bitmask of node slots
-        self._nodes: dict[str, _Node] = {}
-        self._by_slot: dict[int, str] = {}
-        self._free_slots: list[int] = []
-        self._next_slot = 0
-        self._epochs: dict[str, int] = {}        # node id -> newest engine epoch seen
-        self.entries = 0
-        self.stale_updates = 0                   # updates ignored: from an older epoch
+    max_entries: int = 4_000_000
+    ttl_s: float = 120.0
+    pending_ttl_s: float = 5.0
+    entries: int = field(init=False, default=0)
+    stale_updates: int = field(init=False, default=0)   # updates ignored: from an older epoch
+    _blocks: dict[int, int] = field(init=False, default_factory=dict)  # hash -> node bitmask
+    _nodes: dict[str, _Node] = field(init=False, default_factory=dict)
+    _by_slot: dict[int, str] = field(init=False, default_factory=dict)
+    _free_slots: list[int] = field(init=False, default_factory=list)
+    _next_slot: int = field(init=False, default=0)
+    # node id -> newest engine epoch seen
+    _epochs: dict[str, int] = field(init=False, default_factory=dict)
 
     # --- reads ---------------------------------------------------------------------------
 
@@ -310,15 +310,15 @@ class PrefixIndex:
         self._free_slots.append(n.slot)
 
 
+@dataclass(slots=True, eq=False)
 class PrefixIndexes:
-    """The per-model indexes of one router (``PrefixIndex`` each), created on first use."""
+    """The per-model indexes of one router (``PrefixIndex`` each, with these limits), created
+    on first use."""
 
-    def __init__(self, max_entries: int = 4_000_000, ttl_s: float = 120.0,
-                 pending_ttl_s: float = 5.0) -> None:
-        self.max_entries = max_entries
-        self.ttl_s = ttl_s
-        self.pending_ttl_s = pending_ttl_s
-        self._models: dict[str, PrefixIndex] = {}
+    max_entries: int = 4_000_000
+    ttl_s: float = 120.0
+    pending_ttl_s: float = 5.0
+    _models: dict[str, PrefixIndex] = field(init=False, default_factory=dict)
 
     def model(self, name: str) -> PrefixIndex:
         ix = self._models.get(name)

@@ -85,6 +85,28 @@ class ModelSaturation:
     nodes_wanted: int
 
 
+# (instrument, unit, ModelSaturation field, help text): the gauges ``router.telemetry``
+# exports per model, what an autoscaler and alerts read.
+SATURATION_GAUGES = (
+    ("gpumesh.router.model.saturation", "1", "saturation",
+     "Demand over measured capacity per model: max(slot utilization, KV utilization, queued "
+     "prefill seconds / TTFT SLO); 1 = at capacity"),
+    ("gpumesh.router.model.slot_utilization", "1", "slot_utilization",
+     "(requests the nodes hold + this router's queue) / the nodes' concurrency slots"),
+    ("gpumesh.router.model.kv_utilization", "1", "kv_utilization",
+     "The nodes' KV-cache usage, averaged over their KV capacity"),
+    ("gpumesh.router.model.prefill_backlog", "s", "prefill_backlog_s",
+     "Queued prompt tokens / the nodes' measured prefill capacity, seconds"),
+    ("gpumesh.router.model.at_limit_fraction", "1", "at_limit_fraction",
+     "Fraction of recent time the model's nodes spent at their concurrency limit"),
+    ("gpumesh.router.model.nodes", "{node}", "nodes",
+     "Nodes serving the model that are not draining"),
+    ("gpumesh.router.model.nodes_wanted", "{node}", "nodes_wanted",
+     "Nodes that would keep saturation at the configured target (scale the node "
+     "Deployment on it)"),
+)
+
+
 def node_demand(v: NodeView, model: str, policy: SaturationPolicy) -> NodeDemand:
     reg = v.entry.registration
     report = v.entry.report

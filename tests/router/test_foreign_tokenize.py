@@ -129,7 +129,7 @@ async def test_a_slow_tokenization_does_not_stall_other_streams(mesh, kind):
 
 async def test_cancel_while_tokenizing_sends_nothing(mesh):
     stub, tok, member, model = mesh
-    sent = member._counts.sent
+    sent = member._client.account.admitted_requests
     with _Blocking(tok) as slow:
         call = stub.GenerateStream(_req(model, 4, text=LONG_TEXT), timeout=30)
         reading = asyncio.create_task(call.read())
@@ -139,7 +139,7 @@ async def test_cancel_while_tokenizing_sends_nothing(mesh):
             await reading
         await _until(lambda: slow.done_at > 0, 10)
         await asyncio.sleep(0.2)
-    assert member._counts.sent == sent   # nothing reached the worker
+    assert member._client.account.admitted_requests == sent   # nothing reached the worker
     out = await stub.Generate(_req(model, 2, token_ids=pb.TokenIds(ids=[1, 2, 3])), timeout=30)
     assert len(out.token_ids) == 2
 
@@ -224,11 +224,11 @@ async def test_a_prompt_for_a_closed_tokenizer_is_unavailable_and_reaches_no_wor
     # nothing is sent to the worker. A fresh Tokenizer stands in for the member's, so the
     # module's other tests keep theirs.
     stub, _, member, model = mesh
-    client = member._channels._clients["foreign"]
+    client = member.channels._clients["foreign"]
     closed = Tokenizer(model)
     closed.close()
     saved, client._tok = client._tok, closed
-    sent = member._counts.sent
+    sent = member._client.account.admitted_requests
     try:
         for call in (stub.Generate, lambda r, **kw: _collect(stub.GenerateStream(r, **kw))):
             with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -240,7 +240,7 @@ async def test_a_prompt_for_a_closed_tokenizer_is_unavailable_and_reaches_no_wor
         assert len(out.token_ids) == 2
     finally:
         client._tok = saved
-    assert member._counts.sent == sent + 1   # only the short prompt reached the worker
+    assert member._client.account.admitted_requests == sent + 1   # only the short prompt reached the worker
 
 
 async def _collect(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateStreamResponse]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpumesh.node.engines.base import Finish
+from gpumesh.profiles import prefill_pairs
 
 
 class SimRequest:
@@ -75,3 +77,17 @@ class SimStep:
     decode_tokens: int
     prefill_tokens: int
     duration_s: float
+
+
+def attention_context(scheduled: Sequence[tuple[SimRequest, int]]) -> tuple[int, int]:
+    """What a step's scheduled tokens attend to, before the step runs (each request's
+    ``computed`` tokens are those before it): the decoding sequences' lengths summed and the
+    (token, earlier token) pairs of its prefill chunks (``gpumesh.profiles``' context
+    terms)."""
+    decode_context = pairs = 0
+    for req, n in scheduled:
+        if n == 1 and req.out:
+            decode_context += req.computed + 1
+        else:
+            pairs += prefill_pairs(req.computed, n)
+    return decode_context, pairs

@@ -19,7 +19,7 @@ from collections import deque
 from gpumesh.node.engines.base import EngineLoad, Finish, WindowMean
 from gpumesh.node.engines.sim.config import SimEngineConfig, SimStats
 from gpumesh.node.engines.sim.prefix_cache import PrefixCache
-from gpumesh.node.engines.sim.request import SimRequest, SimStep
+from gpumesh.node.engines.sim.request import SimRequest, SimStep, attention_context
 from gpumesh.node.engines.sim.text import check_stop
 from gpumesh.node.engines.sim.transfer import KvTransfers
 from gpumesh.types import StepModel
@@ -42,11 +42,7 @@ class SimScheduler(KvTransfers):
         self._reqs: dict[str, SimRequest] = {}
         self._running: list[SimRequest] = []
         self._waiting: deque[SimRequest] = deque()
-        # disaggregated serving (transfer.py): decode legs whose KV is arriving, those that
-        # took their blocks since take_started(), finished prefill legs holding their KV
-        self._loading: dict[str, SimRequest] = {}
-        self._started: list[SimRequest] = []
-        self._held: dict[str, SimRequest] = {}
+        self._init_transfers()
         self._block = cfg.kv_block_size
         self._total_blocks = cfg.kv_capacity_tokens // cfg.kv_block_size
         self._free_blocks = self._total_blocks
@@ -96,15 +92,7 @@ class SimScheduler(KvTransfers):
             return None
         c = self.config
         if c.step_b_decode_context_ms or c.step_c_prefill_ms:
-            # attention: what the scheduled tokens attend to (each request's computed
-            # tokens are still those before this step)
-            dctx = pairs = 0
-            for req, n in scheduled:
-                if n == 1 and req.out:
-                    dctx += req.computed + 1
-                else:
-                    pairs += n * req.computed + n * (n + 1) // 2
-            dt = self.step_time_s(n_dec, n_pre, dctx, pairs)
+            dt = self.step_time_s(n_dec, n_pre, *attention_context(scheduled))
         else:
             dt = self.step_time_s(n_dec, n_pre)
         self._steps += 1
@@ -290,17 +278,12 @@ class SimScheduler(KvTransfers):
             waiting = self._waiting
             while waiting and len(running) < cfg.max_num_seqs and budget > 0:
                 req = waiting[0]
-                if req.remote:  # a decode leg (transfer.py)
-                    got = self._admit_remote(req)
-                    if got < 0:
+                if req.remote:  # a decode leg (transfer.py): 0 or 1 token
+                    n = self._schedule_remote(req, scheduled)
+                    if n < 0:
                         break  # KV full: it waits (holding no block)
-                    waiting.popleft()
-                    if got:
-                        req.remote = False
-                        running.append(req)
-                        scheduled.append((req, 1))
-                        budget -= 1
-                        n_dec += 1
+                    budget -= n
+                    n_dec += n
                     continue
                 n = self._admit(req, budget)
                 if n == 0:
@@ -344,10 +327,7 @@ class SimScheduler(KvTransfers):
                 req.finish = Finish.LENGTH
             if req.finish is not None:
                 done.append(req)
-                if req.keep_kv:
-                    self._held[req.id] = req  # another engine reads it (transfer.py)
-                else:
-                    self._free(req)
+                self._free_or_hold(req)
                 del self._reqs[req.id]
                 self._finished += 1
             w = req.waiter

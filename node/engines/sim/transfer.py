@@ -18,6 +18,8 @@ on one engine and whose decode runs on another (a mixin of ``SimScheduler``).
 
 from __future__ import annotations
 
+from collections import deque
+
 from gpumesh.node.engines.sim.request import SimRequest
 
 
@@ -27,9 +29,15 @@ class KvTransfers:
 
     _block: int
     _free_blocks: int
-    _loading: dict[str, SimRequest]
-    _started: list[SimRequest]
-    _held: dict[str, SimRequest]
+    _running: list[SimRequest]
+    _waiting: deque[SimRequest]
+
+    def _init_transfers(self) -> None:
+        # decode legs whose KV is arriving, those that took their blocks since
+        # take_started(), finished prefill legs holding their KV for another engine
+        self._loading: dict[str, SimRequest] = {}
+        self._started: list[SimRequest] = []
+        self._held: dict[str, SimRequest] = {}
 
     def _free(self, req: SimRequest) -> None:  # SimScheduler's
         raise NotImplementedError
@@ -46,7 +54,7 @@ class KvTransfers:
         req = self._loading.pop(rid, None)
         if req is None:
             return False
-        self._waiting.appendleft(req)  # type: ignore[attr-defined]
+        self._waiting.appendleft(req)
         return True
 
     def release(self, rid: str) -> bool:
@@ -64,11 +72,34 @@ class KvTransfers:
         return (sum(r.blocks for r in self._held.values())
                 + sum(r.blocks for r in self._loading.values())) * self._block
 
-    def _admit_remote(self, req: SimRequest) -> int:
-        """A decode leg at the head of the waiting queue: -1 when the KV cache cannot hold its
-        prompt now (it waits); 0 when it took its blocks now (its transfer starts: it leaves
-        the queue for ``_loading``); 1 when its KV has arrived (schedule its last prompt
+    def _free_or_hold(self, req: SimRequest) -> None:
+        """A request finished: its KV blocks are freed, or held until :meth:`release` when it
+        is a prefill leg (another engine reads them)."""
+        if req.keep_kv:
+            self._held[req.id] = req
+        else:
+            self._free(req)
+
+    def _schedule_remote(self, req: SimRequest, scheduled: list[tuple[SimRequest, int]]
+                         ) -> int:
+        """A decode leg at the head of the waiting queue (``SimScheduler._schedule``): -1 when
+        the KV cache cannot hold its prompt now (it waits); 0 when it took its blocks now (its
+        transfer starts: it leaves the queue for ``_loading``); 1 when its KV has arrived: it
+        leaves the queue to run, its last prompt token scheduled in this step (one decode
         token)."""
+        got = self._admit_remote(req)
+        if got < 0:
+            return got
+        self._waiting.popleft()
+        if got:
+            req.remote = False
+            self._running.append(req)
+            scheduled.append((req, 1))
+        return got
+
+    def _admit_remote(self, req: SimRequest) -> int:
+        """``_schedule_remote``'s KV side: -1 (no room now), 0 (took its blocks: the
+        transfer starts), 1 (its KV has arrived)."""
         if req.blocks:
             return 1
         need = -(-req.prompt_len // self._block)

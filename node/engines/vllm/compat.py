@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpumesh.node.engines.base import EngineError, EngineOverloaded, InvalidRequest, PromptTooLong
+
 
 def import_entry_points() -> tuple[Any, Any, Any]:
     """(``AsyncEngineArgs``, ``AsyncLLM``, the usage context the node starts engines with)."""
@@ -57,6 +59,20 @@ def vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, 
                    "VLLMNotFoundError")
     return (types("VLLMError") + client, types("QueueOverflowError", "MaxQueuedTokensError"),
             client)
+
+
+def engine_error(e: BaseException) -> EngineError:
+    """The node's ``EngineError`` for one of vLLM's request errors (``vllm_error_types``'
+    first tuple): ``PromptTooLong`` (over the context window), ``EngineOverloaded`` (vLLM's
+    queue limits), ``InvalidRequest`` (a client error), else a plain ``EngineError``."""
+    _, overloaded, client_errors = vllm_error_types()
+    if "maximum model length" in str(e) or "max_model_len" in str(e):
+        return PromptTooLong(str(e))
+    if isinstance(e, overloaded):
+        return EngineOverloaded(str(e))
+    if isinstance(e, client_errors):
+        return InvalidRequest(str(e))
+    return EngineError(f"{type(e).__name__}: {e}")
 
 
 def current_platform() -> Any:

@@ -14,18 +14,17 @@ from gpumesh.node.engines.base import (
     EngineError,
     EngineLoad,
     EngineOutput,
-    EngineOverloaded,
     EngineRequest,
     EngineUnavailable,
     Finish,
-    InvalidRequest,
     KvEventSink,
     PromptTooLong,
 )
 from gpumesh.node.engines.vllm.compat import (
     cache_vllm_envs,
-    refresh_vllm_envs,
+    engine_error,
     import_entry_points,
+    refresh_vllm_envs,
     vllm_error_types,
 )
 from gpumesh.node.engines.vllm.config import VllmEngineConfig
@@ -40,10 +39,14 @@ from gpumesh.node.engines.vllm.kv_events import (
 from gpumesh.node.engines.vllm.kv_transfer import (
     KvTransferTotals,
     apply_side_channel,
-    check_params,
+    request_extra_args,
 )
 from gpumesh.node.engines.vllm.lifetime import install as die_with_node
-from gpumesh.node.engines.vllm.shared_core import FrontendSlot, SharedEngineCore
+from gpumesh.node.engines.vllm.shared_core import (
+    FrontendSlot,
+    SharedEngineCore,
+    launch_shared_core,
+)
 from gpumesh.node.engines.vllm.stats import LoadStatLogger, stat_logger_factory
 from gpumesh.node.engines.vllm.worker import prepare_cpu_workers
 from gpumesh.types import ModelSpec
@@ -145,24 +148,17 @@ class VllmEngine:
                 **self._config.extra, "kv_events_config": kv_events_config(self._kv_endpoint)})
         # the engine core and its workers end when this process ends, however it ends
         die_with_node()
-        kv_config = engine_kwargs(self._config).get("kv_transfer_config")
+        kwargs = engine_kwargs(self._config)
+        kv_config = kwargs.get("kv_transfer_config")
+        self._kv_transfer = kv_config is not None
         await asyncio.to_thread(refresh_vllm_envs)
-        if self._frontend is None and isinstance(kv_config, dict):
+        if self._frontend is None:
             # before the engine core starts (this one's or a shared one): it reads these
             self.kv_side_channel = apply_side_channel(
                 kv_config, self._config.kv_side_channel_host, self._config.kv_side_channel_port)
         if self._frontends > 1 and self._core is None:
-            core = SharedEngineCore(self._config, self._frontends)
-            launch = asyncio.ensure_future(asyncio.to_thread(core.launch))
-            try:
-                slots = await asyncio.shield(launch)
-            except asyncio.CancelledError:
-                loop = asyncio.get_running_loop()
-                launch.add_done_callback(lambda _: loop.run_in_executor(None, core.shutdown))
-                raise
-            self._core, self._frontend, self.peer_slots = core, slots[0], slots[1:]
-        kwargs = engine_kwargs(self._config)
-        self._kv_transfer = kwargs.get("kv_transfer_config") is not None
+            self._core, slots = await launch_shared_core(self._config, self._frontends)
+            self._frontend, self.peer_slots = slots[0], slots[1:]
         args = AsyncEngineArgs(**kwargs)
         factory = stat_logger_factory(self._stats)
         t0 = time.monotonic()
@@ -261,7 +257,7 @@ class VllmEngine:
         """
         from vllm.inputs import tokens_input
 
-        engine_errors, overloaded, client_errors = vllm_error_types()
+        engine_errors = vllm_error_types()[0]
 
         llm = self._engine()
         n = len(request.prompt_token_ids)
@@ -271,14 +267,7 @@ class VllmEngine:
             )
         params = self._sampling_params(request)
         if request.kv_transfer_params is not None:
-            if not self._kv_transfer:
-                raise InvalidRequest("kv_transfer_params needs a node with a KV connector "
-                                     "(role prefill or decode)")
-            try:
-                check_params(request.kv_transfer_params)
-            except ValueError as e:
-                raise InvalidRequest(str(e)) from None
-            params.extra_args = {"kv_transfer_params": dict(request.kv_transfer_params)}
+            params.extra_args = request_extra_args(request.kv_transfer_params, self._kv_transfer)
         # An already-rendered engine input: vLLM skips its (deprecated) raw-prompt path.
         prompt = tokens_input(list(request.prompt_token_ids))
         lora = None
@@ -303,13 +292,7 @@ class VllmEngine:
                         continue
                     yield EngineOutput(tuple(c.token_ids), c.text, finish, kv_params)
         except engine_errors as e:
-            if "maximum model length" in str(e) or "max_model_len" in str(e):
-                raise PromptTooLong(str(e)) from e
-            if isinstance(e, overloaded):
-                raise EngineOverloaded(str(e)) from e
-            if isinstance(e, client_errors):
-                raise InvalidRequest(str(e)) from e
-            raise EngineError(f"{type(e).__name__}: {e}") from e
+            raise engine_error(e) from e
 
     async def abort(self, request_id: str) -> None:
         """Abort by the request id given to ``generate``; its stream ends with ``ABORT``."""

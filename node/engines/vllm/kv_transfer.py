@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpumesh.node.engines.base import InvalidRequest
+
 ROLES = ("both", "prefill", "decode")
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Bounds on what a request may carry (the router relays a prefill leg's answer): a JSON
@@ -68,7 +70,8 @@ def apply_side_channel(kv_transfer_config: Mapping[str, Any] | None, host: str,
     engine about to start; returns (host, port), or None when the config uses no NIXL
     connector. Environment variables are vLLM's only interface for these, read once by the
     engine core process it starts."""
-    if not kv_transfer_config or "Nixl" not in str(kv_transfer_config.get("kv_connector", "")):
+    if (not isinstance(kv_transfer_config, Mapping)
+            or "Nixl" not in str(kv_transfer_config.get("kv_connector", ""))):
         return None
     if port:
         _check_bindable(host, port)
@@ -105,6 +108,20 @@ def check_params(params: Mapping[str, Any]) -> None:
         return
     raise ValueError("kv_transfer_params must set do_remote_decode (a prefill leg) or "
                      "do_remote_prefill (a decode leg)")
+
+
+def request_extra_args(params: Mapping[str, Any], connector: bool) -> dict[str, Any]:
+    """vLLM's ``SamplingParams.extra_args`` for a request carrying ``kv_transfer_params`` on
+    an engine with (``connector``) or without a KV connector; ``InvalidRequest`` when the
+    engine has none or the parameters are neither a prefill nor a decode leg's."""
+    if not connector:
+        raise InvalidRequest("kv_transfer_params needs a node with a KV connector "
+                             "(role prefill or decode)")
+    try:
+        check_params(params)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    return {"kv_transfer_params": dict(params)}
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -120,3 +121,18 @@ class SharedEngineCore:
         listeners, self._listeners = self._listeners, None
         if listeners is not None:
             listeners.cleanup()
+
+
+async def launch_shared_core(config: VllmEngineConfig,
+                             count: int) -> tuple[SharedEngineCore, list[FrontendSlot]]:
+    """Launch a ``SharedEngineCore`` for ``count`` front ends off the event loop; returns it
+    and its slots. Cancelling stops the core once its launch (which cannot be interrupted)
+    is over. Raises ``EngineError``."""
+    core = SharedEngineCore(config, count)
+    launch = asyncio.ensure_future(asyncio.to_thread(core.launch))
+    try:
+        return core, await asyncio.shield(launch)
+    except asyncio.CancelledError:
+        loop = asyncio.get_running_loop()
+        launch.add_done_callback(lambda _: loop.run_in_executor(None, core.shutdown))
+        raise

@@ -9,7 +9,7 @@ gpumesh requests into vLLM's with the worker model's tokenizer from the router's
 the result the grpc.aio call shape the dispatcher uses).
 """
 
-from gpumesh.router.backends.vllm_grpc.client import ForeignClient, SentCounts
+from gpumesh.router.backends.vllm_grpc.client import ForeignClient
 from gpumesh.router.backends.vllm_grpc.load import (
     load_from_record,
     load_from_scheduler,
@@ -25,5 +25,5 @@ from gpumesh.router.backends.vllm_grpc.detokenizer import Detokenizer
 from gpumesh.router.tokenizers import Tokenizer
 
 __all__ = ["KIND", "Detokenizer", "ForeignClient", "ForeignFleet", "ForeignMember",
-           "ForeignSpec", "SentCounts", "Tokenizer", "load_from_record", "load_from_scheduler",
+           "ForeignSpec", "Tokenizer", "load_from_record", "load_from_scheduler",
            "merge_scheduler_loads"]

@@ -7,8 +7,9 @@ per worker chunk (StreamOptions coalescing is not applied to foreign nodes). Can
 call cancels the worker's Generate (vLLM aborts the request).
 
 The worker cannot report what *this* router sent it, so the client counts it
-(``SentCounts``: requests sent / that produced a first token); membership reports those counts
-as this router's ``RouterAccount``, so credits clear by the same rule as for gpumesh nodes.
+(``ForeignClient.account``: requests sent / that produced a first token); membership reports
+that as this router's ``RouterAccount``, so credits clear by the same rule as for gpumesh
+nodes.
 A request sent while a report was in flight may be counted as reported slightly early (the
 worker had not seen it yet).
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as vpb
@@ -33,30 +33,17 @@ from gpumesh.types import RouterAccount
 from gpumesh.v1 import inference_pb2 as pb
 
 
-@dataclass
-class SentCounts:
-    """This router's requests to one worker (the RouterAccount the worker cannot report)."""
-
-    sent: int = 0
-    sent_tokens: int = 0
-    first: int = 0
-    first_tokens: int = 0
-
-    def account(self, router_id: str) -> RouterAccount:
-        return RouterAccount(router_id, self.sent, self.sent_tokens, self.first,
-                             self.first_tokens)
-
-
 class ForeignClient:
-    """Calls to one stock vLLM gRPC worker (module doc)."""
+    """Calls to one stock vLLM gRPC worker (module doc); ``account``: what router
+    ``router_id`` sent it through this client (``finished_requests`` not counted)."""
 
     def __init__(self, node_id: str, address: str, channel: grpc.aio.Channel,
-                 tokenizer: Tokenizer, counts: SentCounts) -> None:
+                 tokenizer: Tokenizer, router_id: str) -> None:
         self.node_id = node_id
         self.address = address
         self._stub = vpb_grpc.VllmEngineStub(channel)
         self._tok = tokenizer
-        self._counts = counts
+        self.account = RouterAccount(router_id)
 
     async def _translate(self, raw: bytes, stream: bool) -> tuple[vpb.GenerateRequest, int]:
         req = pb.GenerateRequest.FromString(raw)
@@ -91,8 +78,7 @@ class ForeignClient:
                     if not ids:
                         continue
                     if first:
-                        self._counts.first += 1
-                        self._counts.first_tokens += n_prompt
+                        self.account = self.account.first_token(n_prompt)
                     generated += len(ids)
                     out = pb.GenerateStreamResponse(text=detok.push(ids), token_ids=ids)
                     if first:
@@ -154,18 +140,15 @@ class ForeignClient:
                 call.cancel()
 
     def _sent(self, n_prompt: int) -> None:
-        self._counts.sent += 1
-        self._counts.sent_tokens += n_prompt
+        self.account = self.account.admit(n_prompt)
 
     def _settle(self, no_first_token: bool, refused: bool, n_prompt: int) -> None:
         """A request that ended before its first token: a refused one was never admitted (the
         dispatcher says so too), any other counts as past its first token (as a node counts)."""
         if refused:
-            self._counts.sent -= 1
-            self._counts.sent_tokens -= n_prompt
+            self.account = self.account.admit(-n_prompt, -1)
         elif no_first_token:
-            self._counts.first += 1
-            self._counts.first_tokens += n_prompt
+            self.account = self.account.first_token(n_prompt)
 
     async def close(self, grace_s: float | None) -> None:
         """The channel belongs to the ForeignMember (it outlives registrations)."""

@@ -7,7 +7,7 @@ ledger's meaning), else vLLM's estimate of queued, not-yet-started prompt tokens
 ``kv_cache_usage`` = ``token_usage``; ``generation_tokens_per_s`` = ``gen_throughput``; prompt
 tokens/s unknown (0: the scorer uses its reference floor); ``in_flight`` = running + waiting.
 The report carries no router accounts: the worker cannot know what a router sent it
-(``client.SentCounts`` supplies them).
+(``client.ForeignClient.account`` supplies this router's).
 """
 
 from __future__ import annotations

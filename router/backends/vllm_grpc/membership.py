@@ -12,7 +12,7 @@ heartbeats would be applied:
   interval (a stock worker without ``--kv-events-config`` answers the subscription
   UNIMPLEMENTED; vLLM's Python servicer pushes nothing before its first KV batch).
 
-Each report carries the client's ``SentCounts`` as this router's account. Any failure ends
+Each report carries the client's ``account`` as this router's. Any failure ends
 the session: the node leaves, and the member reconnects with backoff.
 """
 
@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -36,7 +36,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common
 
 from gpumesh.router.backends.channels import NodeChannels
-from gpumesh.router.backends.vllm_grpc.client import ForeignClient, SentCounts
+from gpumesh.router.backends.vllm_grpc.client import ForeignClient
 from gpumesh.router.backends.vllm_grpc.load import load_from_record, merge_scheduler_loads
 from gpumesh.router.fleet import Registry
 from gpumesh.router.tokenizers import RouterTokenizers, Tokenizer
@@ -74,32 +74,36 @@ class ForeignSpec:
         return self.node_id or f"vllm@{self.address}"
 
 
+@dataclass(slots=True, eq=False)
 class ForeignMember:
     """Keeps one foreign worker registered and reported while it answers (module doc).
     ``rpc_timeout_s`` bounds each membership RPC (HealthCheck, GetModelInfo, GetLoads)."""
 
-    def __init__(self, spec: ForeignSpec, registry: Registry, channels: NodeChannels,
-                 tokenizers: RouterTokenizers, *, poll_interval_s: float = 0.25,
-                 rpc_timeout_s: float = 5.0, max_backoff_s: float = 5.0) -> None:
-        self.spec = spec
-        self.node_id = spec.resolved_node_id
-        self._registry = registry
-        self._channels = channels
-        self._tokenizers = tokenizers
-        self._poll = poll_interval_s
-        self._timeout = rpc_timeout_s
-        self._max_backoff = max_backoff_s
-        self._channel = grpc.aio.insecure_channel(spec.address, options=[
+    spec: ForeignSpec
+    registry: Registry
+    channels: NodeChannels
+    tokenizers: RouterTokenizers
+    _: dataclasses.KW_ONLY
+    poll_interval_s: float = 0.25
+    rpc_timeout_s: float = 5.0
+    max_backoff_s: float = 5.0
+    node_id: str = field(init=False)
+    pushed: int = field(init=False, default=0)   # reports taken from pushed records
+    polled: int = field(init=False, default=0)   # reports taken from GetLoads
+    _channel: grpc.aio.Channel = field(init=False)
+    _stub: vpb_grpc.VllmEngineStub = field(init=False)
+    _tokenizer: Tokenizer | None = field(init=False, default=None)
+    _stream_id: int = field(init=False, default=0)
+    _seq: int = field(init=False, default=0)
+    _last_push: float = field(init=False, default=0.0)
+    _client: ForeignClient | None = field(init=False, default=None)  # this incarnation
+
+    def __post_init__(self) -> None:
+        self.node_id = self.spec.resolved_node_id
+        self._channel = grpc.aio.insecure_channel(self.spec.address, options=[
             ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self._stub = vpb_grpc.VllmEngineStub(self._channel)
-        self._tokenizer: Tokenizer | None = None
-        self._stream_id = 0
-        self._seq = 0
-        self._last_push = 0.0
-        self._counts = SentCounts()
-        self.pushed = 0          # reports taken from pushed records (tests, status)
-        self.polled = 0          # reports taken from GetLoads
 
     async def run(self) -> None:
         backoff = 0.2
@@ -116,7 +120,7 @@ class ForeignMember:
                     log.debug("foreign node %s not reachable yet: %s", self.node_id, exc)
                 self._leave(f"{type(exc).__name__}")
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._max_backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
             else:
                 backoff = 0.2
 
@@ -125,31 +129,32 @@ class ForeignMember:
 
     def _leave(self, reason: str) -> None:
         if self._stream_id:
-            self._registry.deregister(self.node_id, self._stream_id, reason)
+            self.registry.deregister(self.node_id, self._stream_id, reason)
             self._stream_id = 0
 
     async def _session(self) -> None:
-        health = await self._stub.HealthCheck(vpb.HealthCheckRequest(), timeout=self._timeout)
+        health = await self._stub.HealthCheck(vpb.HealthCheckRequest(), timeout=self.rpc_timeout_s)
         if not health.healthy:
             raise RuntimeError(f"worker unhealthy: {health.message}")
-        info = await self._stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=self._timeout)
+        info = await self._stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=self.rpc_timeout_s)
         if self._tokenizer is None:
             path = self.spec.tokenizer or info.tokenizer_path or info.model_path
             if not Path(path).exists():
                 raise RuntimeError(f"no local tokenizer for {self.node_id} at {path!r}; set "
                                    "tokenizer= in its foreign_nodes entry")
-            self._tokenizer = await self._tokenizers.worker_tokenizer(path)
+            self._tokenizer = await self.tokenizers.worker_tokenizer(path)
         name = info.served_model_name or info.model_path
-        self._counts = SentCounts()   # a fresh incarnation: the ledger restarts with it
         self._stream_id = next(_stream_ids)
         self._seq = 0
-        self._registry.register(Registration(
+        self.registry.register(Registration(
             node_id=self.node_id, address=self.spec.address,
             models=(ModelSpec(name, (), info.max_context_length, 1, self.spec.capacity_weight),),
             incarnation=uuid.uuid4().hex[:16], engine="vllm",
             max_concurrency=self.spec.max_concurrency, kind=KIND), self._stream_id)
-        self._channels.adopt(ForeignClient(self.node_id, self.spec.address, self._channel,
-                                           self._tokenizer, self._counts))
+        # a fresh incarnation: its account (the worker's ledger) restarts with the client
+        self._client = ForeignClient(self.node_id, self.spec.address, self._channel,
+                                     self._tokenizer, self.registry.router_id)
+        self.channels.adopt(self._client)
         log.info("foreign node %s (%s) joined serving %s", self.node_id, self.spec.address, name)
         sub = asyncio.create_task(self._subscribe())
         try:
@@ -161,8 +166,9 @@ class ForeignMember:
 
     def _report(self, load: LoadReport) -> None:
         self._seq += 1
-        account = self._counts.account(self._registry.router_id)
-        self._registry.heartbeat(self.node_id, self._stream_id, self._seq,
+        assert self._client is not None   # (reports follow the registration)
+        account = self._client.account
+        self.registry.heartbeat(self.node_id, self._stream_id, self._seq,
                                  int(time.time() * 1000),
                                  dataclasses.replace(load, router_accounts=(account,)))
 
@@ -181,12 +187,12 @@ class ForeignMember:
 
     async def _poll_loop(self, sub: asyncio.Task[None]) -> None:
         while True:
-            if time.monotonic() - self._last_push > self._poll:
-                loads = await self._stub.GetLoads(vpb.GetLoadsRequest(), timeout=self._timeout)
+            if time.monotonic() - self._last_push > self.poll_interval_s:
+                loads = await self._stub.GetLoads(vpb.GetLoadsRequest(), timeout=self.rpc_timeout_s)
                 if loads.loads:
                     self.polled += 1
                     self._report(merge_scheduler_loads(loads.loads))
-            await asyncio.sleep(self._poll)
+            await asyncio.sleep(self.poll_interval_s)
 
 
 class ForeignFleet:
