@@ -20,6 +20,10 @@ Per prompt length and trial (a fresh random prompt each time, so no prefix-cache
 this is the cost of the hand-over only, never an interference gain.
 
     gpumesh bench kv-transfer --model models/tiny --out bench/overhead/results/pd/transfer.json
+
+``--identical N`` also checks, per prompt length, that the disaggregated greedy answer of N
+tokens equals the aggregated one token for token (exit status 1 when one differs). On CUDA the
+two engines share GPU 0 (``--gpu-memory-utilization`` each; ``bench/gpu/kit/run_pd.sh``).
 """
 
 from __future__ import annotations
