@@ -19,8 +19,6 @@ during a node's first requests (their step times differ by several times).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from pathlib import Path
 from pprint import pformat
@@ -35,6 +33,7 @@ from gpumesh.router.config import RouterConfig
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 from tests.integration.procs import free_port, node_proc, wait_serving
+from tests.integration.test_affinity_sim import wait_fleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -67,7 +66,7 @@ async def mesh(tiny_model_dir: Path, tiny_adapters: Path, tmp_path_factory):
             addrs[name] = f"127.0.0.1:{port}"
         for name in procs:
             await wait_serving(addrs[name], procs[name], timeout_s=480)
-        await wait_fleet(router.address, lambda f: set(NODES) <= healthy(f))
+        await wait_fleet(router.address, lambda f: set(NODES) <= healthy(f), timeout_s=60)
         yield router, addrs
     finally:
         for p in procs.values():
@@ -77,18 +76,6 @@ async def mesh(tiny_model_dir: Path, tiny_adapters: Path, tmp_path_factory):
 
 def healthy(fleet: cpb.GetFleetResponse) -> set[str]:
     return {n.node_id for n in fleet.nodes if n.state == cpb.NODE_STATE_HEALTHY}
-
-
-async def wait_fleet(router: str, predicate, timeout_s: float = 60.0) -> cpb.GetFleetResponse:
-    deadline = time.monotonic() + timeout_s
-    async with MeshClient(router) as c:
-        while True:
-            fleet = await c.fleet(timeout=30)
-            if predicate(fleet):
-                return fleet
-            if time.monotonic() > deadline:
-                raise AssertionError(f"fleet never matched: {fleet}")
-            await asyncio.sleep(0.1)
 
 
 def idle(fleet: cpb.GetFleetResponse) -> bool:
