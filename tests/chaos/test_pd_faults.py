@@ -19,8 +19,8 @@ import pytest
 from gpumesh import metadata as md
 from gpumesh.client import MeshClient, StreamResult, build_request
 from gpumesh.v1 import inference_pb2 as pb
+from tests.integration.pd import PdMesh, started_pd_mesh
 from tests.integration.test_mesh_vllm import healthy
-from tests.integration.test_pd_mesh import PdMesh
 
 pytestmark = [pytest.mark.chaos, pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("nixl")
@@ -32,21 +32,9 @@ PROMPT = "a prompt long enough to need its KV moved between nodes " * 12
 
 @pytest.fixture(scope="module")
 async def pd_mesh(tiny_model_dir, tmp_path_factory):
-    m = PdMesh()
-    m.leg_timeout_s = LEG_TIMEOUT_S
-    tmp = tmp_path_factory.mktemp("pdchaos")
-    await m.start_router()
-    try:
-        await asyncio.gather(m.start_pd_node("pre", "prefill", 0, tiny_model_dir, tmp),
-                             m.start_pd_node("dec", "decode", 1, tiny_model_dir, tmp))
-        await m.wait_fleet(lambda f: {"pre", "dec"} <= healthy(f))
-        await m.warm_up()
+    async with started_pd_mesh(tiny_model_dir, tmp_path_factory.mktemp("pdchaos"),
+                               leg_timeout_s=LEG_TIMEOUT_S) as m:
         yield m
-    finally:
-        for p in m.nodes.values():
-            p.close()
-        if m.router is not None:
-            await m.router.stop(0.5)
 
 
 def _request(i: int) -> pb.GenerateRequest:

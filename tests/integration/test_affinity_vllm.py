@@ -1,18 +1,27 @@
-"""End to end through a router (in-process, real gRPC) to two node processes serving the tiny
-model with the same two LoRA adapters: a real vLLM CPU node ("lv", LoRA on) and a simulated
-node ("ls", simulated adapter loads). Prompts are token ids, which both accept.
+"""End to end through a router (in-process, real gRPC) to two real vLLM CPU node processes
+("la" on core 0, "lb" on core 1), both serving the tiny model with the same two LoRA adapters.
+Prompts are token ids.
 
-- An adapter request works through the router and goes to the node that has the adapter
-  loaded (each node is given a different one first); an adapter no node serves is NOT_FOUND.
-- Requests with a routing_key stick to one node; with streams held open on one key, the
-  bounded-load rule sends the third elsewhere.
+The nodes serve the model as "tiny-cpu", the name of its built-in engine profile (calibrated
+on this model on CPU), so the router predicts both from that one profile until a node has
+fitted its own step model (seconds of busy engine, which only the last test's load gives):
+the two are of equal speed in its view, and a decision turns on what a test varies (a prefix
+held, an adapter loaded, a drain, load), not on how busy the shared machine made each core
+during a node's first requests (their step times differ by several times).
+
+- An adapter request goes to the node that has its adapter loaded (each node is given a
+  different one first): the other node's prediction carries the adapter's load; an adapter no
+  node serves is NOT_FOUND.
+- A routing key (docs/routing.md, "Routing keys"): a conversation's turns stay on the node
+  that holds its prefix; the key moves when that node is clearly worse (drained, or loaded far
+  beyond the other) and then stays where the conversation went, which now holds its prefix.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
+from pprint import pformat
 
 import grpc
 import pytest
@@ -22,18 +31,22 @@ from gpumesh.client import MeshClient, build_request
 from gpumesh.router.app import RouterServer
 from gpumesh.router.config import RouterConfig
 from gpumesh.v1 import control_pb2 as cpb
+from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 from tests.integration.procs import free_port, node_proc, wait_serving
+from tests.integration.test_affinity_sim import wait_fleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+NODES = ("la", "lb")
 PROMPT = [17, 402, 33, 1005, 61, 7, 250, 12, 99, 808]
-NODE_TOML = ('served_name = "tiny"\nheartbeat_busy_interval_s = 0.1\n'
+# 48 KV blocks of 128 tokens (the CPU backend's block): 6,144 tokens, room for a conversation
+# of 1.8k tokens
+NODE_TOML = ('served_name = "tiny-cpu"\nheartbeat_busy_interval_s = 0.1\n'
              'heartbeat_idle_interval_s = 0.2\nreconnect_max_backoff_s = 0.5\n'
-             'adapter_dir = "{adapters}"\nmax_loras = 2\nmax_lora_rank = 8\n{extra}')
-VLLM_EXTRA = 'max_model_len = 512\nnum_gpu_blocks_override = 32\nenforce_eager = true\n'
-# the simulated node: the tiny model's context, steps slowed so a stream stays open a while
-SIM_EXTRA = ('max_model_len = 512\n[sim]\nvocab_size = 2048\ntime_scale = 20.0\n'
-             'adapter_load_ms = 50.0\n')
+             'adapter_dir = "{adapters}"\nmax_loras = 2\nmax_lora_rank = 8\n'
+             'max_model_len = 2048\nnum_gpu_blocks_override = 48\nenforce_eager = true\n')
+
+LOAD_STREAMS, LOAD_PROMPT = 8, 900   # 7,200 prompt tokens: more than a node's KV (6,144)
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +57,17 @@ async def mesh(tiny_model_dir: Path, tiny_adapters: Path, tmp_path_factory):
     await router.start()
     procs, addrs = {}, {}
     try:
-        for name, engine, extra in (("lv", "vllm", VLLM_EXTRA), ("ls", "sim", SIM_EXTRA)):
+        for core, name in enumerate(NODES):
             cfg = tmp / f"{name}.toml"
-            cfg.write_text(NODE_TOML.format(adapters=tiny_adapters, extra=extra))
+            cfg.write_text(NODE_TOML.format(adapters=tiny_adapters))
             port = free_port()
-            procs[name] = node_proc(name, port, [router.address], engine=engine,
-                                    model=str(tiny_model_dir) if engine == "vllm" else "",
-                                    core=1, config=cfg)
+            procs[name] = node_proc(name, port, [router.address], model=str(tiny_model_dir),
+                                    core=core, config=cfg)
             addrs[name] = f"127.0.0.1:{port}"
         for name in procs:
-            await wait_serving(addrs[name], procs[name])
-        await wait_fleet(router.address, lambda f: {"lv", "ls"} <= healthy(f))
-        yield router.address, addrs
+            await wait_serving(addrs[name], procs[name], timeout_s=480)
+        await wait_fleet(router.address, lambda f: set(NODES) <= healthy(f), timeout_s=60)
+        yield router, addrs
     finally:
         for p in procs.values():
             p.close()
@@ -64,18 +76,6 @@ async def mesh(tiny_model_dir: Path, tiny_adapters: Path, tmp_path_factory):
 
 def healthy(fleet: cpb.GetFleetResponse) -> set[str]:
     return {n.node_id for n in fleet.nodes if n.state == cpb.NODE_STATE_HEALTHY}
-
-
-async def wait_fleet(router: str, predicate, timeout_s: float = 60.0) -> cpb.GetFleetResponse:
-    deadline = time.monotonic() + timeout_s
-    async with MeshClient(router) as c:
-        while True:
-            fleet = await c.fleet(timeout=30)
-            if predicate(fleet):
-                return fleet
-            if time.monotonic() > deadline:
-                raise AssertionError(f"fleet never matched: {fleet}")
-            await asyncio.sleep(0.1)
 
 
 def idle(fleet: cpb.GetFleetResponse) -> bool:
@@ -87,43 +87,76 @@ def loaded(fleet: cpb.GetFleetResponse) -> dict[str, set[str]]:
     return {n.node_id: set(n.load.loaded_adapters) for n in fleet.nodes}
 
 
+def summary(fleet: cpb.GetFleetResponse) -> dict[str, str]:
+    """What a routing decision read about each node, for a failure's message."""
+    out = {}
+    for n in fleet.nodes:
+        sm, ld = n.load.step_model, n.load
+        out[n.node_id] = (f"{cpb.NodeState.Name(n.state)} run={ld.num_running} "
+                          f"wait={ld.num_waiting} step=({sm.a_ms:.2f}, {sm.b_decode_ms:.3f}, "
+                          f"{sm.b_prefill_ms:.4f}) ms/{sm.spans} adapters="
+                          f"{sorted(ld.loaded_adapters)} load={ld.adapter_load_s:.4f}s "
+                          f"scale={n.prediction_scale:.2f}")
+    return out
+
+
+async def preview(router: RouterServer, req) -> dict[str, object]:
+    """The decision the router would make for ``req`` now (nothing charged or remembered),
+    with each node's measured decode step: for a failure's message."""
+    ctx = await router.dispatcher.prepare(req, req.SerializeToString(), time.monotonic() + 30)
+    d = router.dispatcher.decide(ctx.info)
+    steps = {v.entry.node_id: v.entry.report.step_s for v in router.registry.fleet()
+             if v.entry.report is not None}
+    return {"chosen": d.node_id, "session_node": ctx.info.session_node,
+            "held": dict(ctx.info.cached_tokens), "step_s": steps,
+            **{c.node_id: {k: round(v * 1e3, 3) for k, v in c.scores.items()}
+               for c in d.considered}}
+
+
+def node_of(fleet: cpb.GetFleetResponse, node_id: str) -> cpb.NodeStatus:
+    return next(n for n in fleet.nodes if n.node_id == node_id)
+
+
 async def served_by(client: MeshClient, req) -> tuple[str, object]:
     call = client.inference.Generate(req, timeout=120)
     resp = await call
     return dict(await call.trailing_metadata() or ())[md.NODE_ID], resp
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "written for hard adapter affinity: predicted_latency weighs the adapter's load time "
-    "against this mesh's 20x slower simulated node and may load it on the vLLM node; the "
-    "mesh needs nodes of comparable speed (tests/integration/test_affinity_sim.py covers "
-    "the rule on equal nodes)"))
+async def route(router: RouterServer, client: MeshClient, req) -> tuple[str, object, str]:
+    """``req`` through the router: the node that served it, its answer, and what the router
+    saw just before (the fleet and its decision's predictions, ms) for a failure's message."""
+    why = {"fleet": summary(await client.fleet(timeout=30)), **await preview(router, req)}
+    node, resp = await served_by(client, req)
+    return node, resp, pformat(why, width=100)
+
+
 async def test_adapter_request_goes_where_the_adapter_is_loaded(mesh) -> None:
     router, addrs = mesh
+    target = router.address
     # each node loads a different adapter, asked directly
-    for node, adapter in (("lv", "alpha"), ("ls", "beta")):
+    for node, adapter in (("la", "alpha"), ("lb", "beta")):
         async with MeshClient(addrs[node]) as direct:
             await direct.generate(build_request(PROMPT, max_tokens=2, adapter=adapter),
                                   timeout=120)
-    await wait_fleet(router, lambda f: {"alpha"} <= loaded(f).get("lv", set())
-                     and {"beta"} <= loaded(f).get("ls", set()))
-    async with MeshClient(router) as client:
+    await wait_fleet(target, lambda f: loaded(f) == {"la": {"alpha"}, "lb": {"beta"}})
+    async with MeshClient(target) as client:
         listed = await client.list_models(timeout=30)
         assert set(listed.models[0].adapters) == {"alpha", "beta"}
-        for _ in range(4):
-            # each request on an idle fleet: a report that still shows the last request
-            # running (the slowed simulated node reports a long step) would weigh load, not
-            # the adapter, in the choice
-            await wait_fleet(router, idle)
-            node, resp = await served_by(client, build_request(
+        for _ in range(3):
+            # each request on an idle fleet: the node without the adapter would add its load
+            await wait_fleet(target, idle)
+            node, resp, why = await route(router, client, build_request(
                 PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True, adapter="alpha"))
-            assert node == "lv" and resp.usage.completion_tokens == 8
-            await wait_fleet(router, idle)
-            node, _ = await served_by(client, build_request(PROMPT, max_tokens=4,
-                                                            adapter="beta"))
-            assert node == "ls"
+            assert node == "la" and resp.usage.completion_tokens == 8, why
+            await wait_fleet(target, idle)
+            node, _, why = await route(router, client, build_request(
+                PROMPT, max_tokens=4, adapter="beta"))
+            assert node == "lb", why
+        # neither node loaded the other's adapter
+        assert loaded(await client.fleet(timeout=30)) == {"la": {"alpha"}, "lb": {"beta"}}
         # the adapter was applied on the real engine: its greedy output is not the base's
-        async with MeshClient(addrs["lv"]) as direct:
+        async with MeshClient(addrs["la"]) as direct:
             base = await direct.generate(build_request(
                 PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True), timeout=120)
         assert list(resp.token_ids) != list(base.token_ids)
@@ -133,31 +166,64 @@ async def test_adapter_request_goes_where_the_adapter_is_loaded(mesh) -> None:
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "written for bounded-load affinity (spill at ceil(1.25 x mean)); under predicted_latency "
-    "a routing key is an expected hit weighed against load, not a bound "
-    "(tests/integration/test_affinity_sim.py asserts the new rule)"))
-async def test_routing_key_sticks_and_spills_over_at_the_bound(mesh) -> None:
-    router, _ = mesh
-    async with MeshClient(router) as client:
-        # sequential requests on one key: one node, whatever the tie-breaks
-        nodes = [(await served_by(client, build_request(PROMPT, max_tokens=2,
-                                                        routing_key="user-1")))[0]
-                 for _ in range(5)]
-        assert len(set(nodes)) == 1, nodes
-        # streams held open on one key: the first two share a node (fair share of 2 requests
-        # over 2 nodes is 1, ceil(1.25 x 1) = 2); the third would make 3 > ceil(1.25 x 1.5)
-        # there, so load decides and it goes to the other node
-        calls = []
-        try:
-            for expect in ([0, 1], [0, 2], [1, 2]):
-                call = client.inference.GenerateStream(build_request(
-                    PROMPT, max_tokens=480, ignore_eos=True, routing_key="user-2"),
-                    timeout=120)
-                await call.read()   # dispatched and streaming before the next one starts
-                calls.append(call)
-                fleet = await client.fleet(timeout=30)
-                assert sorted(n.router_in_flight for n in fleet.nodes) == expect, fleet
-        finally:
-            for call in calls:
-                call.cancel()
+class Conversation:
+    """One routing key's turns: each prompt is the previous one, its reply and a new user
+    message of ``USER_TOKENS`` token ids (two of the engine's 128-token KV blocks: the node
+    that served the last turn holds a prefix longer than the other's by at least that)."""
+
+    USER_TOKENS = 256
+
+    def __init__(self, router: RouterServer, client: MeshClient, key: str) -> None:
+        self.router, self.client, self.key = router, client, key
+        self.prompt: list[int] = []
+        self.turns = 0
+        self.seen = ""   # what the router saw before the last turn (``route``)
+
+    async def turn(self) -> str:
+        """Sends the next turn through the router; the node that served it."""
+        self.turns += 1
+        start = 3 + 17 * self.turns
+        self.prompt += [(start + 7 * i) % 1900 + 50 for i in range(self.USER_TOKENS)]
+        node, resp, self.seen = await route(self.router, self.client, build_request(
+            self.prompt, max_tokens=4, temperature=0.0, ignore_eos=True, routing_key=self.key))
+        self.prompt += list(resp.token_ids)
+        return node
+
+
+async def test_routing_key_stays_with_its_prefix_and_moves_off_a_worse_node(mesh) -> None:
+    router, addrs = mesh
+    target = router.address
+    async with MeshClient(target) as client, grpc.aio.insecure_channel(target) as ch:
+        operator = cpb_grpc.RouterStub(ch)
+        await wait_fleet(target, idle)
+        conv = Conversation(router, client, "user-1")
+        first = await conv.turn()
+        other = next(n for n in NODES if n != first)
+        assert await conv.turn() == first, conv.seen
+
+        # its node drained: the key moves, and it stays where the conversation went after
+        # the node is back, since that node now holds the longer prefix
+        await operator.DrainNode(cpb.DrainNodeRequest(node_id=first, reason="test"),
+                                 timeout=30)
+        assert await conv.turn() == other, conv.seen
+        await operator.UndrainNode(cpb.UndrainNodeRequest(node_id=first), timeout=30)
+        await wait_fleet(target, lambda f: set(NODES) <= healthy(f) and idle(f))
+        assert await conv.turn() == other, conv.seen
+        assert await conv.turn() == other, conv.seen
+
+        # its node loaded far beyond the other (streams sent to it directly whose prompts
+        # alone need more KV than it has: its batch is full and requests wait): the key
+        # moves back to the idle node
+        async with MeshClient(addrs[other]) as direct:
+            calls = []
+            try:
+                for i in range(LOAD_STREAMS):
+                    call = direct.inference.GenerateStream(build_request(
+                        [(60 + 13 * i + 5 * j) % 1900 + 50 for j in range(LOAD_PROMPT)],
+                        max_tokens=1000, ignore_eos=True), timeout=120)
+                    calls.append(call)
+                await wait_fleet(target, lambda f: node_of(f, other).load.num_waiting > 0)
+                assert await conv.turn() == first, conv.seen
+            finally:
+                for call in calls:
+                    call.cancel()

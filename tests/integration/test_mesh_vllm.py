@@ -46,15 +46,25 @@ class Mesh:
         self.router = RouterServer(router_config(self.router_port))
         await self.router.start()
 
-    async def start_node(self, name: str, served: str, core: int, model_dir, tmp) -> None:
+    async def start_node(self, name: str, served: str, core: int, model_dir, tmp,
+                         toml: str = "", timeout_s: float = 180) -> None:
+        """A vLLM node process ``name`` on ``core``, configured by ``toml`` (NODE_TOML serving
+        ``served`` when empty), registered with this mesh's router; returns once it serves."""
         cfg = tmp / f"{name}.toml"
-        cfg.write_text(NODE_TOML.format(name=served))
+        cfg.write_text(toml or NODE_TOML.format(name=served))
         port = free_port()
         proc = node_proc(name, port, [self.router_addr], model=str(model_dir), core=core,
                          config=cfg)
         self.nodes[name] = proc
         self.addrs[name] = f"127.0.0.1:{port}"
-        await wait_serving(self.addrs[name], proc)
+        await wait_serving(self.addrs[name], proc, timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        """Stops the node processes, then the router."""
+        for p in self.nodes.values():
+            p.close()
+        if self.router is not None:
+            await self.router.stop(0.5)
 
     async def fleet(self) -> cpb.GetFleetResponse:
         async with MeshClient(self.router_addr) as c:
@@ -91,10 +101,7 @@ async def mesh(tiny_model_dir, tmp_path_factory):
         m.model_dir = tiny_model_dir
         yield m
     finally:
-        for p in m.nodes.values():
-            p.close()
-        if m.router is not None:
-            await m.router.stop(0.5)
+        await m.close()
 
 
 async def test_stream_and_unary_through_router_match_the_node(mesh):
