@@ -1,10 +1,10 @@
 """Session affinity's memory: which node served each routing key last.
 
 ``SessionTable`` maps (model, ``GenerateRequest.routing_key``) to the node the router last
-dispatched that key to, so the next request of the same session can prefer it (the
-``session_affinity`` scorer; its bounded-load rule decides whether it may). It is the only
-state affinity has; the scorer itself is a pure function of the candidates and the
-``RequestInfo.session_node`` read from here.
+dispatched that key to. The prediction (``scheduling.predictor``) counts that node, read from
+here as ``RequestInfo.session_node``, as an expected prefix hit, and the policy keeps the
+request there while its prediction is as good as the best within resolution
+(``policies.predicted``). It is the only state affinity has.
 
 Bounded, least recently used first out:
 

@@ -15,6 +15,7 @@ import pytest
 from gpumesh import metadata as md
 from gpumesh.client import MeshClient, StreamResult, build_request
 from gpumesh.v1 import control_pb2 as cpb
+from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 from gpumesh.router.app import RouterServer
 from gpumesh.router.config import RouterConfig
 from tests.integration.procs import free_port, node_proc, wait_serving
@@ -121,7 +122,12 @@ async def test_stream_and_unary_through_router_match_the_node(mesh):
         assert (await direct.generate(req, timeout=60)).text == unary.text
 
 
-async def test_requests_spread_over_both_nodes(mesh):
+async def test_both_nodes_serve_through_the_router(mesh):
+    """Eight concurrent requests are all served by the fleet's nodes; with the node that took
+    most of them drained, the next ones go to the other node, and after the undrain both are
+    healthy again. (The default policy predicts each node's first-token time: it may keep a
+    burst on one node it predicts faster, so an even spread is not what is promised here;
+    that every node is reachable through the router is.)"""
     async with MeshClient(mesh.router_addr) as client:
         async def one(i):
             r = StreamResult()
@@ -131,7 +137,18 @@ async def test_requests_spread_over_both_nodes(mesh):
                 pass
             return r.node_id
         served = await asyncio.gather(*(one(i) for i in range(8)))
-    assert set(served) == {"na", "nb"}, served
+        assert len(served) == 8 and set(served) <= {"na", "nb"}, served
+        busiest = max(sorted(set(served)), key=served.count)
+        other = "nb" if busiest == "na" else "na"
+        async with grpc.aio.insecure_channel(mesh.router_addr) as ch:
+            stub = cpb_grpc.RouterStub(ch)
+            await stub.DrainNode(cpb.DrainNodeRequest(node_id=busiest, reason="test"),
+                                 timeout=10)
+            try:
+                assert [await one(100 + i) for i in range(3)] == [other] * 3
+            finally:
+                await stub.UndrainNode(cpb.UndrainNodeRequest(node_id=busiest), timeout=10)
+    await mesh.wait_fleet(lambda f: healthy(f) == {"na", "nb"}, 30)
 
 
 async def test_unknown_model_not_found_lists_served(mesh):
