@@ -86,7 +86,8 @@ def scaled_router_flags(time_scale: float) -> list[str]:
     d = RouterConfig(router_id="x")
     # the routing prediction needs no scaling: simulated nodes report their step model in
     # wall-clock time; only the scaling signal's prefill-rate floor is a constant
-    return ["--reference-prompt-tokens-per-s", f"{d.reference_prompt_tokens_per_s / time_scale:g}"]
+    return ["--scaling.reference-prompt-tokens-per-s",
+            f"{d.scaling.reference_prompt_tokens_per_s / time_scale:g}"]
 
 
 def hetero_nodes(speeds: Sequence[float], kv_tokens: int, kv_grows: bool,

@@ -78,8 +78,8 @@ def _pcts(ns: list[int]) -> dict[str, float]:
 
 def bench_one(reg: Registry, profile: Policy, iters: int, rng: random.Random) -> dict[str, Any]:
     cfg = RouterConfig(router_id="x")
-    filters = default_filters(cfg.kv_hard_threshold)
-    d = cfg.decision_sample_size
+    filters = default_filters(cfg.routing.kv_hard_threshold)
+    d = cfg.routing.sample_size
     req = RequestInfo("m", 512)
     ids = [v.entry.node_id for v in reg.fleet()]
     seqs = dict.fromkeys(ids, 1)

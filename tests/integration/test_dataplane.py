@@ -94,7 +94,7 @@ async def test_lookaside_streams_from_the_node_and_credits_clear_by_node_counts(
     async with MeshClient(router.address) as c:
         fleet = await c.fleet()
     admitted = sum(a.admitted_requests for n in fleet.nodes for a in n.load.router_accounts
-                   if a.router_id == router.config.router_id)
+                   if a.router_id == router.config.serving.router_id)
     assert admitted == 7
 
 

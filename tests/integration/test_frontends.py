@@ -173,7 +173,7 @@ async def test_router_spreads_calls_and_the_heartbeat_merges_both_front_ends(
     except AssertionError as e:
         raise AssertionError(f"{len(tasks)} streams started, {sum(t.done() for t in tasks)} "
                              f"done, no report with more than {n // 2} in flight: {e}") from e
-    assert {a.router_id for a in seen.load.router_accounts} == {mesh.router.config.router_id}
+    assert {a.router_id for a in seen.load.router_accounts} == {mesh.router.config.serving.router_id}
     (acc,) = seen.load.router_accounts
     assert acc.admitted_requests - acc.finished_requests == seen.load.in_flight
     got = await asyncio.gather(*tasks)

@@ -28,7 +28,7 @@ def test_spec_parse():
 
 def test_config_lists_foreign_nodes():
     cfg = RouterConfig.load(env={"GPUMESH_ROUTER_FOREIGN_NODES": "a:1?weight=2, b:2"})
-    assert cfg.foreign_nodes == ("a:1?weight=2", "b:2")
+    assert cfg.membership.foreign_nodes == ("a:1?weight=2", "b:2")
     assert RouterConfig().foreign_nodes == ()
 
 
