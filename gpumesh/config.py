@@ -106,11 +106,11 @@ class Settings(BaseSettings):
 
     @classmethod
     def load(cls, file: str | os.PathLike[str] | None = None,
-             environ: Mapping[str, str] | None = None,
+             env: Mapping[str, str] | None = None,
              cli: Mapping[str, Any] | None = None) -> Self:
-        """defaults < TOML ``file`` < ``environ`` (default: the process's) < ``cli`` (the
-        nested values :func:`cli_values` returns). ConfigError names the key that fails."""
-        environ = os.environ if environ is None else environ
+        """defaults < TOML ``file`` < ``env`` (default: the process's environment) < ``cli``
+        (the nested values :func:`cli_values` returns). ConfigError names the key that fails."""
+        environ = os.environ if env is None else env
         values: dict[str, Any] = {}
         if file:
             _merge(values, _toml_values(cls, Path(file)))
@@ -147,6 +147,24 @@ def section_of(cls: type[Settings]) -> dict[str, str]:
     out = {key: f"{name}.{key}" for name, model in sections(cls).items()
            for key in model.model_fields}
     out.update(cls.RENAMED)
+    return out
+
+
+def nest(cls: type[Settings], flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Keys named by their own names (unique across a configuration's sections) grouped by
+    section: ``{"max_attempts": 3}`` -> ``{"dispatch": {"max_attempts": 3}}``; a section's name
+    takes a table (a mapping, JSON object or ``k=v,k=v``). For tools that take loose
+    ``KEY=VALUE`` settings (the benchmark's fleet files, test helpers)."""
+    where = section_of(cls)
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key in cls.model_fields and key not in where:
+            out.setdefault(key, {}).update(key_values(value))
+            continue
+        if key not in where:
+            raise ConfigError(f"{key}: unknown key")
+        section, name = where[key].split(".", 1)
+        out.setdefault(section, {})[name] = value
     return out
 
 

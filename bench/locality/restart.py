@@ -148,14 +148,16 @@ def ttft_recovery(records: list[tuple[float, float | None, str]], stop_s: float,
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     port = _free_port()
-    cfg = RouterConfig(host="127.0.0.1", port=port, router_id="probe", shutdown_grace_s=0.2)
+    cfg = RouterConfig(serving={"host": "127.0.0.1", "port": port, "router_id": "probe",
+                                "shutdown_grace_s": 0.2})
     router = RouterServer(cfg)
     await router.start()
     nodes = []
     for i in range(a.nodes):
         engine = SimEngine(SimEngineConfig(model_name="sim", seed=i, **SHAPE_7B))
-        node = NodeServer(NodeConfig(engine="sim", port=0, node_id=f"n{i:02d}",
-                                     routers=(router.address,)), engine)
+        node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                     serving={"port": 0, "node_id": f"n{i:02d}"},
+                                     membership={"routers": (router.address,)}), engine)
         await node.start()
         nodes.append(node)
     doc: dict[str, Any] = {"nodes": a.nodes, "heartbeat_busy_interval_s":

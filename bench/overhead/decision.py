@@ -77,7 +77,7 @@ def _pcts(ns: list[int]) -> dict[str, float]:
 
 
 def bench_one(reg: Registry, profile: Policy, iters: int, rng: random.Random) -> dict[str, Any]:
-    cfg = RouterConfig(router_id="x")
+    cfg = RouterConfig(serving={"router_id": "x"})
     filters = default_filters(cfg.routing.kv_hard_threshold)
     d = cfg.routing.sample_size
     req = RequestInfo("m", 512)
@@ -117,7 +117,7 @@ def bench_one(reg: Registry, profile: Policy, iters: int, rng: random.Random) ->
 
 
 def run(sizes: list[int], iters: int, policies: tuple[str, ...] = POLICIES) -> list[dict[str, Any]]:
-    cfg = RouterConfig(router_id="x")
+    cfg = RouterConfig(serving={"router_id": "x"})
     rows = []
     for n in sizes:
         reg = build_registry(n)

@@ -125,8 +125,9 @@ def first_token_wait(decision: Decision, node_id: str, config: RouterConfig) -> 
     its own reported queue), capped by ``first_token_timeout_s``."""
     expected = next((s.expected_wait_s for s in decision.considered
                      if s.node_id == node_id and s.expected_wait_s is not None), 0.0)
-    return min(config.dispatch.first_token_timeout_s,
-               config.dispatch.first_token_min_s + config.dispatch.first_token_wait_factor * max(expected, 0.0))
+    d = config.dispatch
+    return min(d.first_token_timeout_s,
+               d.first_token_min_s + d.first_token_wait_factor * max(expected, 0.0))
 
 
 class ProxyFailover:

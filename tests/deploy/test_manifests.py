@@ -127,11 +127,11 @@ def test_ports_probes_and_discovery_agree_with_the_configs(overlay: str, tmp_pat
     # nodes: their port, the advertised address, every router through the headless name (on
     # the routers' control port when they have one: TLS)
     assert port_of(nc, "grpc") == ncfg.serving.port
-    assert env(nc)["GPUMESH_NODE_ADVERTISE_ADDRESS"] == f"$(POD_IP):{ncfg.serving.port}"
-    assert env(nc)["GPUMESH_NODE_NODE_ID"] == "$(POD_NAME)"
-    control = int(env(rc).get("GPUMESH_ROUTER_CONTROL_PORT", 0) or rcfg.serving.control_port)
+    assert env(nc)["GPUMESH_NODE_SERVING__ADVERTISE_ADDRESS"] == f"$(POD_IP):{ncfg.serving.port}"
+    assert env(nc)["GPUMESH_NODE_SERVING__NODE_ID"] == "$(POD_NAME)"
+    control = int(env(rc).get("GPUMESH_ROUTER_SERVING__CONTROL_PORT", 0) or rcfg.serving.control_port)
     want_port = control or rcfg.serving.port
-    routers = env(nc).get("GPUMESH_NODE_ROUTERS") or ",".join(ncfg.membership.routers)
+    routers = env(nc).get("GPUMESH_NODE_MEMBERSHIP__ROUTERS") or ",".join(ncfg.membership.routers)
     assert routers == f"dns:///gpumesh-router-headless:{want_port}"
     svc_port = next(p for p in headless["spec"]["ports"] if p["port"] == want_port)
     assert port_of(rc, svc_port["targetPort"]) == want_port
@@ -250,9 +250,9 @@ def test_tls_mounts_the_secret_where_tls_is_on():
     # expands when POD_NAME is defined earlier in the list
     node_env = [e["name"] for e in container(one(objs, "StatefulSet", "gpumesh-node"),
                                              "node")["env"]]
-    assert node_env.index("POD_NAME") < node_env.index("GPUMESH_NODE_TLS_CERT_FILE")
+    assert node_env.index("POD_NAME") < node_env.index("GPUMESH_NODE_SECURITY__TLS_CERT_FILE")
     assert env(container(one(objs, "StatefulSet", "gpumesh-node"), "node"))[
-        "GPUMESH_NODE_TLS_CERT_FILE"] == "/etc/gpumesh/tls/$(POD_NAME).pem"
+        "GPUMESH_NODE_SECURITY__TLS_CERT_FILE"] == "/etc/gpumesh/tls/$(POD_NAME).pem"
     plain = render("gpu")
     assert not any(v["name"] == "tls" for v in one(plain, "StatefulSet", "gpumesh-node")[
         "spec"]["template"]["spec"]["volumes"])
@@ -280,16 +280,16 @@ def test_the_pd_overlay_runs_a_prefill_and_a_decode_pool(tmp_path: Path) -> None
     dcfg = _load_node(mounted_config(objs, decode, "node.toml"), tmp_path)
     pcfg = _load_node(mounted_config(objs, prefill, "node.toml"), tmp_path)
     dc, pc = container(decode, "node"), container(prefill, "node")
-    assert env(dc)["GPUMESH_NODE_ROLE"] == "decode" and pcfg.role == "prefill"
-    assert "GPUMESH_NODE_ROLE" not in env(pc)
-    kv_ports = (int(env(dc)["GPUMESH_NODE_KV_PORT"]), pcfg.kv_port)
+    assert env(dc)["GPUMESH_NODE_SERVING__ROLE"] == "decode" and pcfg.role == "prefill"
+    assert "GPUMESH_NODE_SERVING__ROLE" not in env(pc)
+    kv_ports = (int(env(dc)["GPUMESH_NODE_SERVING__KV_PORT"]), pcfg.kv_port)
     assert kv_ports == (port_of(dc, "kv"), port_of(pc, "kv"))
     for field in ("engine", "model", "served_name", "dtype", "max_model_len",
                   "tensor_parallel_size"):
         assert getattr(pcfg, field) == getattr(dcfg, field), field
     for c in (dc, pc):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert env(c)["GPUMESH_NODE_ADVERTISE_ADDRESS"] == f"$(POD_IP):{dcfg.port}"
+        assert env(c)["GPUMESH_NODE_SERVING__ADVERTISE_ADDRESS"] == f"$(POD_IP):{dcfg.port}"
     # the two pools' pods are told apart by their selectors
     sel = prefill["spec"]["selector"]["matchLabels"]
     assert not sel.items() <= decode["spec"]["template"]["metadata"]["labels"].items()

@@ -27,20 +27,22 @@ from tests.integration.procs import free_port, node_proc, wait_serving
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPT = [17, 402, 33, 1005, 61, 7, 250, 12, 99, 808]
-NODE_TOML = ('served_name = "tiny"\nheartbeat_busy_interval_s = 0.1\n'
+NODE_TOML = ('[membership]\nheartbeat_busy_interval_s = 0.1\n'
              'heartbeat_idle_interval_s = 0.2\nreconnect_max_backoff_s = 0.5\n'
-             'adapter_dir = "{adapters}"\nmax_loras = 2\nmax_lora_rank = 8\n{extra}')
+             '[lora]\nadapter_dir = "{adapters}"\nmax_loras = 2\nmax_lora_rank = 8\n'
+             '[engine]\nserved_name = "tiny"\n{extra}')
 VLLM_EXTRA = 'max_model_len = 512\nnum_gpu_blocks_override = 32\nenforce_eager = true\n'
 # the simulated node: the tiny model's context, steps slowed so a stream stays open a while
-SIM_EXTRA = ('max_model_len = 512\n[sim]\nvocab_size = 2048\ntime_scale = 20.0\n'
+SIM_EXTRA = ('max_model_len = 512\n[engine.sim]\nvocab_size = 2048\ntime_scale = 20.0\n'
              'adapter_load_ms = 50.0\n')
 
 
 @pytest.fixture(scope="module")
 async def mesh(tiny_model_dir: Path, tiny_adapters: Path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("affinity")
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, lease_ttl_s=3.0,
-                                       freshness_s=1.5, shutdown_grace_s=0.5))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": 0,
+                                                "shutdown_grace_s": 0.5},
+                                       membership={"lease_ttl_s": 3.0, "freshness_s": 1.5}))
     await router.start()
     procs, addrs = {}, {}
     try:

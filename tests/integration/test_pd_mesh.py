@@ -20,10 +20,10 @@ from tests.integration.test_mesh_vllm import Mesh, healthy
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("nixl")
 
-PD_TOML = ('max_model_len = 1024\nserved_name = "tiny"\nheartbeat_busy_interval_s = 0.1\n'
+PD_TOML = ('[engine]\nmax_model_len = 1024\nserved_name = "tiny"\nnum_gpu_blocks_override = 64\n'
+           'enforce_eager = true\n[membership]\nheartbeat_busy_interval_s = 0.1\n'
            'heartbeat_idle_interval_s = 0.5\nreconnect_max_backoff_s = 0.5\n'
-           'num_gpu_blocks_override = 64\ndrain_timeout_s = 10\nrole = "{role}"\n'
-           'enforce_eager = true\n')
+           '[serving]\ndrain_timeout_s = 10\nrole = "{role}"\n')
 
 
 class PdMesh(Mesh):
@@ -34,10 +34,14 @@ class PdMesh(Mesh):
         from gpumesh.router.config import RouterConfig
 
         # leases long enough for engines starting side by side on a busy machine
-        self.router = RouterServer(RouterConfig(
-            host="127.0.0.1", port=self.router_port, lease_ttl_s=15.0, freshness_s=5.0,
-            heartbeat_interval_ms=100, shutdown_grace_s=1.0, stall_s=5.0,
-            disagg_leg_timeout_s=self.leg_timeout_s))
+        self.router = RouterServer(RouterConfig(serving={"host": "127.0.0.1",
+                                                         "port": self.router_port,
+                                                         "shutdown_grace_s": 1.0},
+                                                membership={"lease_ttl_s": 15.0,
+                                                            "freshness_s": 5.0,
+                                                            "heartbeat_interval_ms": 100},
+                                                dispatch={"stall_s": 5.0,
+                                                          "disagg_leg_timeout_s": self.leg_timeout_s}))
         await self.router.start()
 
     async def warm_up(self, attempts: int = 6) -> None:

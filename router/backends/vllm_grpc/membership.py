@@ -1,7 +1,7 @@
 """Membership for stock vLLM gRPC workers: each listed worker registered and reported like a
 node.
 
-For each worker in ``RouterConfig.foreign_nodes`` a ``ForeignMember`` task does what a gpumesh
+For each worker in ``RouterConfig.membership.foreign_nodes`` a ``ForeignMember`` task does what a gpumesh
 node does itself: HealthCheck + GetModelInfo -> ``Registry.register`` (kind "vllm-grpc", a
 fresh incarnation per connection), then load reports into ``Registry.heartbeat`` exactly as
 heartbeats would be applied:
