@@ -174,7 +174,8 @@ def documented_keys(cls: type[Settings]) -> list[tuple[str, str, Any]]:
     out = []
     for name, model in sections(cls).items():
         for key, f in model.model_fields.items():
-            default = f.default_factory() if f.default_factory else f.default  # type: ignore[call-arg]
+            default = (f.default_factory() if f.default_factory   # type: ignore[call-arg]
+                       else f.default)
             out.append((f"{name}.{key}", f.description or "", default))
     return out
 

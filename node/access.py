@@ -1,4 +1,5 @@
-"""Who may call a node directly (``NodeConfig.security.router_only``): a ``grpc.aio.ServerInterceptor``.
+"""Who may call a node directly (``NodeConfig.security.router_only``): a
+``grpc.aio.ServerInterceptor``.
 
 With ``router_only`` on, Generate / GenerateStream need a caller certificate with OU=router
 (mutual TLS, ``tls_require_client_cert``) or a lookaside ticket in the request (which the

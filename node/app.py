@@ -76,20 +76,22 @@ def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engin
         from gpumesh.node.engines.vllm import VllmEngine, VllmEngineConfig
         from gpumesh.node.gpu import GpuSampler
 
+        eng, lora = cfg.engine, cfg.lora
         return VllmEngine(VllmEngineConfig(
-            model=cfg.engine.model, served_name=cfg.resolved_served_name(), aliases=cfg.engine.aliases,
-            tokenizer=cfg.engine.tokenizer or None, dtype=cfg.engine.dtype,
-            max_model_len=cfg.engine.max_model_len or None,
-            tensor_parallel_size=cfg.engine.tensor_parallel_size,
-            gpu_memory_utilization=cfg.engine.gpu_memory_utilization, load_format=cfg.engine.load_format,
-            enforce_eager=cfg.engine.enforce_eager,
-            num_gpu_blocks_override=cfg.engine.num_gpu_blocks_override or None,
-            stream_interval=cfg.engine.stream_interval, capacity_weight=cfg.serving.weight,
-            enable_lora=bool(cfg.lora.adapters or cfg.lora.adapter_dir), max_loras=cfg.lora.max_loras,
-            max_lora_rank=cfg.lora.max_lora_rank, max_cpu_loras=cfg.lora.max_cpu_loras,
+            model=eng.model, served_name=cfg.resolved_served_name(), aliases=eng.aliases,
+            tokenizer=eng.tokenizer or None, dtype=eng.dtype,
+            max_model_len=eng.max_model_len or None,
+            tensor_parallel_size=eng.tensor_parallel_size,
+            gpu_memory_utilization=eng.gpu_memory_utilization, load_format=eng.load_format,
+            enforce_eager=eng.enforce_eager,
+            num_gpu_blocks_override=eng.num_gpu_blocks_override or None,
+            stream_interval=eng.stream_interval, capacity_weight=cfg.serving.weight,
+            enable_lora=bool(lora.adapters or lora.adapter_dir), max_loras=lora.max_loras,
+            max_lora_rank=lora.max_lora_rank, max_cpu_loras=lora.max_cpu_loras,
             kv_events=cfg.membership.kv_events, role=cfg.serving.role,
-            kv_side_channel_host=cfg.serving.advertised_host(), kv_side_channel_port=cfg.serving.kv_port,
-            extra=dict(cfg.engine.engine_args)),
+            kv_side_channel_host=cfg.serving.advertised_host(),
+            kv_side_channel_port=cfg.serving.kv_port,
+            extra=dict(eng.engine_args)),
             # GPU samples: the main process's (the node's report carries them)
             gpu_sampler=GpuSampler() if frontend is None else None,
             frontends=cfg.serving.frontends if frontend is None else 1, frontend=frontend)
@@ -153,7 +155,8 @@ class NodeServer:
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        self.tls = TlsFiles(self.cfg.security.tls_cert_file, self.cfg.security.tls_key_file, self.cfg.security.tls_ca_file)
+        security, streaming = self.cfg.security, self.cfg.streaming
+        self.tls = TlsFiles(security.tls_cert_file, security.tls_key_file, security.tls_ca_file)
         self.tls.check("node")
         check_bind("node", self.cfg.serving.host, self.tls.enabled, self.cfg.security.insecure)
         self.access = RouterOnly() if self.cfg.security.router_only else None
@@ -187,14 +190,15 @@ class NodeServer:
             self.engine, self.state,
             # the budget is the node's (what its routers and clients receive): each of its
             # front ends sends its share over the streams it holds
-            CoalescePolicy(self.cfg.streaming.flush_interval_ms / 1000, self.cfg.streaming.max_tokens_per_chunk,
-                           self.cfg.streaming.stream_messages_per_s / self.cfg.serving.frontends),
-            self.cfg.security.ticket_secret.encode(), self.cfg.security.require_ticket, self.telemetry,
+            CoalescePolicy(streaming.flush_interval_ms / 1000, streaming.max_tokens_per_chunk,
+                           streaming.stream_messages_per_s / self.cfg.serving.frontends),
+            security.ticket_secret.encode(), security.require_ticket, self.telemetry,
             self.prompts, adapters=self.adapters),
             guarded)
         # vLLM's native gRPC (what SMG and vLLM clients speak) on the same port and ledger.
         self.vllm_service = add_vllm_engine_service(guarded, self.engine, self.state,
-                                model_path=self.cfg.engine.model, require_ticket=self.cfg.security.require_ticket,
+                                model_path=self.cfg.engine.model,
+                                require_ticket=security.require_ticket,
                                 prompts=self.prompts)
         reflection.enable_server_reflection(
             (INFERENCE_SERVICE, VLLM_ENGINE_SERVICE,
@@ -212,11 +216,12 @@ class NodeServer:
             lambda addrs: self.heartbeats and self.heartbeats.set_discovered(
                 addrs, self.discovery.hosts if self.discovery else None),
             self.cfg.membership.router_resolve_interval_s)
+        beats = self.cfg.membership
         self.heartbeats = HeartbeatClient(
             self.discovery.static, lambda: registration_to_proto(self.registration()),
             lambda: load_report_to_proto(self.load_report()),
-            self.cfg.membership.heartbeat_busy_interval_s, self.cfg.membership.heartbeat_idle_interval_s,
-            self.cfg.membership.reconnect_max_backoff_s, on_drain=self._drain_ordered,
+            beats.heartbeat_busy_interval_s, beats.heartbeat_idle_interval_s,
+            beats.reconnect_max_backoff_s, on_drain=self._drain_ordered,
             on_undrain=self._undrain_ordered, on_stream_lost=self.discovery.poke,
             kv_publishers=self._kv_publishers())
         if self.tls.ca:   # mutual TLS to routers: the router binds our id to the certificate

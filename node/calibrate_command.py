@@ -49,7 +49,8 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
     cal.add_argument("--config", help="node TOML config file (its engine settings are used)")
     for where in ENGINE_KEYS:
         section, key = where.split(".")
-        f = NodeConfig.model_fields[section].annotation.model_fields[key]  # type: ignore[union-attr]
+        model = NodeConfig.model_fields[section].annotation
+        f = model.model_fields[key]  # type: ignore[union-attr]
         extra = {"nargs": "?", "const": "true"} if f.annotation is bool else {}
         cal.add_argument("--" + key.replace("_", "-"), dest=where, default=None,
                          help=f"{f.description} (node key {where}, default {f.default!r})",
@@ -141,7 +142,8 @@ async def run(job: CalibrationJob) -> EngineProfile:
         platform = engine_facts(engine).platform
         if job.platform and platform != job.platform:
             raise PlatformMismatch(f"--platform {job.platform}, but vLLM runs on {platform}")
-        profile = await measure_profile(engine, job.name, job.plan, model=job.config.model,
+        profile = await measure_profile(engine, job.name, job.plan,
+                                        model=job.config.engine.model,
                                         quadratic=job.quadratic)
     finally:
         await engine.shutdown()

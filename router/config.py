@@ -100,8 +100,9 @@ class RouterConfig(Settings):
                                      description="This process: address, identity, workers.")
     routing: RoutingSettings = Field(default_factory=RoutingSettings,
                                      description="The routing policy and its inputs.")
-    locality: LocalitySettings = Field(default_factory=LocalitySettings,
-                                       description="Prefix-cache locality and routing-key affinity.")
+    locality: LocalitySettings = Field(
+        default_factory=LocalitySettings,
+        description="Prefix-cache locality and routing-key affinity.")
     membership: MembershipSettings = Field(default_factory=MembershipSettings,
                                            description="Leases, freshness, node bounds.")
     dispatch: DispatchSettings = Field(default_factory=DispatchSettings,

@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "[engine_args]; VALUE is JSON, else a string), e.g. stream_interval=4; "
                         "repeats")
     r.add_argument("--node-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="a top-level key of every node's TOML (node.config.NodeConfig; VALUE "
+                   help="a key of every node's TOML, by its name (node.config.NodeConfig; VALUE "
                         "is JSON, else a string), e.g. stream_messages_per_s=0; repeats")
     r.add_argument("--spread-workers", action="store_true",
                    help="load processes round-robin over the router's workers' own ports "

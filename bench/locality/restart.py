@@ -160,10 +160,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                                      membership={"routers": (router.address,)}), engine)
         await node.start()
         nodes.append(node)
-    doc: dict[str, Any] = {"nodes": a.nodes, "heartbeat_busy_interval_s":
-                           nodes[0].cfg.heartbeat_busy_interval_s,
-                           "heartbeat_idle_interval_s": nodes[0].cfg.heartbeat_idle_interval_s,
-                           "reconnect_max_backoff_s": nodes[0].cfg.reconnect_max_backoff_s,
+    beats = nodes[0].cfg.membership
+    doc: dict[str, Any] = {"nodes": a.nodes,
+                           "heartbeat_busy_interval_s": beats.heartbeat_busy_interval_s,
+                           "heartbeat_idle_interval_s": beats.heartbeat_idle_interval_s,
+                           "reconnect_max_backoff_s": beats.reconnect_max_backoff_s,
                            "repeats": []}
     try:
         while len(router.registry) < a.nodes:

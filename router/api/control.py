@@ -58,7 +58,8 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
         self.registry = registry
         self.quarantine = quarantine or Quarantine(config.membership.quarantine_s, registry.clock)
         self.limits = NodeLimits(
-            max_models=config.membership.node_max_models, max_aliases=config.membership.node_max_aliases,
+            max_models=config.membership.node_max_models,
+            max_aliases=config.membership.node_max_aliases,
             max_name_length=config.membership.node_max_name_length,
             max_capacity_weight=config.membership.node_max_capacity_weight)
         self.heartbeats_dropped = 0
@@ -70,7 +71,8 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
 
     def _hello(self) -> control_pb2.RouterMessage:
         return control_pb2.RouterMessage(hello=control_pb2.RouterHello(
-            router_id=self.config.serving.router_id, peer_addresses=self.config.serving.peer_addresses,
+            router_id=self.config.serving.router_id,
+            peer_addresses=self.config.serving.peer_addresses,
             heartbeat_interval_ms=self.config.membership.heartbeat_interval_ms,
             lease_ttl_ms=int(self.config.membership.lease_ttl_s * 1000)))
 
@@ -90,7 +92,8 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
             # The first message must come within one lease (a node sends its Registration at
             # once); an idle stranger's stream does not stay open.
             read = asyncio.ensure_future(context.read())
-            done, _ = await asyncio.wait({read, closing}, timeout=self.config.membership.lease_ttl_s,
+            done, _ = await asyncio.wait({read, closing},
+                                         timeout=self.config.membership.lease_ttl_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if read not in done:
                 read.cancel()

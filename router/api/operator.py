@@ -111,7 +111,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
 
     async def GetFleet(self, request: control_pb2.GetFleetRequest,
                        context: grpc.aio.ServicerContext) -> control_pb2.GetFleetResponse:
-        workers = self.config.serving.peer_addresses if len(self.config.serving.peer_addresses) > 1 else ()
+        peers = self.config.serving.peer_addresses
+        workers = peers if len(peers) > 1 else ()
         return control_pb2.GetFleetResponse(
             router_id=self.config.serving.router_id, policy=self.config.routing.policy,
             nodes=[node_status(v, self.registry.predictions)
@@ -132,8 +133,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         if view is None:
             known = ", ".join(v.entry.node_id for v in self.registry.fleet()) or "none"
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"node {node_id!r} is not in router {self.config.serving.router_id}'s "
-                                f"fleet (nodes: {known})")
+                                f"node {node_id!r} is not in router "
+                                f"{self.config.serving.router_id}'s fleet (nodes: {known})")
         assert view is not None
         return view
 
@@ -142,7 +143,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         view = await self._known(request.node_id, context)
         reason = request.reason[:256]
         self.registry.drain(request.node_id, reason)
-        why = f"operator via router {self.config.serving.router_id}" + (f": {reason}" if reason else "")
+        why = (f"operator via router {self.config.serving.router_id}"
+               + (f": {reason}" if reason else ""))
         ordered = self.orders.send(view.entry.stream_id, control_pb2.RouterMessage(
             drain=control_pb2.DrainOrder(reason=why)))
         log.info("node %s: drain ordered (%s)", request.node_id, why)
@@ -171,7 +173,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
                                        context, self.clock, trace)
             slot = await self.dispatcher.pick(ctx, record, frozenset(request.exclude_node_ids))
             ticket, expires_ms = tickets.issue(
-                self.config.security.ticket_secret_bytes, self.config.serving.router_id, slot.node_id,
+                self.config.security.ticket_secret_bytes, self.config.serving.router_id,
+                slot.node_id,
                 slot.charged_tokens, self.config.security.ticket_ttl_s, now=self.wall_clock())
         except (errors.RouterError, ValueError) as e:
             if isinstance(e, ValueError):

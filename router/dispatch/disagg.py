@@ -305,7 +305,8 @@ class TwoLegCall:
         client = d.channels.get(slot.node_id, slot.address, slot.frontends)
         self._rpc = call = client.stream(
             dec.SerializeToString(),
-            timeout_s=max(0.001, min(ctx.deadline - d.clock(), d.config.dispatch.request_timeout_s)),
+            timeout_s=max(0.001, min(ctx.deadline - d.clock(),
+                                     d.config.dispatch.request_timeout_s)),
             metadata=dispatch_metadata(d.registry.router_id, 0, self._extra))
         self._decode = ObservedCall(ProxyCall(d, slot, call, True, ctx.deadline, self._record),
                                     d.ejector, ctx.deadline)

@@ -86,11 +86,12 @@ class Dispatcher:
         self.clock = clock   # deadlines (seconds, monotonic)
         # Gray failures (router.dispatch.watch, .ejection): STALE nodes and outliers get no
         # new work while another node can take it; stalled calls on STALE nodes fail over.
+        dispatch = config.dispatch
         self.ejector = OutlierEjector(EjectionPolicy(
-            consecutive_failures=config.dispatch.outlier_consecutive_failures,
-            latency_factor=config.dispatch.outlier_latency_factor,
-            base_s=config.dispatch.outlier_base_ejection_s, max_s=config.dispatch.outlier_max_ejection_s), clock)
-        self.watch = InFlightWatch(self._reporting, clock, config.dispatch.stall_s, self._replaceable)
+            consecutive_failures=dispatch.outlier_consecutive_failures,
+            latency_factor=dispatch.outlier_latency_factor,
+            base_s=dispatch.outlier_base_ejection_s, max_s=dispatch.outlier_max_ejection_s), clock)
+        self.watch = InFlightWatch(self._reporting, clock, dispatch.stall_s, self._replaceable)
         self._watch_task: asyncio.Task[None] | None = None
         registry.add_removal_listener(self._node_left)
         filters = (*filters, fresh_first(), self.ejector)

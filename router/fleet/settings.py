@@ -16,8 +16,8 @@ class MembershipSettings(BaseModel):
 
     model_config = SECTION
 
-    heartbeat_interval_ms: int = Field(250, ge=1,
-                                       description="Heartbeat interval asked of nodes (RouterHello).")
+    heartbeat_interval_ms: int = Field(
+        250, ge=1, description="Heartbeat interval asked of nodes (RouterHello).")
     lease_ttl_s: float = Field(3.0, gt=0, allow_inf_nan=False,
                                description="A node with no heartbeat for this long is removed.")
     freshness_s: float = Field(
@@ -40,8 +40,9 @@ class MembershipSettings(BaseModel):
     node_max_aliases: int = Field(32, ge=0, description="Aliases per model a node may declare.")
     node_max_name_length: int = Field(
         256, ge=1, description="Longest node id, model name or alias a node may declare.")
-    node_max_capacity_weight: float = Field(64.0, gt=0, allow_inf_nan=False,
-                                            description="Largest capacity weight a node may declare.")
+    node_max_capacity_weight: float = Field(
+        64.0, gt=0, allow_inf_nan=False,
+        description="Largest capacity weight a node may declare.")
     node_max_heartbeats_per_s: float = Field(
         50.0, ge=0, allow_inf_nan=False,
         description="Heartbeats per second a node may send; beyond: dropped unapplied. "

@@ -280,16 +280,14 @@ def test_the_pd_overlay_runs_a_prefill_and_a_decode_pool(tmp_path: Path) -> None
     dcfg = _load_node(mounted_config(objs, decode, "node.toml"), tmp_path)
     pcfg = _load_node(mounted_config(objs, prefill, "node.toml"), tmp_path)
     dc, pc = container(decode, "node"), container(prefill, "node")
-    assert env(dc)["GPUMESH_NODE_SERVING__ROLE"] == "decode" and pcfg.role == "prefill"
+    assert env(dc)["GPUMESH_NODE_SERVING__ROLE"] == "decode" and pcfg.serving.role == "prefill"
     assert "GPUMESH_NODE_SERVING__ROLE" not in env(pc)
-    kv_ports = (int(env(dc)["GPUMESH_NODE_SERVING__KV_PORT"]), pcfg.kv_port)
+    kv_ports = (int(env(dc)["GPUMESH_NODE_SERVING__KV_PORT"]), pcfg.serving.kv_port)
     assert kv_ports == (port_of(dc, "kv"), port_of(pc, "kv"))
-    for field in ("engine", "model", "served_name", "dtype", "max_model_len",
-                  "tensor_parallel_size"):
-        assert getattr(pcfg, field) == getattr(dcfg, field), field
+    assert pcfg.engine == dcfg.engine   # every engine key
     for c in (dc, pc):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert env(c)["GPUMESH_NODE_SERVING__ADVERTISE_ADDRESS"] == f"$(POD_IP):{dcfg.port}"
+        assert env(c)["GPUMESH_NODE_SERVING__ADVERTISE_ADDRESS"] == f"$(POD_IP):{dcfg.serving.port}"
     # the two pools' pods are told apart by their selectors
     sel = prefill["spec"]["selector"]["matchLabels"]
     assert not sel.items() <= decode["spec"]["template"]["metadata"]["labels"].items()
