@@ -51,7 +51,8 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
         section, key = where.split(".")
         model = NodeConfig.model_fields[section].annotation
         f = model.model_fields[key]  # type: ignore[union-attr]
-        extra = {"nargs": "?", "const": "true"} if f.annotation is bool else {}
+        extra = ({"nargs": "?", "const": "true", "metavar": "BOOL"} if f.annotation is bool
+                 else {"metavar": key.upper()})
         cal.add_argument("--" + key.replace("_", "-"), dest=where, default=None,
                          help=f"{f.description} (node key {where}, default {f.default!r})",
                          **extra)
