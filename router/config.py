@@ -39,7 +39,7 @@ from gpumesh.router.scheduling.settings import POLICIES, RoutingSettings
 __all__ = ["POLICIES", "RouterConfig", "ServingSettings", "add_arguments", "from_args"]
 
 
-def _new_router_id() -> str:
+def random_router_id() -> str:
     return f"router-{secrets.token_hex(4)}"
 
 
@@ -55,7 +55,7 @@ class ServingSettings(BaseModel):
                       description="Public port: Inference, ControlPlane, Router, gRPC health "
                                   "and reflection. 0 = any free port.")
     router_id: str = Field(
-        default_factory=_new_router_id,
+        default_factory=random_router_id,
         description="This router's identity in the nodes' per-router accounts and in lookaside "
                     "tickets; no '.'. Default: router-<8 hex>, random per process.")
     peer_addresses: StrList = Field(

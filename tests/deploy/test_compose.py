@@ -84,8 +84,8 @@ def test_compose_runs_the_image_and_configs_of_the_manifests() -> None:
     assert "configs" not in c and "name" not in c
     router_mounts = _mounts(svcs["router"])
     assert router_mounts["/etc/gpumesh/router.toml"] == DEPLOY / "kubernetes/base/router.toml"
-    router_cfg = tomllib.loads(router_mounts["/etc/gpumesh/router.toml"].read_text())
-    node_cfg = tomllib.loads((DEPLOY / "kubernetes/base/node.toml").read_text())
+    router_cfg = tomllib.loads(router_mounts["/etc/gpumesh/router.toml"].read_text())["serving"]
+    node_cfg = tomllib.loads((DEPLOY / "kubernetes/base/node.toml").read_text())["serving"]
     nodes = [n for n in svcs if n.startswith("node-")]
     assert len(nodes) >= 2 and svcs["router"]["deploy"]["replicas"] >= 2
     for name in ("router", *nodes):
@@ -125,7 +125,8 @@ def test_tls_profile_uses_gpumesh_certs_for_every_service() -> None:
         assert f"--node {name}" in certs and f"--host {name}" in certs
         e = _env(svcs[name])
         assert e["GPUMESH_NODE_SECURITY__TLS_CERT_FILE"] == f"/certs/{name}.pem"
-        assert e["GPUMESH_NODE_SECURITY__INSECURE"] == "false" and e["GPUMESH_NODE_SECURITY__TLS_CA_FILE"]
+        assert e["GPUMESH_NODE_SECURITY__INSECURE"] == "false"
+        assert e["GPUMESH_NODE_SECURITY__TLS_CA_FILE"]
         control = _env(svcs["router"])["GPUMESH_ROUTER_SERVING__CONTROL_PORT"]
         assert e["GPUMESH_NODE_MEMBERSHIP__ROUTERS"] == f"dns:///router:{control}"
         assert "--tls-ca" in svcs[name]["healthcheck"]["test"]

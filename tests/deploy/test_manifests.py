@@ -235,8 +235,8 @@ def test_the_hpa_scales_the_nodes_on_the_exported_signal(overlay: str, tmp_path:
 def test_tls_mounts_the_secret_where_tls_is_on():
     objs = render("gpu-tls")
     for kind, name, cname, prefix in (
-            ("Deployment", "gpumesh-router", "router", "GPUMESH_ROUTER_"),
-            ("StatefulSet", "gpumesh-node", "node", "GPUMESH_NODE_")):
+            ("Deployment", "gpumesh-router", "router", "GPUMESH_ROUTER_SECURITY__"),
+            ("StatefulSet", "gpumesh-node", "node", "GPUMESH_NODE_SECURITY__")):
         d = one(objs, kind, name)
         c = container(d, cname)
         vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
