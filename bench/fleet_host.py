@@ -31,7 +31,8 @@ async def _host(spec: dict[str, Any]) -> None:
                "time_scale": spec["time_scale"], **n.get("sim", {})}
         cfg = NodeConfig(serving={"node_id": n["node_id"], "host": "127.0.0.1",
                                   "port": n["port"],
-                                  "weight": float(n["weight"] if n.get("weight") is not None else n["speed"]),
+                                  "weight": float(n["weight"] if n.get("weight") is not None
+                                                  else n["speed"]),
                                   "drain_timeout_s": 1.0},
                          membership={"routers": tuple(spec["routers"])},
                          engine={"kind": "sim", "model": spec["model"], "sim": sim},

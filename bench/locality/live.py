@@ -58,7 +58,8 @@ from gpumesh_bench.tenants import TenantRequest, TenantSpec, trace
 SETUPS: dict[str, tuple[str, ...]] = {
     "least_request": ("--policy", "least_request", "--locality.prefix-locality", "off"),
     "wll": ("--locality.prefix-locality", "off", "--locality.affinity-max-keys", "0"),
-    "approximate": ("--locality.prefix-locality", "approximate", "--locality.affinity-max-keys", "0"),
+    "approximate": ("--locality.prefix-locality", "approximate",
+                    "--locality.affinity-max-keys", "0"),
     "precise": ("--locality.prefix-locality", "precise", "--locality.affinity-max-keys", "0"),
     "affinity": ("--locality.prefix-locality", "off"),
 }

@@ -116,7 +116,8 @@ class SimRouter:
                                  step_from_report=config.routing.step_from_report, clock=clock)
         # as router.app builds them: the policy, the session table
         profile = build_policy(config.routing)
-        self.sessions = SessionTable(config.locality.affinity_max_keys, config.locality.affinity_ttl_s, clock)
+        self.sessions = SessionTable(config.locality.affinity_max_keys,
+                                     config.locality.affinity_ttl_s, clock)
         filters = [*default_filters(config.routing.kv_hard_threshold), *extra_filters]
         self.admission = AdmissionQueue(self.registry, profile, filters, rng, clock,
                                         queue_bound=config.dispatch.queue_bound,

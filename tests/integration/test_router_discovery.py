@@ -107,7 +107,8 @@ async def test_node_heartbeats_to_every_replica_behind_a_name_and_follows_it():
             node = Proc("dns-node", [
                 "node", "--engine", "sim", "--served-name", MODEL, "--port", "0",
                 "--node-id", "dn", "--router", f"dns://127.0.0.1:{dns_port}/{NAME}:{port}",
-                "--membership.router-resolve-interval-s", "0.5", "--membership.heartbeat-idle-interval-s", "0.2"])
+                "--membership.router-resolve-interval-s", "0.5",
+                "--membership.heartbeat-idle-interval-s", "0.2"])
             procs.append(node)
 
             async def registered_with(hosts: tuple[str, ...]) -> bool:

@@ -107,7 +107,8 @@ def test_a_reported_step_time_is_used_as_reported() -> None:
 
 def test_step_from_report_is_a_router_setting() -> None:
     assert RouterConfig().routing.step_from_report is True
-    assert RouterConfig.load(env={"GPUMESH_ROUTER_ROUTING__STEP_FROM_REPORT": "0"}).routing.step_from_report is False
+    env = {"GPUMESH_ROUTER_ROUTING__STEP_FROM_REPORT": "0"}
+    assert RouterConfig.load(env=env).routing.step_from_report is False
 
 
 def test_step_time_uses_the_running_count_averaged_like_the_rate() -> None:
