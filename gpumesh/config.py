@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     OTHER_TABLES: ClassVar[tuple[str, ...]] = ()   # tables for the other component, skipped
     ENV_ALIASES: ClassVar[dict[str, str]] = {}     # "section.key" -> extra variable, below ours
     SHORT_FLAGS: ClassVar[dict[str, str | list[str]]] = {}   # "section.key" -> --short name(s)
-    RENAMED: ClassVar[dict[str, str]] = {}         # old flat name -> "section.key", if renamed
+    RENAMED: ClassVar[dict[str, str]] = {}         # a key's name outside its section, if other
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],
@@ -143,7 +143,8 @@ def sections(cls: type[Settings]) -> dict[str, type[BaseModel]]:
 
 
 def section_of(cls: type[Settings]) -> dict[str, str]:
-    """Old flat key name -> "section.key" (key names are unique across sections)."""
+    """A key's own name -> "section.key" (key names are unique across a configuration's
+    sections), plus ``cls.RENAMED`` (a name a key had outside its section)."""
     out = {key: f"{name}.{key}" for name, model in sections(cls).items()
            for key in model.model_fields}
     out.update(cls.RENAMED)
