@@ -94,6 +94,7 @@ class Settings(BaseSettings):
     ENV_ALIASES: ClassVar[dict[str, str]] = {}     # "section.key" -> extra variable, below ours
     SHORT_FLAGS: ClassVar[dict[str, str | list[str]]] = {}   # "section.key" -> --short name(s)
     RENAMED: ClassVar[dict[str, str]] = {}         # a key's name outside its section, if other
+    ENV_NOT_SETTINGS: ClassVar[tuple[str, ...]] = ()   # variables with the prefix that are not
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],
@@ -266,7 +267,7 @@ def _env_values(cls: type[Settings], environ: Mapping[str, str]) -> dict[str, An
     prefix = cls.ENV_PREFIX
     problems = []
     for var in environ:
-        if not var.upper().startswith(prefix):
+        if not var.upper().startswith(prefix) or var.upper() in cls.ENV_NOT_SETTINGS:
             continue
         name = var[len(prefix):].lower()
         parts = name.split("__")

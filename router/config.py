@@ -88,6 +88,8 @@ class RouterConfig(Settings):
     OTHER_TABLES: ClassVar[tuple[str, ...]] = ("node",)
     ENV_ALIASES: ClassVar[dict[str, str]] = {"security.ticket_secret": "GPUMESH_TICKET_SECRET",
                                              "security.join_token": "GPUMESH_JOIN_TOKEN"}
+    # deploy/compose.yaml's host side of the routers' port, read by Compose, not the router
+    ENV_NOT_SETTINGS: ClassVar[tuple[str, ...]] = ("GPUMESH_ROUTER_PUBLISH",)
     SHORT_FLAGS: ClassVar[dict[str, str | list[str]]] = {
         "serving.host": "host", "serving.port": "port", "serving.router_id": "router-id",
         "routing.policy": "policy",

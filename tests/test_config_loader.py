@@ -164,3 +164,7 @@ def test_key_names_are_unique_across_sections(cls) -> None:
     assert len(keys) == len(set(keys))
     assert nest(cls, {keys[0]: None, keys[-1]: None}).keys() <= cls.model_fields.keys()
     assert set(section_of(cls)) >= set(keys)
+
+
+def test_compose_variables_with_the_prefix_are_not_settings() -> None:
+    assert _router(None, {"GPUMESH_ROUTER_PUBLISH": "127.0.0.1:"}) == _router(None, {})
