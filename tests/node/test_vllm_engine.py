@@ -443,7 +443,7 @@ def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) 
     assert engine_kwargs(engine._config)["stream_interval"] == 4   # type: ignore[attr-defined]
     assert engine_kwargs(VllmEngineConfig(model="/m"))["stream_interval"] == 1
     toml.write_text('[engine]\nkind = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 0\n')
-    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+    with pytest.raises(ValueError, match="engine.stream_interval: must be >= 1"):
         load_node_config(toml, environ={})
 
 
