@@ -44,7 +44,7 @@ from typing import Any
 import grpc
 
 from gpumesh.launcher import ChildProcess, free_port, stop_all, wait_until_async
-from gpumesh.node.config import NodeConfig
+from gpumesh.node.streaming.settings import StreamingSettings
 from gpumesh_bench import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -83,10 +83,11 @@ def scaled_router_flags(time_scale: float) -> list[str]:
 
     if time_scale <= 0 or time_scale == 1:
         return []
-    d = RouterConfig(router_id="x")
+    d = RouterConfig(serving={"router_id": "x"})
     # the routing prediction needs no scaling: simulated nodes report their step model in
     # wall-clock time; only the scaling signal's prefill-rate floor is a constant
-    return ["--reference-prompt-tokens-per-s", f"{d.reference_prompt_tokens_per_s / time_scale:g}"]
+    return ["--scaling.reference-prompt-tokens-per-s",
+            f"{d.scaling.reference_prompt_tokens_per_s / time_scale:g}"]
 
 
 def hetero_nodes(speeds: Sequence[float], kv_tokens: int, kv_grows: bool,
@@ -241,7 +242,7 @@ class Fleet:
             spec = {"routers": routers, "model": self.model, "time_scale": self.time_scale,
                     "flush_interval_ms": self.flush_interval_ms,
                     # the message budget slowed with the simulation, as the interval is
-                    "stream_messages_per_s": (NodeConfig.stream_messages_per_s
+                    "stream_messages_per_s": (StreamingSettings().stream_messages_per_s
                                               / max(self.time_scale, 1.0)),
                     "log_level": self.log_level,
                     "nodes": [{**asdict(n), "port": self.node_ports[n.node_id]} for n in group]}

@@ -29,13 +29,16 @@ async def _host(spec: dict[str, Any]) -> None:
     for n in spec["nodes"]:
         sim = {"speed": n["speed"], "kv_capacity_tokens": n["kv_capacity_tokens"],
                "time_scale": spec["time_scale"], **n.get("sim", {})}
-        cfg = NodeConfig(node_id=n["node_id"], host="127.0.0.1", port=n["port"],
-                         routers=tuple(spec["routers"]), engine="sim", model=spec["model"],
-                         weight=float(n["weight"] if n.get("weight") is not None else n["speed"]),
-                         flush_interval_ms=int(spec["flush_interval_ms"]),
-                         stream_messages_per_s=float(spec["stream_messages_per_s"]),
-                         drain_timeout_s=1.0,
-                         ticket_secret=os.environ.get("GPUMESH_TICKET_SECRET", ""), sim=sim)
+        cfg = NodeConfig(serving={"node_id": n["node_id"], "host": "127.0.0.1",
+                                  "port": n["port"],
+                                  "weight": float(n["weight"] if n.get("weight") is not None
+                                                  else n["speed"]),
+                                  "drain_timeout_s": 1.0},
+                         membership={"routers": tuple(spec["routers"])},
+                         engine={"kind": "sim", "model": spec["model"], "sim": sim},
+                         streaming={"flush_interval_ms": int(spec["flush_interval_ms"]),
+                                    "stream_messages_per_s": float(spec["stream_messages_per_s"])},
+                         security={"ticket_secret": os.environ.get("GPUMESH_TICKET_SECRET", "")})
         s = NodeServer(cfg, build_engine(cfg))
         await s.start()
         servers.append(s)

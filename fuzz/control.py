@@ -119,8 +119,9 @@ async def _connect(data: bytes) -> tuple[grpc.StatusCode, set[str]]:
     """The stream's status and the ids quarantined by its end."""
     name, tls, token, metadata, stem = CALLERS[data[0] % len(CALLERS)] if data else CALLERS[0]
     clock = ManualClock()
-    config = RouterConfig(router_id="fuzz-router", join_token=token,
-                          tls_cert_file="router.pem" if tls else "")
+    config = RouterConfig(serving={"router_id": "fuzz-router"},
+                          security={"join_token": token,
+                                    "tls_cert_file": "router.pem" if tls else ""})
     registry = Registry("fuzz-router", lease_ttl_s=3.0, freshness_s=1.5, clock=clock)
     quarantine = Quarantine(30.0, clock)
     locality = PrefixLocality("precise", PrefixIndexes(), clock)

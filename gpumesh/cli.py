@@ -19,16 +19,16 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
-    from gpumesh.config import ConfigError, flag_overrides
+    from gpumesh.config import cli_values
     from gpumesh.node.app import serve
-    from gpumesh.node.config import NodeConfig, load_node_config
+    from gpumesh.node.config import load_node_config
 
-    try:
-        cfg = load_node_config(args.config, flag_overrides(args, NodeConfig))
-    except (ConfigError, ValueError, OSError) as exc:
+    try:   # ConfigError is a ValueError
+        cfg = load_node_config(args.config, cli_values(args.node_cli, args))
+    except (ValueError, OSError) as exc:
         print(f"gpumesh node: {exc}", file=sys.stderr)
         return 2
-    if cfg.engine == "vllm" and not cfg.model:
+    if cfg.engine.kind == "vllm" and not cfg.engine.model:
         print("gpumesh node: --model PATH is required for the vllm engine", file=sys.stderr)
         return 2
     from gpumesh.security.tls import PlaintextRefused
@@ -224,18 +224,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=os.environ.get("GPUMESH_LOG_LEVEL", "info"))
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    n = sub.add_parser("node", help="serve one engine (vLLM or the simulator) over gRPC")
-    from gpumesh.config import add_flags
+    n = sub.add_parser("node", help="serve one engine (vLLM or the simulator) over gRPC",
+                       usage="gpumesh node [--config FILE] [--SECTION.KEY VALUE ...] "
+                             "[--model M --router HOST:PORT ...]",
+                       description="Every configuration key has a flag --SECTION.KEY; the "
+                                   "common ones also a short one (--model, --router, --port). "
+                                   "Layers: defaults < --config file < GPUMESH_NODE_SECTION__KEY "
+                                   "< flags (docs/configuration.md).")
+    from gpumesh.config import add_cli
     from gpumesh.node.config import NodeConfig
 
-    n.add_argument("--config", help="node TOML config file")
-    add_flags(n, NodeConfig, skip=("engine_args", "sim", "ticket_secret", "join_token"),
-              what="node",
-              aliases={"routers": ("--router",), "aliases": ("--alias",),
-                       "advertise_address": ("--advertise",)})
-    n.set_defaults(func=_cmd_node)
+    n.set_defaults(func=_cmd_node, node_cli=add_cli(n, NodeConfig))
 
-    r = sub.add_parser("router", help="serve the router")
+    r = sub.add_parser("router", help="serve the router",
+                       usage="gpumesh router [--config FILE] [--SECTION.KEY VALUE ...] "
+                             "[--port P --policy P ...] [--workers N]",
+                       description="Every configuration key has a flag --SECTION.KEY; the "
+                                   "common ones also a short one (--port, --host, --policy). "
+                                   "Layers: defaults < --config file < "
+                                   "GPUMESH_ROUTER_SECTION__KEY < flags "
+                                   "(docs/configuration.md).")
     from gpumesh.router.config import add_arguments as add_router_arguments
 
     add_router_arguments(r)

@@ -1,20 +1,27 @@
-"""The one configuration loader for the router and the node.
+"""The one configuration loader for the router and the node, on pydantic-settings.
 
-Layers, each over the one before: the dataclass's defaults < a TOML file < the environment
-(``<PREFIX><FIELD>``, upper case) < command-line flags (``--field-name``). The same parsing
-rules apply to every layer:
+A configuration is a frozen :class:`Settings` (``RouterConfig``, ``NodeConfig``) made of
+sections: frozen pydantic models, each declared by the package that uses it, whose fields carry
+their defaults, ranges (``Field(gt=0)``) and descriptions. Layers, each over the one before:
 
-- an unknown key (in the file or in ``overrides``) is an error that names it;
-- booleans: true/false, 1/0, yes/no, on/off (any case); anything else is an error;
-- int / float / str: Python's own conversion; a value that does not convert is an error that
-  names the key;
-- ``tuple[str, ...]``: a TOML array, or a comma-separated string (``a:1,b:2``); a flag may be
-  repeated and each value may itself be comma-separated;
-- mappings and settings sections (pydantic models such as ``RouterConfig.routing``): a TOML
-  table, or in the environment and on the command line a JSON object or ``k=v,k=v``.
+1. the declared defaults;
+2. a TOML file (``--config``): sections as tables, ``[dispatch]``; the whole configuration may
+   also sit in a ``[router]`` / ``[node]`` table (``[router.dispatch]``), so one file can hold
+   both;
+3. the environment: ``<PREFIX><SECTION>__<KEY>`` (``GPUMESH_ROUTER_DISPATCH__MAX_ATTEMPTS=3``),
+   plus a few named aliases (``GPUMESH_TICKET_SECRET``);
+4. command-line flags: ``--<section>.<key-with-dashes>`` (``--dispatch.max-attempts 3``), plus
+   the short flags a configuration declares (``--port``).
 
-Who calls it: ``gpumesh.router.config`` and ``gpumesh.node.config`` (their ``load`` helpers)
-and the CLI through :func:`add_flags` / :func:`flag_overrides`.
+The same rules hold in every layer: an unknown key is an error that names it (a key of the old
+flat layout names its section: "max_attempts moved to [dispatch] max_attempts"); a value out of
+range or of the wrong type is an error that names ``section.key``; booleans read true/false,
+1/0, yes/no, on/off; lists are TOML arrays, or comma-separated (``a:1,b:2``) in the environment
+and on the command line, where a flag may also repeat; tables (``engine_args``) are TOML
+tables, or a JSON object / ``k=v,k=v`` in the environment and on the command line.
+
+Who calls it: ``gpumesh.router.config`` and ``gpumesh.node.config`` (their ``load`` helpers),
+``gpumesh.cli`` (:func:`add_cli`), and tests/test_docs.py (:func:`documented_keys`).
 """
 
 from __future__ import annotations
@@ -22,154 +29,304 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, ClassVar, Self
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic_settings import (BaseSettings, CliSettingsSource, EnvSettingsSource, NoDecode,
+                               PydanticBaseSettingsSource, SettingsConfigDict, SettingsError,
+                               TomlConfigSettingsSource)
+from pydantic_settings.sources.utils import parse_env_vars
 
-T = TypeVar("T")
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
+SECTION = ConfigDict(frozen=True, extra="forbid")
+"""The model_config of every section: immutable, and an unknown key is an error."""
 
 
 class ConfigError(ValueError):
     """A configuration value or key that cannot be used; the message names it."""
 
 
-def load_config(cls: type[T], *, file: str | os.PathLike[str] | None = None, env_prefix: str,
-                environ: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None, table: str | None = None,
-                env_aliases: Mapping[str, str] | None = None) -> T:
-    """An instance of the frozen dataclass ``cls`` from the layers above.
-
-    ``table``: an optional TOML table of that name is read like the top level (so one file can
-    hold ``[router]`` and ``[node]``); ``env_aliases``: extra environment variables per field
-    name (e.g. ``{"ticket_secret": "GPUMESH_TICKET_SECRET"}``), below the prefixed variable.
-    ``overrides`` entries that are None are ignored (argparse's "not given")."""
-    environ = os.environ if environ is None else environ
-    hints = get_type_hints(cls)
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    values: dict[str, Any] = {}
-    if file:
-        values.update(_read_toml(Path(file), names, table))
-    for name, var in (env_aliases or {}).items():
-        if environ.get(var):
-            values[name] = environ[var]
-    for name in names:
-        var = f"{env_prefix}{name.upper()}"
-        if var in environ:
-            values[name] = environ[var]
-    given = {k: v for k, v in (overrides or {}).items() if v is not None}
-    unknown = set(given) - names
-    if unknown:
-        raise ConfigError(f"unknown {cls.__name__} key(s): {', '.join(sorted(unknown))}")
-    values.update(given)
-    return cls(**{k: coerce(hints[k], k, v) for k, v in values.items()})
-
-
-def _read_toml(path: Path, names: set[str], table: str | None) -> dict[str, Any]:
-    with open(path, "rb") as fh:  # startup only, before any event loop serves
-        data = tomllib.load(fh)
-    if table and table not in names and isinstance(data.get(table), dict):
-        inner = data.pop(table)
-        data.update(inner)
-    unknown = set(data) - names
-    if unknown:
-        raise ConfigError(f"unknown key(s) in {path}: {', '.join(sorted(unknown))}")
-    return data
-
-
-def coerce(tp: Any, key: str, value: Any) -> Any:
-    """``value`` (from TOML, the environment or a flag) as type ``tp``; ConfigError names
-    ``key`` when it does not convert."""
-    origin = get_origin(tp)
-    try:
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in _TRUE:
-                return True
-            if text in _FALSE:
-                return False
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        if tp in (int, float, str):
-            if tp is not str and isinstance(value, bool):
-                raise ConfigError(f"{key} must be a number, got {value!r}")
-            return tp(value)
-        if origin is tuple:
-            items = [value] if isinstance(value, str) else list(value)
-            return tuple(p.strip() for item in items for p in str(item).split(",") if p.strip())
-        if origin is Mapping or origin is dict:
-            return _mapping(key, value)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            # a settings section (e.g. RouterConfig.routing): a TOML table, or k=v,... / JSON
-            return tp.model_validate(value if isinstance(value, tp) else _mapping(key, value))
-        if (args := get_args(tp)) and type(None) in args:  # Optional[X]
-            inner = [a for a in args if a is not type(None)][0]
-            return None if value is None else coerce(inner, key, value)
-    except ValidationError as exc:
-        problems = "; ".join(f"{key}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                             for e in exc.errors())
-        raise ConfigError(problems) from None
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"{key}: cannot read {value!r} as {getattr(tp, '__name__', tp)}") from exc
+def _comma_list(value: Any) -> Any:
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        return tuple(p.strip() for item in value for p in str(item).split(",") if p.strip())
     return value
 
 
-def _mapping(key: str, value: Any) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        return dict(value)
-    text = str(value).strip()
+def key_values(value: Any) -> Any:
+    """A table from a JSON object or ``k=v,k=v`` text; anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
     if text.startswith("{"):
-        parsed = json.loads(text)
-        if not isinstance(parsed, dict):
-            raise ConfigError(f"{key} must be a JSON object, got {value!r}")
-        return parsed
-    out: dict[str, Any] = {}
+        return json.loads(text)
+    out: dict[str, str] = {}
     for item in (p for p in text.split(",") if p.strip()):
         name, sep, val = item.partition("=")
         if not sep:
-            raise ConfigError(f"{key} entries must be NAME=VALUE, got {item!r}")
+            raise ValueError(f"entries must be NAME=VALUE, got {item!r}")
         out[name.strip()] = val.strip()
     return out
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
-              aliases: Mapping[str, tuple[str, ...]] | None = None, what: str = "") -> None:
-    """One ``--field-name`` flag per field of ``cls`` (default None = not given), except
-    ``skip``; ``aliases`` adds more option strings for a field (``{"routers": ("--router",)}``).
-    Tuple fields may repeat."""
-    hints = get_type_hints(cls)
-    aliases = aliases or {}
-    for f in fields(cls):
-        if f.name in skip:
+StrList = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_comma_list)]
+"""A list of strings: a TOML array, or comma-separated (a flag may also repeat)."""
+
+KeyValues = Annotated[dict[str, Any], NoDecode, BeforeValidator(key_values)]
+"""A table: a TOML table, or a JSON object / ``k=v,k=v``."""
+
+
+class Settings(BaseSettings):
+    """Base of ``RouterConfig`` and ``NodeConfig``: every field is a section (a frozen model).
+
+    Building one directly (``RouterConfig(dispatch={"max_attempts": 3})``, as tests do) reads
+    nothing else; :meth:`load` adds the file, the environment and the flags."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid", env_nested_delimiter="__",
+                                      cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_hide_none_type=True, cli_avoid_json=True)
+
+    ENV_PREFIX: ClassVar[str] = ""
+    TOML_TABLE: ClassVar[str] = ""
+    OTHER_TABLES: ClassVar[tuple[str, ...]] = ()   # tables for the other component, skipped
+    ENV_ALIASES: ClassVar[dict[str, str]] = {}     # "section.key" -> extra variable, below ours
+    SHORT_FLAGS: ClassVar[dict[str, str | list[str]]] = {}   # "section.key" -> --short name(s)
+    RENAMED: ClassVar[dict[str, str]] = {}         # a key's name outside its section, if other
+    ENV_NOT_SETTINGS: ClassVar[tuple[str, ...]] = ()   # variables with the prefix that are not
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                   init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)   # the layers come from load(), explicitly
+
+    @classmethod
+    def load(cls, file: str | os.PathLike[str] | None = None,
+             env: Mapping[str, str] | None = None,
+             cli: Mapping[str, Any] | None = None) -> Self:
+        """defaults < TOML ``file`` < ``env`` (default: the process's environment) < ``cli``
+        (the nested values :func:`cli_values` returns). ConfigError names the key that fails."""
+        environ = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        if file:
+            _merge(values, _toml_values(cls, Path(file)))
+        _merge(values, _env_values(cls, environ))
+        _merge(values, dict(cli or {}))
+        return cls.build(values)
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any]) -> Self:
+        """``values`` (nested by section) validated; ConfigError names each bad key."""
+        try:
+            return cls.model_validate(dict(values))
+        except ValidationError as exc:
+            raise ConfigError(describe(exc)) from None
+
+    def replace(self, **sections: Mapping[str, Any]) -> Self:
+        """A copy with some keys of some sections changed, validated again:
+        ``cfg.replace(serving={"router_id": "r1"})``."""
+        values = self.model_dump()
+        for name, changes in sections.items():
+            if name not in type(self).model_fields:
+                raise ConfigError(f"{name}: unknown section")
+            values[name] = {**values[name], **changes}
+        return type(self).build(values)
+
+
+def sections(cls: type[Settings]) -> dict[str, type[BaseModel]]:
+    """Section name -> its model, in declaration order."""
+    return {name: f.annotation for name, f in cls.model_fields.items()}  # type: ignore[misc]
+
+
+def section_of(cls: type[Settings]) -> dict[str, str]:
+    """A key's own name -> "section.key" (key names are unique across a configuration's
+    sections), plus ``cls.RENAMED`` (a name a key had outside its section)."""
+    out = {key: f"{name}.{key}" for name, model in sections(cls).items()
+           for key in model.model_fields}
+    out.update(cls.RENAMED)
+    return out
+
+
+def nest(cls: type[Settings], flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Keys named by their own names (unique across a configuration's sections) grouped by
+    section: ``{"max_attempts": 3}`` -> ``{"dispatch": {"max_attempts": 3}}``; a section's name
+    takes a table (a mapping, JSON object or ``k=v,k=v``). For tools that take loose
+    ``KEY=VALUE`` settings (the benchmark's fleet files, test helpers)."""
+    where = section_of(cls)
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key in cls.model_fields and key not in where:
+            out.setdefault(key, {}).update(key_values(value))
             continue
-        tp = hints[f.name]
-        default = f.default if f.default is not MISSING else "computed"
-        opts = ["--" + f.name.replace("_", "-"), *aliases.get(f.name, ())]
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None,
-                                  "help": f"{what} {f.name} (default {default!r})".strip()}
-        if get_origin(tp) is tuple:
-            kwargs["action"] = "append"
-        elif tp is bool:   # "--insecure" alone means true; "--insecure false" still works
-            kwargs.update(nargs="?", const="true")
-        parser.add_argument(*opts, **kwargs)
+        if key not in where:
+            raise ConfigError(f"{key}: unknown key")
+        section, name = where[key].split(".", 1)
+        out.setdefault(section, {})[name] = value
+    return out
 
 
-def flag_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of ``cls`` given on the command line (see :func:`add_flags`)."""
-    ns = vars(args)
-    return {f.name: ns[f.name] for f in fields(cls) if ns.get(f.name) is not None}
+def documented_keys(cls: type[Settings]) -> list[tuple[str, str, Any]]:
+    """Every configuration key as ("section.key", description, default), in declaration order
+    (docs/configuration.md lists every one; tests/test_docs.py compares the two)."""
+    out = []
+    for name, model in sections(cls).items():
+        for key, f in model.model_fields.items():
+            default = (f.default_factory() if f.default_factory   # type: ignore[call-arg]
+                       else f.default)
+            out.append((f"{name}.{key}", f.description or "", default))
+    return out
 
 
-def documented_keys(cls: type) -> list[str]:
-    """The configuration keys of ``cls``, in declaration order (docs/configuration.md lists
-    every one; a test compares the two)."""
-    return [f.name for f in fields(cls)]
+def describe(exc: ValidationError) -> str:
+    """One line per problem, each naming ``section.key``."""
+    lines = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"] if not isinstance(p, int)) or "config"
+        ctx = e.get("ctx") or {}
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            msg = "unknown key"
+        elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+            op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
+                  "less_than": "<"}[kind]
+            bound = next(iter(ctx.values()))
+            msg = f"must be {op} {bound}, got {e['input']!r}"
+        elif kind == "value_error":
+            msg = str(ctx.get("error", e["msg"]))
+        else:
+            msg = f"{e['msg']}, got {e['input']!r}" if "input" in e else e["msg"]
+        lines.append(f"{where}: {msg}")
+    return "; ".join(lines)
+
+
+def _merge(into: dict[str, Any], more: Mapping[str, Any]) -> None:
+    for key, value in more.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _moved(cls: type[Settings], key: str) -> str | None:
+    where = section_of(cls).get(key)
+    if where is None:
+        return None
+    section, new = where.split(".", 1)
+    return f"{key} moved to [{section}] {new}"
+
+
+def _toml_values(cls: type[Settings], path: Path) -> dict[str, Any]:
+    data = dict(TomlConfigSettingsSource(cls, toml_file=path)())   # startup only
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    names = sections(cls)
+    for table in cls.OTHER_TABLES:
+        if isinstance(data.get(table), dict):
+            data.pop(table)
+    if isinstance(data.get(cls.TOML_TABLE), dict) and cls.TOML_TABLE not in names:
+        inner = data.pop(cls.TOML_TABLE)
+        _merge(data, inner)
+    problems = []
+    for key, value in data.items():
+        if key in names:
+            if not isinstance(value, dict):
+                problems.append(f"{key} must be a table ([{key}])" if key not in section_of(cls)
+                                else _moved(cls, key))
+                continue
+            for inner_key in value:
+                if inner_key not in names[key].model_fields:
+                    where = section_of(cls).get(inner_key)
+                    problems.append(f"[{key}] {inner_key}: unknown key" if where is None else
+                                    f"[{key}] {inner_key}: belongs in [{where.split('.')[0]}]")
+        else:
+            problems.append(_moved(cls, key) or f"{key}: unknown key")
+    if problems:
+        raise ConfigError(f"{path}: " + "; ".join(str(p) for p in problems))
+    return data
+
+
+class _Environ(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping (tests pass their own)."""
+
+    def __init__(self, cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(cls, env_prefix=cls.ENV_PREFIX, env_nested_delimiter="__",
+                         case_sensitive=False)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, False, False, None)
+
+
+def _env_values(cls: type[Settings], environ: Mapping[str, str]) -> dict[str, Any]:
+    names = sections(cls)
+    prefix = cls.ENV_PREFIX
+    problems = []
+    for var in environ:
+        if not var.upper().startswith(prefix) or var.upper() in cls.ENV_NOT_SETTINGS:
+            continue
+        name = var[len(prefix):].lower()
+        parts = name.split("__")
+        if len(parts) == 2 and parts[0] in names and parts[1] in names[parts[0]].model_fields:
+            continue
+        moved = _moved(cls, name)
+        if moved:
+            section, key = section_of(cls)[name].split(".", 1)
+            problems.append(f"{var}: {moved}: set {prefix}{section.upper()}__{key.upper()}")
+        elif name in names:
+            problems.append(f"{var}: one variable per key: {var}__<KEY>")
+        else:
+            problems.append(f"{var}: unknown setting")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    values: dict[str, Any] = {}
+    for where, var in cls.ENV_ALIASES.items():
+        if environ.get(var):
+            section, key = where.split(".", 1)
+            values.setdefault(section, {})[key] = environ[var]
+    try:
+        _merge(values, _Environ(cls, environ)())
+    except SettingsError as exc:
+        raise ConfigError(str(exc)) from None
+    return values
+
+
+def add_cli(parser: argparse.ArgumentParser, cls: type[Settings]) -> CliSettingsSource:
+    """Adds ``--config`` and one ``--section.key`` flag per key (plus ``cls.SHORT_FLAGS``) to
+    ``parser``, through pydantic-settings' CLI source; pass the parsed arguments to
+    :func:`cli_values`."""
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file "
+                        "(docs/configuration.md); the environment and flags override it")
+    shortcuts = {where.replace("_", "-"): names for where, names in cls.SHORT_FLAGS.items()}
+    return CliSettingsSource(cls, root_parser=parser, cli_shortcuts=shortcuts)
+
+
+def cli_values(source: CliSettingsSource, args: argparse.Namespace) -> dict[str, Any]:
+    """The keys given on the command line, nested by section (for :meth:`Settings.load`)."""
+    cls: type[Settings] = source.settings_cls   # type: ignore[assignment]
+    given = vars(args)
+    ns = {k: v for k, v in given.items() if "." in k or k in cls.model_fields}
+    for old, where in cls.RENAMED.items():
+        # a short flag named like its section (node --engine sim): the section's own flag
+        # (a JSON object) owns the name, so a plain value goes to the renamed key
+        if isinstance(given.get(old), str) and not given[old].lstrip().startswith("{"):
+            ns[where] = ns.pop(old)
+    try:
+        values = dict(source(parsed_args=ns)())
+    except SettingsError as exc:   # e.g. a section flag (--routing) given no JSON object
+        raise ConfigError(f"{exc} (a section flag takes a JSON object; one key: "
+                          "--SECTION.KEY VALUE)") from None
+    for section, keys in values.items():
+        for key in keys:
+            if key in _SECRETS:
+                raise ConfigError(f"{section}.{key}: not accepted as a flag (a command line is "
+                                  "visible to every user of the machine); set it in the file or "
+                                  "the environment")
+    return values
+
+
+_SECRETS = ("join_token", "ticket_secret")

@@ -1,4 +1,5 @@
-"""Who may call a node directly (``NodeConfig.router_only``): a ``grpc.aio.ServerInterceptor``.
+"""Who may call a node directly (``NodeConfig.security.router_only``): a
+``grpc.aio.ServerInterceptor``.
 
 With ``router_only`` on, Generate / GenerateStream need a caller certificate with OU=router
 (mutual TLS, ``tls_require_client_cert``) or a lookaside ticket in the request (which the
@@ -17,7 +18,10 @@ from typing import Any
 
 import grpc
 
+from pydantic import Field
+
 from gpumesh.security.handlers import wrap_handler
+from gpumesh.security.settings import SecuritySettings
 from gpumesh.security.tls import peer_identity
 from gpumesh.v1 import inference_pb2
 
@@ -26,6 +30,20 @@ log = logging.getLogger(__name__)
 _GENERATE = ("/gpumesh.v1.Inference/Generate", "/gpumesh.v1.Inference/GenerateStream")
 _VLLM = "/vllm."
 
+
+
+class NodeSecuritySettings(SecuritySettings):
+    """The node's ``[security]`` section: the shared TLS / token keys, plus who may call it.
+    With tls_ca_file the node dials routers over TLS presenting its certificate (the router
+    binds the node id to the certificate's CN)."""
+
+    router_only: bool = Field(
+        False, description="Inference calls only from routers: a caller certificate with "
+                           "OU=router, or a valid lookaside ticket; anything else "
+                           "PERMISSION_DENIED. Off: anyone who reaches the port.")
+    require_ticket: bool = Field(
+        False, description="Refuse requests that carry neither a router ticket nor router "
+                           "metadata.")
 
 class RouterOnly(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:

@@ -29,6 +29,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from pydantic import BaseModel, Field
+
+from gpumesh.config import SECTION, KeyValues
 from gpumesh.node.engines.base import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,22 @@ MAX_ADAPTERS = 1024
 # What a registration may carry (control.proto ServedModel.adapters): printable, no spaces.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
+
+
+class LoraSettings(BaseModel):
+    """The node's ``[lora]`` section: adapters served by name on GenerateRequest.adapter and
+    loaded on demand. Either ``adapters`` or ``adapter_dir`` turns LoRA on in the engine."""
+
+    model_config = SECTION
+
+    adapters: KeyValues = Field(default_factory=dict,
+                                     description="Adapter name -> adapter folder (PEFT format).")
+    adapter_dir: str = Field("", description="A folder whose subfolders are adapters named "
+                                             "after them.")
+    max_loras: int = Field(2, ge=1, description="Adapters in one batch (vLLM); held at once "
+                                                "(sim).")
+    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank served.")
+    max_cpu_loras: int = Field(0, ge=0, description="Adapters vLLM keeps loaded; 0 = max_loras.")
 
 class AdapterError(Exception):
     """A configured adapter set that cannot be built (bad name, too many)."""

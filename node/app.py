@@ -61,46 +61,48 @@ LIVENESS_SERVICE = "liveness"
 def build_engine(cfg: NodeConfig, frontend: FrontendSlot | None = None) -> Engine:
     """The one place that picks an engine implementation from config. ``frontend``: the
     engine of one of the node's other front-end processes (gpumesh.node.frontends)."""
-    if cfg.engine == "sim":
+    if cfg.engine.kind == "sim":
         from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 
-        sim = dict(cfg.sim)
+        sim = dict(cfg.engine.sim)
         sim.setdefault("model_name", cfg.resolved_served_name())
-        sim.setdefault("aliases", cfg.aliases)
-        sim.setdefault("capacity_weight", cfg.weight)
-        sim.setdefault("max_loras", cfg.max_loras)
-        if cfg.max_model_len:
-            sim.setdefault("max_context_length", cfg.max_model_len)
+        sim.setdefault("aliases", cfg.engine.aliases)
+        sim.setdefault("capacity_weight", cfg.serving.weight)
+        sim.setdefault("max_loras", cfg.lora.max_loras)
+        if cfg.engine.max_model_len:
+            sim.setdefault("max_context_length", cfg.engine.max_model_len)
         return SimEngine(SimEngineConfig(**sim))
-    if cfg.engine == "vllm":
+    if cfg.engine.kind == "vllm":
         from gpumesh.node.engines.vllm import VllmEngine, VllmEngineConfig
         from gpumesh.node.gpu import GpuSampler
 
+        eng, lora = cfg.engine, cfg.lora
         return VllmEngine(VllmEngineConfig(
-            model=cfg.model, served_name=cfg.resolved_served_name(), aliases=cfg.aliases,
-            tokenizer=cfg.tokenizer or None, dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len or None,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, load_format=cfg.load_format,
-            enforce_eager=cfg.enforce_eager,
-            num_gpu_blocks_override=cfg.num_gpu_blocks_override or None,
-            stream_interval=cfg.stream_interval, capacity_weight=cfg.weight,
-            enable_lora=bool(cfg.adapters or cfg.adapter_dir), max_loras=cfg.max_loras,
-            max_lora_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras,
-            kv_events=cfg.kv_events, role=cfg.role,
-            kv_side_channel_host=cfg.advertised_host(), kv_side_channel_port=cfg.kv_port,
-            extra=dict(cfg.engine_args)),
+            model=eng.model, served_name=cfg.resolved_served_name(), aliases=eng.aliases,
+            tokenizer=eng.tokenizer or None, dtype=eng.dtype,
+            max_model_len=eng.max_model_len or None,
+            tensor_parallel_size=eng.tensor_parallel_size,
+            gpu_memory_utilization=eng.gpu_memory_utilization, load_format=eng.load_format,
+            enforce_eager=eng.enforce_eager,
+            num_gpu_blocks_override=eng.num_gpu_blocks_override or None,
+            stream_interval=eng.stream_interval, capacity_weight=cfg.serving.weight,
+            enable_lora=bool(lora.adapters or lora.adapter_dir), max_loras=lora.max_loras,
+            max_lora_rank=lora.max_lora_rank, max_cpu_loras=lora.max_cpu_loras,
+            kv_events=cfg.membership.kv_events, role=cfg.serving.role,
+            kv_side_channel_host=cfg.serving.advertised_host(),
+            kv_side_channel_port=cfg.serving.kv_port,
+            extra=dict(eng.engine_args)),
             # GPU samples: the main process's (the node's report carries them)
             gpu_sampler=GpuSampler() if frontend is None else None,
-            frontends=cfg.frontends if frontend is None else 1, frontend=frontend)
-    raise ValueError(f"unknown engine {cfg.engine!r} (expected 'vllm' or 'sim')")
+            frontends=cfg.serving.frontends if frontend is None else 1, frontend=frontend)
+    raise ValueError(f"unknown engine {cfg.engine.kind!r} (expected 'vllm' or 'sim')")
 
 
 class NodeServer:
     """One running node. ``start()`` binds and begins heartbeating; ``drain()`` and ``stop()``
     follow the shutdown order above. Usable in-process from tests with any Engine.
 
-    With ``cfg.frontends`` > 1 this is front end ``frontend_index`` of the node; front end 0
+    With ``cfg.serving.frontends`` > 1 this is front end ``frontend_index`` of the node; front end 0
     (the main process) starts the others (``peers``), heartbeats for all of them and reports
     their merged load; ``failed`` is set, with ``failure``, if one of them dies."""
 
@@ -108,7 +110,7 @@ class NodeServer:
         self.cfg = cfg
         self.engine = engine
         self.peers = (FrontendGroup(cfg, self._frontend_lost)
-                      if cfg.frontends > 1 and frontend_index == 0 else None)
+                      if cfg.serving.frontends > 1 and frontend_index == 0 else None)
         self.failed = asyncio.Event()
         self.failure = ""
         self.server: grpc.aio.Server | None = None
@@ -122,14 +124,14 @@ class NodeServer:
         self._drained = asyncio.Event()
         self.incarnation = new_incarnation()
         # LoRA adapters served by name (fixed for the process; the registration lists them)
-        self.adapters = AdapterCatalog.from_config(cfg.adapters, cfg.adapter_dir,
-                                                   cfg.max_lora_rank)
+        self.adapters = AdapterCatalog.from_config(cfg.lora.adapters, cfg.lora.adapter_dir,
+                                                   cfg.lora.max_lora_rank)
         self.discovery: RouterDiscovery | None = None
         self.stopping = False   # shutting down: an UndrainOrder no longer applies
 
     @property
     def address(self) -> str:
-        return self.cfg.advertise_address or f"{self.cfg.host}:{self.port}"
+        return self.cfg.serving.advertise_address or f"{self.cfg.serving.host}:{self.port}"
 
     # --- load report and registration (what heartbeats carry) ------------------------
     def load_report(self) -> LoadReport:
@@ -148,35 +150,36 @@ class NodeServer:
             node_id=self.state.node_id, address=self.address, models=(model,),
             incarnation=self.incarnation, engine=self.engine.kind,
             gpu_model=getattr(self.engine, "gpu_model", "") or "",
-            max_concurrency=self.cfg.max_concurrency,
-            frontend_addresses=self.state.frontend_addresses, role=self.cfg.role)
+            max_concurrency=self.cfg.serving.max_concurrency,
+            frontend_addresses=self.state.frontend_addresses, role=self.cfg.serving.role)
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        self.tls = TlsFiles(self.cfg.tls_cert_file, self.cfg.tls_key_file, self.cfg.tls_ca_file)
+        security, streaming = self.cfg.security, self.cfg.streaming
+        self.tls = TlsFiles(security.tls_cert_file, security.tls_key_file, security.tls_ca_file)
         self.tls.check("node")
-        check_bind("node", self.cfg.host, self.tls.enabled, self.cfg.insecure)
-        self.access = RouterOnly() if self.cfg.router_only else None
+        check_bind("node", self.cfg.serving.host, self.tls.enabled, self.cfg.security.insecure)
+        self.access = RouterOnly() if self.cfg.security.router_only else None
         self.server = grpc.aio.server(interceptors=[self.access] if self.access else [], options=[
             # several front-end processes share the port (gpumesh.node.frontends)
-            ("grpc.so_reuseport", 1 if self.cfg.frontends > 1 else 0),
+            ("grpc.so_reuseport", 1 if self.cfg.serving.frontends > 1 else 0),
             ("grpc.max_concurrent_streams", 4096),
             # Routers ping their node channels (keepalive) during long prefills.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ])
-        self.port = self._bind(f"{self.cfg.host}:{self.cfg.port}")
+        self.port = self._bind(f"{self.cfg.serving.host}:{self.cfg.serving.port}")
         if self.port == 0:
-            raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
-        if self.cfg.frontends > 1:
+            raise OSError(f"could not bind {self.cfg.serving.host}:{self.cfg.serving.port}")
+        if self.cfg.serving.frontends > 1:
             # a port of this process's own too, so callers can spread calls over the front
             # ends deterministically (the shared port spreads connections by hash)
-            own = self._bind(f"{self.cfg.host}:0")
+            own = self._bind(f"{self.cfg.serving.host}:0")
             host = self.address.rpartition(":")[0]
             if host.strip("[]") in ("", "0.0.0.0", "::"):
                 host = socket.gethostname()
             self.own_address = f"{host}:{own}"
-        self.state = ServingState(self.cfg.resolved_node_id(self.port))
+        self.state = ServingState(self.cfg.serving.resolved_node_id(self.port))
         self.telemetry = self._init_telemetry()
         self._health = health.aio.HealthServicer()
         guarded = GuardedServer(self.server)   # unparseable requests: INVALID_ARGUMENT
@@ -187,14 +190,15 @@ class NodeServer:
             self.engine, self.state,
             # the budget is the node's (what its routers and clients receive): each of its
             # front ends sends its share over the streams it holds
-            CoalescePolicy(self.cfg.flush_interval_ms / 1000, self.cfg.max_tokens_per_chunk,
-                           self.cfg.stream_messages_per_s / self.cfg.frontends),
-            self.cfg.ticket_secret.encode(), self.cfg.require_ticket, self.telemetry,
+            CoalescePolicy(streaming.flush_interval_ms / 1000, streaming.max_tokens_per_chunk,
+                           streaming.stream_messages_per_s / self.cfg.serving.frontends),
+            security.ticket_secret.encode(), security.require_ticket, self.telemetry,
             self.prompts, adapters=self.adapters),
             guarded)
         # vLLM's native gRPC (what SMG and vLLM clients speak) on the same port and ledger.
         self.vllm_service = add_vllm_engine_service(guarded, self.engine, self.state,
-                                model_path=self.cfg.model, require_ticket=self.cfg.require_ticket,
+                                model_path=self.cfg.engine.model,
+                                require_ticket=security.require_ticket,
                                 prompts=self.prompts)
         reflection.enable_server_reflection(
             (INFERENCE_SERVICE, VLLM_ENGINE_SERVICE,
@@ -208,29 +212,30 @@ class NodeServer:
             await self.peers.start(self)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.discovery = RouterDiscovery(
-            self.cfg.routers,
+            self.cfg.membership.routers,
             lambda addrs: self.heartbeats and self.heartbeats.set_discovered(
                 addrs, self.discovery.hosts if self.discovery else None),
-            self.cfg.router_resolve_interval_s)
+            self.cfg.membership.router_resolve_interval_s)
+        beats = self.cfg.membership
         self.heartbeats = HeartbeatClient(
             self.discovery.static, lambda: registration_to_proto(self.registration()),
             lambda: load_report_to_proto(self.load_report()),
-            self.cfg.heartbeat_busy_interval_s, self.cfg.heartbeat_idle_interval_s,
-            self.cfg.reconnect_max_backoff_s, on_drain=self._drain_ordered,
+            beats.heartbeat_busy_interval_s, beats.heartbeat_idle_interval_s,
+            beats.reconnect_max_backoff_s, on_drain=self._drain_ordered,
             on_undrain=self._undrain_ordered, on_stream_lost=self.discovery.poke,
             kv_publishers=self._kv_publishers())
         if self.tls.ca:   # mutual TLS to routers: the router binds our id to the certificate
             self.heartbeats.credentials = lambda: channel_credentials(
                 self.tls.ca, self.tls.cert, self.tls.key)
-        if self.cfg.join_token:
-            self.heartbeats.metadata = ((JOIN_TOKEN_HEADER, self.cfg.join_token),)
+        if self.cfg.security.join_token:
+            self.heartbeats.metadata = ((JOIN_TOKEN_HEADER, self.cfg.security.join_token),)
         self.heartbeats.start()
         await self.discovery.start()   # dns: router targets (gpumesh.node.discovery)
 
     def _kv_publishers(self) -> tuple[KvPublisher, ...]:
         """The engine's prefix-cache block events for routers, where it emits them."""
         attach = getattr(self.engine, "set_kv_event_sink", None)
-        if not self.cfg.kv_events or attach is None:
+        if not self.cfg.membership.kv_events or attach is None:
             return ()
         pub = KvPublisher(self.engine.model.name)
         if not attach(pub):
@@ -247,7 +252,7 @@ class NodeServer:
         if not self.tls.enabled:
             return self.server.add_insecure_port(address)
         return self.server.add_secure_port(
-            address, server_credentials(self.tls, self.cfg.tls_require_client_cert))
+            address, server_credentials(self.tls, self.cfg.security.tls_require_client_cert))
 
     def _init_telemetry(self) -> NodeTelemetry:
         """OpenTelemetry from the OTEL_* environment (off, at no cost, when unset)."""
@@ -310,7 +315,7 @@ class NodeServer:
         if self.heartbeats is not None:
             self.heartbeats.wake()
         deadline = asyncio.get_running_loop().time() + (
-            self.cfg.drain_timeout_s if timeout_s is None else timeout_s)
+            self.cfg.serving.drain_timeout_s if timeout_s is None else timeout_s)
         while self._in_flight() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         if n := self._in_flight():
@@ -338,7 +343,7 @@ class NodeServer:
             await self.server.stop(grace_s)
         self.prompts.close()
         if self.peers is not None:  # before the engine: front end 0 owns the engine core
-            await self.peers.stop(self.cfg.drain_timeout_s + 10.0)
+            await self.peers.stop(self.cfg.serving.drain_timeout_s + 10.0)
         await self.engine.shutdown()
         await asyncio.to_thread(self.telemetry.tel.shutdown)
 

@@ -10,16 +10,17 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpumesh.config import add_flags, documented_keys, flag_overrides
 from gpumesh.node.config import NodeConfig, load_node_config
 from gpumesh.node.engines.vllm.calibrate import CalibrationPlan
 from gpumesh.profiles import EngineProfile
 
-# NodeConfig fields that shape the engine: calibrate takes them as `gpumesh node` does
-ENGINE_FIELDS = (
-    "model", "served_name", "tokenizer", "dtype", "max_model_len", "tensor_parallel_size",
-    "gpu_memory_utilization", "load_format", "enforce_eager", "num_gpu_blocks_override",
-    "stream_interval", "kv_events",
+# NodeConfig keys that shape the engine: calibrate takes them as `gpumesh node` does, each
+# as a flag of its key's name (--model, --max-model-len, --kv-events)
+ENGINE_KEYS = (
+    "engine.model", "engine.served_name", "engine.tokenizer", "engine.dtype",
+    "engine.max_model_len", "engine.tensor_parallel_size", "engine.gpu_memory_utilization",
+    "engine.load_format", "engine.enforce_eager", "engine.num_gpu_blocks_override",
+    "engine.stream_interval", "membership.kv_events",
 )
 
 
@@ -46,8 +47,15 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
     cal.add_argument("--platform", choices=["cpu", "cuda"], default="",
                      help="refuse to measure unless vLLM runs on this platform")
     cal.add_argument("--config", help="node TOML config file (its engine settings are used)")
-    add_flags(cal, NodeConfig, what="engine",
-              skip=tuple(f for f in documented_keys(NodeConfig) if f not in ENGINE_FIELDS))
+    for where in ENGINE_KEYS:
+        section, key = where.split(".")
+        model = NodeConfig.model_fields[section].annotation
+        f = model.model_fields[key]  # type: ignore[union-attr]
+        extra = ({"nargs": "?", "const": "true", "metavar": "BOOL"} if f.annotation is bool
+                 else {"metavar": key.upper()})
+        cal.add_argument("--" + key.replace("_", "-"), dest=where, default=None,
+                         help=f"{f.description} (node key {where}, default {f.default!r})",
+                         **extra)
     cal.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
                      help="a vllm AsyncEngineArgs field (repeat), as the node's engine_args: "
                           "max_num_seqs=64")
@@ -93,13 +101,16 @@ def prepare(args: argparse.Namespace) -> CalibrationJob:
     """The job the arguments describe: the node's configuration the node's way (defaults <
     ``--config`` < ``GPUMESH_NODE_*`` < flags, engine forced to vllm). Raises ``ConfigError``,
     ``ValueError`` or ``OSError`` naming what is wrong, before anything starts."""
-    overrides = {k: v for k, v in flag_overrides(args, NodeConfig).items() if k in ENGINE_FIELDS}
-    cfg = load_node_config(args.config, {**overrides, "engine": "vllm"})
+    given: dict[str, dict[str, object]] = {"engine": {"kind": "vllm"}}
+    for where in ENGINE_KEYS:
+        if (value := getattr(args, where)) is not None:
+            section, key = where.split(".")
+            given.setdefault(section, {})[key] = value
+    cfg = load_node_config(args.config, given)
     extra = dict(engine_arg(item) for item in args.engine_arg or ())
     if extra:
-        cfg = load_node_config(args.config, {**overrides, "engine": "vllm",
-                                             "engine_args": {**cfg.engine_args, **extra}})
-    if not cfg.model:
+        cfg = cfg.replace(engine={"engine_args": {**cfg.engine.engine_args, **extra}})
+    if not cfg.engine.model:
         raise ValueError("--model PATH is required")
     out = Path(args.out)
     if not out.parent.is_dir():
@@ -132,7 +143,8 @@ async def run(job: CalibrationJob) -> EngineProfile:
         platform = engine_facts(engine).platform
         if job.platform and platform != job.platform:
             raise PlatformMismatch(f"--platform {job.platform}, but vLLM runs on {platform}")
-        profile = await measure_profile(engine, job.name, job.plan, model=job.config.model,
+        profile = await measure_profile(engine, job.name, job.plan,
+                                        model=job.config.engine.model,
                                         quadratic=job.quadratic)
     finally:
         await engine.shutdown()

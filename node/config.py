@@ -1,8 +1,14 @@
-"""The node's one typed configuration: defaults < TOML file < environment < CLI flags.
+"""The node's one typed configuration, by section: defaults < TOML file < environment < flags.
 
-Environment variables are ``GPUMESH_NODE_<FIELD>`` (upper case), e.g. GPUMESH_NODE_PORT=50051,
-GPUMESH_NODE_ROUTERS=host1:50050,host2:50050. The ticket secret also reads
-GPUMESH_TICKET_SECRET (shared with routers).
+Sections, each declared by the package that uses it (docs/configuration.md lists every key):
+``[serving]`` this process (below), ``[membership]`` the routers it joins
+(gpumesh.node.heartbeat), ``[engine]`` engine and model (gpumesh.node.engines.settings),
+``[lora]`` adapters (gpumesh.node.adapters), ``[streaming]`` coalescing
+(gpumesh.node.streaming.settings), ``[security]`` TLS, tokens, tickets (gpumesh.node.access).
+
+Loading (:mod:`gpumesh.config`): a TOML file with those tables (or all under ``[node]``),
+``GPUMESH_NODE_<SECTION>__<KEY>`` (``GPUMESH_TICKET_SECRET`` and ``GPUMESH_JOIN_TOKEN`` too),
+flags ``--<section>.<key>`` and the short ones in ``SHORT_FLAGS`` (``--model``, ``--router``).
 """
 
 from __future__ import annotations
@@ -10,120 +16,55 @@ from __future__ import annotations
 import socket
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import ClassVar, Literal
 
-from gpumesh.config import load_config
+from pydantic import BaseModel, Field, model_validator
 
-ENV_PREFIX = "GPUMESH_NODE_"
-ROLES = ("both", "prefill", "decode")   # NodeConfig.role (docs/disaggregation.md)
+from gpumesh.config import SECTION, Settings
+from gpumesh.node.access import NodeSecuritySettings
+from gpumesh.node.adapters import LoraSettings
+from gpumesh.node.engines.settings import EngineSettings
+from gpumesh.node.heartbeat import NodeMembershipSettings
+from gpumesh.node.streaming.settings import StreamingSettings
+
+ROLES = ("both", "prefill", "decode")   # NodeServingSettings.role (docs/disaggregation.md)
 
 
-@dataclass(frozen=True)
-class NodeConfig:
-    node_id: str = ""                     # "" -> <hostname>-<port>
-    host: str = "127.0.0.1"
-    port: int = 50051                     # 0 -> any free port
-    advertise_address: str = ""          # "" -> host:bound_port
-    routers: tuple[str, ...] = ()         # control-plane addresses (host:port)
-    # dns:///NAME:PORT router targets (gpumesh.node.discovery): re-resolved this often, and
-    # soon after a heartbeat stream breaks.
-    router_resolve_interval_s: float = 10.0
+class NodeServingSettings(BaseModel):
+    """The node process: identity, address, role, capacity it declares, drain."""
 
-    engine: str = "vllm"                  # "vllm" | "sim"
-    model: str = ""                       # model folder (vllm) or name (sim)
-    served_name: str = ""                 # "" -> model folder's name
-    aliases: tuple[str, ...] = ()
-    weight: float = 1.0                   # capacity weight (TP=2 or a faster GPU: more)
-    tensor_parallel_size: int = 1
-    max_model_len: int = 0                # 0 -> the model's own
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.85
-    load_format: str = "auto"             # "dummy" -> random weights from config.json
-    tokenizer: str = ""
-    enforce_eager: bool = False
-    num_gpu_blocks_override: int = 0
-    # vLLM emits a request's output every N tokens (the first and the last at once): less
-    # front-end CPU per token, which is what limits a busy GPU node. Per-token streams then
-    # get N-token chunks.
-    stream_interval: int = 1
-    # Front-end processes over the one engine (vLLM only), as `vllm serve --api-server-count`:
-    # each serves gRPC on the port (SO_REUSEPORT) and processes its own requests' outputs, so
-    # the node's per-token work is no longer capped by one process's core
-    # (gpumesh.node.frontends).
-    frontends: int = 1
-    # Disaggregated prefill/decode (docs/disaggregation.md): "both" serves whole requests;
-    # "prefill" runs prompts and hands their KV to decode nodes; "decode" continues from a
-    # prefill node's KV (and serves whole requests too). prefill/decode start vLLM with a KV
-    # connector (NIXL; an engine_args kv_transfer_config replaces it); kv_port is its side
-    # channel's TCP port (0: a free one), reached at the advertised host.
-    role: str = "both"
-    kv_port: int = 0
-    engine_args: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs
-    sim: Mapping[str, Any] = field(default_factory=dict)          # SimEngineConfig fields
-    # LoRA adapters (gpumesh.node.adapters), served by name on GenerateRequest.adapter and
-    # loaded on demand: name -> adapter folder (PEFT format), and/or a folder whose
-    # subfolders are adapters named after them. Either turns LoRA on in the engine.
-    adapters: Mapping[str, str] = field(default_factory=dict)
-    adapter_dir: str = ""
-    max_loras: int = 2                    # adapters in one batch (vLLM); held at once (sim)
-    max_lora_rank: int = 16               # largest adapter rank served
-    max_cpu_loras: int = 0                # adapters vLLM keeps loaded; 0 = max_loras
+    model_config = SECTION
 
-    max_concurrency: int = 0              # advertised to routers; 0 = unlimited
-    heartbeat_busy_interval_s: float = 0.25
-    heartbeat_idle_interval_s: float = 0.25   # = busy: a hung idle node is STALE in 0.5 s
-    reconnect_max_backoff_s: float = 1.0   # a restarted router has its fleet back within ~1 s
-    # Stream the engine's prefix-cache block events (stored / evicted KV blocks) to routers
-    # for precise prefix-locality routing (gpumesh.node.cache); off: routers fall back to
-    # approximating this node's cache from what they sent it.
-    kv_events: bool = True
-    flush_interval_ms: int = 20           # coalescing default (0 = per token)
-    # The node's budget of stream messages per second over all its streams: with more streams
-    # sending (past their first token) than budget x interval, the default interval widens to
-    # streams / budget (128 streams at 2000/s: 64 ms; at most 250 ms). A message costs the
-    # node's process far more than a token (docs/benchmarks.md, "What does the node's
-    # stream-message budget save?").
-    # With several front ends each has budget / frontends over its own streams. 0 = fixed.
-    stream_messages_per_s: float = 2000.0
-    max_tokens_per_chunk: int = 64
-    drain_timeout_s: float = 30.0
-    ticket_secret: str = ""               # lookaside tickets; "" -> tickets refused
-    require_ticket: bool = False          # refuse requests without a router ticket/metadata
-    # --- security (docs/security.md): TLS on the node's port when tls_cert_file is set (files
-    # re-read when they change); with tls_ca_file the node dials routers over TLS, presenting
-    # its certificate (mutual TLS: the router binds the node id to the certificate's CN).
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    tls_ca_file: str = ""
-    tls_require_client_cert: bool = False  # callers must present a certificate of the CA
-    # Inference calls only from routers: a caller certificate with OU=router, or a valid
-    # lookaside ticket; anything else PERMISSION_DENIED. Off: anyone who reaches the port.
-    router_only: bool = False
-    insecure: bool = False                # allow plaintext on a non-loopback host
-    join_token: str = field(default="", repr=False)  # sent to routers without certificates
-
-    def __post_init__(self) -> None:
-        if self.engine not in ("vllm", "sim"):
-            raise ValueError(f"engine must be 'vllm' or 'sim', got {self.engine!r}")
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-        if self.frontends < 1:
-            raise ValueError(f"frontends must be >= 1, got {self.frontends}")
-        if self.frontends > 1 and self.engine != "vllm":
-            raise ValueError("frontends > 1 needs engine = 'vllm' (the simulator has one process)")
-        if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 0:
-            raise ValueError("max_loras and max_lora_rank must be >= 1, max_cpu_loras >= 0")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.role != "both" and self.engine != "vllm":
-            raise ValueError(f"role {self.role!r} needs engine = 'vllm' (the KV transfer is "
-                             "vLLM's; the simulator models pools in gpumesh sim)")
-        if not 0 <= self.kv_port < 65536:
-            raise ValueError(f"kv_port must be a TCP port (0 = any free one), got {self.kv_port}")
-        if not self.stream_messages_per_s >= 0:
-            raise ValueError(f"stream_messages_per_s must be >= 0, got {self.stream_messages_per_s}")
+    node_id: str = Field("", description="This node's id; empty: <hostname>-<port>.")
+    host: str = Field("127.0.0.1", description="Address to bind. A non-loopback address needs "
+                                               "TLS (security.tls_cert_file) or "
+                                               "security.insecure.")
+    port: int = Field(50051, ge=0, le=65535, description="Port; 0 = any free port.")
+    advertise_address: str = Field(
+        "", description="host:port routers and other nodes reach this node at; empty: "
+                        "host:bound port.")
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="Disaggregated prefill/decode (docs/disaggregation.md): both "
+                            "serves whole requests; prefill runs prompts and hands their KV to "
+                            "decode nodes; decode continues from a prefill node's KV (and "
+                            "serves whole requests too). prefill/decode need engine.kind = vllm.")
+    kv_port: int = Field(0, ge=0, le=65535,
+                         description="TCP port of the KV connector's side channel (prefill/"
+                                     "decode roles), reached at the advertised host; 0 = a "
+                                     "free one.")
+    frontends: int = Field(
+        1, ge=1, description="Front-end processes over the one engine (vLLM only), as vllm "
+                             "serve --api-server-count: each serves gRPC on the port and "
+                             "processes its own requests' outputs.")
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False,
+                          description="Capacity weight declared to routers (TP=2 or a faster "
+                                      "GPU: more).")
+    max_concurrency: int = Field(0, ge=0, description="Concurrent requests declared to "
+                                                      "routers; 0 = unlimited.")
+    drain_timeout_s: float = Field(30.0, ge=0, allow_inf_nan=False,
+                                   description="On drain, how long in-flight requests may "
+                                               "finish.")
 
     def resolved_node_id(self, bound_port: int) -> str:
         return self.node_id or f"{socket.gethostname()}-{bound_port}".replace(".", "-")
@@ -135,21 +76,68 @@ class NodeConfig:
         host = host.strip("[]")
         return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
+
+class NodeConfig(Settings):
+    """Every section of the node's configuration; frozen."""
+
+    ENV_PREFIX: ClassVar[str] = "GPUMESH_NODE_"
+    TOML_TABLE: ClassVar[str] = "node"
+    OTHER_TABLES: ClassVar[tuple[str, ...]] = ("router",)
+    ENV_ALIASES: ClassVar[dict[str, str]] = {"security.ticket_secret": "GPUMESH_TICKET_SECRET",
+                                             "security.join_token": "GPUMESH_JOIN_TOKEN"}
+    RENAMED: ClassVar[dict[str, str]] = {"engine": "engine.kind"}
+    SHORT_FLAGS: ClassVar[dict[str, str | list[str]]] = {
+        "serving.node_id": "node-id", "serving.host": "host", "serving.port": "port",
+        "serving.advertise_address": "advertise", "serving.role": "role",
+        "serving.weight": "weight",
+        "membership.routers": ["router", "routers"],
+        "engine.kind": "engine", "engine.model": "model", "engine.served_name": "served-name",
+        "engine.aliases": "alias", "engine.tokenizer": "tokenizer", "engine.dtype": "dtype",
+        "engine.tensor_parallel_size": "tensor-parallel-size",
+        "engine.max_model_len": "max-model-len", "engine.load_format": "load-format",
+        "engine.gpu_memory_utilization": "gpu-memory-utilization",
+        "engine.enforce_eager": "enforce-eager",
+        "engine.num_gpu_blocks_override": "num-gpu-blocks-override",
+        "security.tls_cert_file": "tls-cert-file", "security.tls_key_file": "tls-key-file",
+        "security.tls_ca_file": "tls-ca-file",
+        "security.tls_require_client_cert": "tls-require-client-cert",
+        "security.insecure": "insecure", "security.router_only": "router-only"}
+
+    serving: NodeServingSettings = Field(default_factory=NodeServingSettings,
+                                         description="This process: identity, address, role.")
+    membership: NodeMembershipSettings = Field(default_factory=NodeMembershipSettings,
+                                               description="The routers and heartbeats.")
+    engine: EngineSettings = Field(default_factory=EngineSettings,
+                                   description="The engine and the model it serves.")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapters.")
+    streaming: StreamingSettings = Field(default_factory=StreamingSettings,
+                                         description="Token coalescing into stream messages.")
+    security: NodeSecuritySettings = Field(default_factory=NodeSecuritySettings,
+                                           description="TLS, tokens, tickets, who may call.")
+
+    @model_validator(mode="after")
+    def _needs_vllm(self) -> NodeConfig:
+        if self.serving.frontends > 1 and self.engine.kind != "vllm":
+            raise ValueError("serving.frontends > 1 needs engine.kind = 'vllm' (the simulator "
+                             "has one process)")
+        if self.serving.role != "both" and self.engine.kind != "vllm":
+            raise ValueError(f"serving.role {self.serving.role!r} needs engine.kind = 'vllm' "
+                             "(the KV transfer is vLLM's; the simulator models pools in "
+                             "gpumesh sim)")
+        return self
+
     def resolved_served_name(self) -> str:
-        if self.served_name:
-            return self.served_name
-        return Path(self.model).name if self.model else "model"
+        if self.engine.served_name:
+            return self.engine.served_name
+        return Path(self.engine.model).name if self.engine.model else "model"
 
 
 def load_node_config(file: str | Path | None = None,
-                     overrides: Mapping[str, Any] | None = None,
+                     cli: Mapping[str, object] | None = None,
                      environ: Mapping[str, str] | None = None) -> NodeConfig:
-    """defaults < TOML ``file`` (top level, or a ``[node]`` table) < ``GPUMESH_NODE_<FIELD>``
-    (and ``GPUMESH_TICKET_SECRET``) < ``overrides`` (see :mod:`gpumesh.config`)."""
-    return load_config(NodeConfig, file=file, env_prefix=ENV_PREFIX, environ=environ,
-                       overrides=overrides, table="node",
-                       env_aliases={"ticket_secret": "GPUMESH_TICKET_SECRET",
-                                    "join_token": "GPUMESH_JOIN_TOKEN"})
+    """defaults < TOML ``file`` (sections as tables, or all in a ``[node]`` table) <
+    ``GPUMESH_NODE_<SECTION>__<KEY>`` (and the aliases) < ``cli`` (nested by section)."""
+    return NodeConfig.load(file, environ, cli)
 
 
 def new_incarnation() -> str:

@@ -1,7 +1,7 @@
 """Router discovery: a node finds every router replica behind one DNS name.
 
-A router target in ``NodeConfig.routers`` is either a plain ``host:port`` (used as given) or a
-gRPC-style DNS name, resolved to *all* its addresses:
+A router target in ``NodeConfig.membership.routers`` is either a plain ``host:port`` (used
+as given) or a gRPC-style DNS name, resolved to *all* its addresses:
 
 - ``dns:///NAME:PORT`` (or ``dns:NAME:PORT``): the system resolver (``getaddrinfo``: search
   domains, /etc/hosts and the cluster DNS apply; a Kubernetes headless Service name resolves to

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import multiprocessing as mp
 import signal
@@ -77,7 +76,7 @@ class FrontendGroup:
 
         self._loop = asyncio.get_running_loop()
         slots = list(getattr(node.engine, "peer_slots", ()))
-        cfg = dataclasses.replace(self._cfg, port=node.port, routers=())
+        cfg = self._cfg.replace(serving={"port": node.port}, membership={"routers": ()})
         ctx = mp.get_context("spawn")
         for slot in slots:
             mine, theirs = ctx.Pipe(duplex=True)

@@ -28,7 +28,9 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from pydantic import BaseModel, Field
 
+from gpumesh.config import SECTION, StrList
 from gpumesh.node.cache import KvPublisher, KvSubscription
 from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
@@ -43,6 +45,33 @@ REFUSALS = frozenset({
     grpc.StatusCode.DEADLINE_EXCEEDED,
 })
 REFUSAL_LOG_S = 30.0
+
+
+class NodeMembershipSettings(BaseModel):
+    """The node's ``[membership]`` section: which routers it joins and how it heartbeats."""
+
+    model_config = SECTION
+
+    routers: StrList = Field(
+        (), description="Router control-plane addresses, host:port, or dns:///NAME:PORT "
+                        "(every address the name resolves to; gpumesh.node.discovery).")
+    router_resolve_interval_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False,
+        description="dns:/// router targets are re-resolved this often, and soon after a "
+                    "heartbeat stream breaks.")
+    heartbeat_busy_interval_s: float = Field(
+        0.25, gt=0, allow_inf_nan=False,
+        description="Heartbeat interval while the node has work.")
+    heartbeat_idle_interval_s: float = Field(
+        0.25, gt=0, allow_inf_nan=False,
+        description="Heartbeat interval while idle (= busy: a hung idle node is STALE in 0.5 s).")
+    reconnect_max_backoff_s: float = Field(
+        1.0, gt=0, allow_inf_nan=False,
+        description="Longest wait between reconnects to a router (jittered exponential "
+                    "backoff): a restarted router has its fleet back within about this long.")
+    kv_events: bool = Field(
+        True, description="Stream the engine's prefix-cache block events to routers for "
+                          "precise prefix locality; off: routers approximate this node's cache.")
 
 
 @dataclass(slots=True, eq=False)

@@ -71,69 +71,72 @@ class RouterServer:
                  telemetry: RouterTelemetry | None = None) -> None:
         self.config = config
         self.clock = clock
-        self.registry = Registry(config.router_id, lease_ttl_s=config.lease_ttl_s,
-                                 freshness_s=config.freshness_s,
-                                 max_concurrency_default=config.max_concurrency_default,
-                                 known_model_retention_s=config.known_model_retention_s,
-                                 peer_share_half_life_s=config.peer_share_half_life_s,
-                                 step_from_report=config.step_from_report,
-                                 clock=clock, fleet_rebuild_s=config.fleet_rebuild_s)
+        serving, membership, locality = config.serving, config.membership, config.locality
+        security, scaling = config.security, config.scaling
+        self.registry = Registry(serving.router_id, lease_ttl_s=membership.lease_ttl_s,
+                                 freshness_s=membership.freshness_s,
+                                 max_concurrency_default=config.dispatch.max_concurrency_default,
+                                 known_model_retention_s=membership.known_model_retention_s,
+                                 peer_share_half_life_s=membership.peer_share_half_life_s,
+                                 step_from_report=config.routing.step_from_report,
+                                 clock=clock, fleet_rebuild_s=membership.fleet_rebuild_s)
         # TLS (gpumesh.security.tls): the public port's files; nodes are dialled over mutual
         # TLS with the same certificate when it is set
-        self.tls = TlsFiles(config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
+        self.tls = TlsFiles(security.tls_cert_file, security.tls_key_file, security.tls_ca_file)
         self.tls.check("router")
         self.channels = NodeChannels(
-            config.keepalive_time_ms, close_grace_s=config.request_timeout_s,
+            serving.keepalive_time_ms, close_grace_s=config.dispatch.request_timeout_s,
             credentials=(lambda: channel_credentials(self.tls.ca, self.tls.cert, self.tls.key))
             if self.tls.enabled else None)
         self.registry.add_removal_listener(lambda e: self.channels.forget(e.node_id))
         # The routing policy (router.scheduling; docs/routing.md): sessions, prefixes and
         # adapters are inside its prediction.
         self.profile = build_policy(config.routing)
-        self.sessions = SessionTable(config.affinity_max_keys, config.affinity_ttl_s, clock)
+        self.sessions = SessionTable(locality.affinity_max_keys, locality.affinity_ttl_s, clock)
         # The router's tokenizers (router.tokenizers): each loaded once, shared by prefix
         # locality and the stock vLLM gRPC workers.
         self.tokenizers = RouterTokenizers(
-            dict(t.split("=", 1) for t in config.prefix_tokenizers), engine_of=self._engine_of)
+            dict(t.split("=", 1) for t in locality.prefix_tokenizers), engine_of=self._engine_of)
         # Prefix-cache locality: the per-model prefix index, fed by nodes' KV events
         # (control plane) or the router's own record of what it sent where.
         self.locality = PrefixLocality(
-            config.prefix_locality,
-            PrefixIndexes(config.prefix_index_max_entries, config.prefix_approx_ttl_s,
-                          config.prefix_pending_ttl_s), clock, self.tokenizers)
+            locality.prefix_locality,
+            PrefixIndexes(locality.prefix_index_max_entries, locality.prefix_approx_ttl_s,
+                          locality.prefix_pending_ttl_s), clock, self.tokenizers)
         self.registry.add_removal_listener(lambda e: self.locality.node_left(e.node_id))
         if self.locality.enabled:
             # a model's prefix tokenizer loads when the model first registers, not on a request
             self.registry.add_listener(self.tokenizers.models_changed)
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
-                                     default_filters(config.kv_hard_threshold),
+                                     default_filters(config.routing.kv_hard_threshold),
                                      rng or random.Random(), clock, sessions=self.sessions,
                                      locality=self.locality)
         # OpenTelemetry from the OTEL_* environment; off (and free) when no endpoint is set.
         self.telemetry = telemetry or RouterTelemetry(
-            otel.init(otel.ROUTER_SERVICE, config.router_id), config.router_id, self.registry)
+            otel.init(otel.ROUTER_SERVICE, serving.router_id), serving.router_id,
+            self.registry)
         self.telemetry.register_gauges()
         self.dispatcher.tracer = self.telemetry.tel.tracer   # disaggregated legs' spans
         # Who may call what (router.auth): API keys and quotas, operator credentials.
         self.auth_counters = AuthCounters()
         self.auth = RouterAuth(
-            KeyStore(config.api_keys_file) if config.api_keys_file else None,
-            operator_open=not (config.api_keys_file or config.tls_require_client_cert),
+            KeyStore(security.api_keys_file) if security.api_keys_file else None,
+            operator_open=not (security.api_keys_file or security.tls_require_client_cert),
             resolve=self.registry.resolve,
-            prompt_tokens=lambda r: estimate_prompt_tokens(r, config.chars_per_token),
+            prompt_tokens=lambda r: estimate_prompt_tokens(r, config.routing.chars_per_token),
             counters=self.auth_counters)
         register_auth_metrics(self.telemetry.metrics, self.auth_counters)
         # The scaling signal (router.fleet.saturation): sampled by the sweeper, read by
         # gauges and GetFleet.
         self.saturation = SaturationTracker(SaturationPolicy(
-            config.saturation_slo_ttft_s, config.saturation_target,
-            config.saturation_default_slots, config.saturation_half_life_s,
-            config.reference_prompt_tokens_per_s, config.max_concurrency_default),
+            scaling.saturation_slo_ttft_s, scaling.saturation_target,
+            scaling.saturation_default_slots, scaling.saturation_half_life_s,
+            scaling.reference_prompt_tokens_per_s, config.dispatch.max_concurrency_default),
             self.registry.fleet, self.dispatcher.queue_length)
         self.telemetry.register_saturation(lambda: self.saturation.latest)
         self.inference = RouterInferenceServicer(config, self.registry, self.dispatcher, clock,
                                                  self.telemetry)
-        self.quarantine = Quarantine(config.quarantine_s, clock)
+        self.quarantine = Quarantine(config.membership.quarantine_s, clock)
         self.control = RouterControlPlaneServicer(config, self.registry, self.quarantine,
                                                   locality=self.locality)
         self.operator = RouterOperatorServicer(config, self.registry, self.dispatcher, clock,
@@ -143,8 +146,8 @@ class RouterServer:
         self.control.auth_counters = self.auth_counters   # membership rejections
         self.health = health.aio.HealthServicer()
         # Stock vLLM gRPC workers listed in config: registered and reported like nodes.
-        self.foreign = ForeignFleet(config.foreign_nodes, self.registry, self.channels,
-                                    self.tokenizers, config.foreign_poll_interval_s)
+        self.foreign = ForeignFleet(config.membership.foreign_nodes, self.registry, self.channels,
+                                    self.tokenizers, config.membership.foreign_poll_interval_s)
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._ready: asyncio.Task[None] | None = None
@@ -157,7 +160,7 @@ class RouterServer:
 
     @property
     def address(self) -> str:
-        host = self.config.host
+        host = self.config.serving.host
         if host in ("0.0.0.0", "::", "[::]", ""):
             host = "127.0.0.1"
         return f"{host}:{self.port}"
@@ -176,14 +179,15 @@ class RouterServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         names = (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        check_bind("router", self.config.host, self.tls.enabled, self.config.insecure)
-        self.port = self._bind(server, self.config.port, self.config.tls_require_client_cert)
+        serving, security = self.config.serving, self.config.security
+        check_bind("router", serving.host, self.tls.enabled, security.insecure)
+        self.port = self._bind(server, serving.port, security.tls_require_client_cert)
         if self.port == 0:
-            raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
+            raise RuntimeError(f"could not bind {serving.host}:{serving.port}")
         # the control port (nodes): mutual TLS whenever TLS is on and a CA is configured
-        if self.config.control_port and not self._bind(server, self.config.control_port,
-                                                       bool(self.tls.ca)):
-            raise RuntimeError(f"could not bind control port {self.config.control_port}")
+        if serving.control_port and not self._bind(server, serving.control_port,
+                                                   bool(self.tls.ca)):
+            raise RuntimeError(f"could not bind control port {serving.control_port}")
         await server.start()
         self._server = server
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -193,8 +197,8 @@ class RouterServer:
         self._ready = loop.create_task(self._ready_once_rebuilt())
         self._sweeper = loop.create_task(self._sweep())
         self.foreign.start()
-        log.info("router %s listening on %s (policy %s)", self.config.router_id, self.address,
-                 self.config.policy)
+        log.info("router %s listening on %s (policy %s)", serving.router_id, self.address,
+                 self.config.routing.policy)
         return self.port
 
     async def _ready_once_rebuilt(self) -> None:
@@ -216,13 +220,13 @@ class RouterServer:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def _bind(self, server: grpc.aio.Server, port: int, require_client_cert: bool) -> int:
-        address = f"{self.config.host}:{port}"
+        address = f"{self.config.serving.host}:{port}"
         if not self.tls.enabled:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, server_credentials(self.tls, require_client_cert))
 
     async def _sweep(self) -> None:
-        period = min(self.config.lease_ttl_s / 4, 0.5)
+        period = min(self.config.membership.lease_ttl_s / 4, 0.5)
         while True:
             await asyncio.sleep(period)
             expired = self.registry.expire()
@@ -233,7 +237,7 @@ class RouterServer:
     async def stop(self, grace_s: float | None = None) -> None:
         if self._server is None:
             return
-        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
         if self._ready is not None:
             self._ready.cancel()   # never SERVING again once stopping
         for name in ("", *SERVICES):   # not ready; "liveness" stays SERVING while it drains

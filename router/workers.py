@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -37,24 +36,24 @@ def _free_port(host: str) -> int:
 
 def worker_configs(cfg: RouterConfig, n: int) -> list[RouterConfig]:
     """Per-worker configs: ids ``<router_id>-w<i>``, private control ports, the peer list."""
-    if cfg.port == 0:
+    if cfg.serving.port == 0:
         raise ValueError("--workers needs a fixed --port (workers share it)")
-    advertise = cfg.host if cfg.host not in ("", "0.0.0.0", "::") else socket.gethostname()
-    ports = [_free_port(cfg.host) for _ in range(n)]
+    host = cfg.serving.host
+    advertise = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
+    ports = [_free_port(host) for _ in range(n)]
     peers = tuple(f"{advertise}:{p}" for p in ports)
-    return [dataclasses.replace(cfg, router_id=f"{cfg.router_id}-w{i}", control_port=p,
-                                peer_addresses=peers) for i, p in enumerate(ports)]
+    return [cfg.replace(serving={"router_id": f"{cfg.serving.router_id}-w{i}", "control_port": p,
+                                 "peer_addresses": peers}) for i, p in enumerate(ports)]
 
 
 def _picklable(cfg: RouterConfig) -> dict[str, object]:
-    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    return values
+    return cfg.model_dump()
 
 
 def _run_worker(values: dict[str, object], log_level: int) -> None:
     from gpumesh.router.app import serve
 
-    cfg = RouterConfig(**values)  # type: ignore[arg-type]
+    cfg = RouterConfig.model_validate(values)
 
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -65,10 +64,10 @@ def serve_workers(cfg: RouterConfig, n: int) -> int:
     """Runs N worker processes until SIGINT/SIGTERM, forwarded to every worker."""
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_run_worker, args=(_picklable(c), logging.getLogger().level),
-                         name=c.router_id, daemon=False) for c in worker_configs(cfg, n)]
+                         name=c.serving.router_id, daemon=False) for c in worker_configs(cfg, n)]
     for p in procs:
         p.start()
-    log.info("router %s: %d workers on port %d", cfg.router_id, n, cfg.port)
+    log.info("router %s: %d workers on port %d", cfg.serving.router_id, n, cfg.serving.port)
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs:

@@ -4,8 +4,8 @@ the product, not of how it was measured into shape."""
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -35,31 +35,59 @@ def _section(text: str, heading: str) -> str:
     return m.group(1)
 
 
-def _table_keys(section: str) -> set[str]:
-    """Keys in the first column of the section's tables: rows that start with | `key` |."""
-    return set(re.findall(r"^\|\s*`([a-z0-9_]+)`\s*\|", section, re.M))
+def _rows(section: str) -> dict[str, list[str]]:
+    """The section's table rows that start with | `section.key` |: key -> its cells."""
+    out = {}
+    for m in re.finditer(r"^\|\s*`([a-z0-9_]+\.[a-z0-9_]+)`\s*\|(.*)\|\s*$", section, re.M):
+        out[m.group(1)] = [c.strip() for c in m.group(2).split("|")]
+    return out
 
 
-@pytest.mark.parametrize(("cls", "heading"), [(RouterConfig, "Router"), (NodeConfig, "Node")])
-def test_every_config_key_is_documented(cls: type, heading: str) -> None:
-    keys = _table_keys(_section(CONFIG_DOC.read_text(encoding="utf-8"), heading))
-    names = documented_keys(cls)
-    assert names == [f.name for f in fields(cls)]
-    missing = [n for n in names if n not in keys]
+def _shown(default: object) -> str:
+    """A default as the Default column writes it."""
+    if isinstance(default, bool):
+        return "`true`" if default else "`false`"
+    if isinstance(default, str):
+        return f'`"{default}"`'
+    if isinstance(default, (tuple, list, dict)):
+        return f"`{json.dumps(list(default) if isinstance(default, tuple) else default)}`"
+    return f"`{default}`"
+
+
+CASES = [(RouterConfig, "Router", "GPUMESH_ROUTER_", "router"),
+         (NodeConfig, "Node", "GPUMESH_NODE_", "node")]
+
+
+@pytest.mark.parametrize(("cls", "heading", "prefix", "command"), CASES)
+def test_every_config_key_is_documented_with_its_default(cls, heading: str, prefix: str,
+                                                         command: str) -> None:
+    rows = _rows(_section(CONFIG_DOC.read_text(encoding="utf-8"), heading))
+    declared = documented_keys(cls)
+    missing = [k for k, _, _ in declared if k not in rows]
     assert not missing, f"{cls.__name__} keys missing from docs/configuration.md: {missing}"
-    stale = sorted(keys - set(names))
+    stale = sorted(set(rows) - {k for k, _, _ in declared})
     assert not stale, f"docs/configuration.md documents {cls.__name__} keys that do not exist: {stale}"
+    for key, _, default in declared:
+        if key == "serving.router_id":
+            continue   # random per process: the row says so
+        assert rows[key][0] == _shown(default), f"{key}: documented default {rows[key][0]}"
 
 
-def test_documented_env_vars_and_flags_follow_the_rule() -> None:
-    text = CONFIG_DOC.read_text(encoding="utf-8")
-    for cls, heading, prefix in ((RouterConfig, "Router", "GPUMESH_ROUTER_"),
-                                 (NodeConfig, "Node", "GPUMESH_NODE_")):
-        section = _section(text, heading)
-        for name in documented_keys(cls):
-            row = re.search(rf"^\|\s*`{name}`\s*\|.*$", section, re.M)
-            assert row, name
-            assert f"`{prefix}{name.upper()}`" in row.group(0), f"{name}: env var not in its row"
+@pytest.mark.parametrize(("cls", "heading", "prefix", "command"), CASES)
+def test_documented_env_vars_and_flags_follow_the_rule(cls, heading: str, prefix: str,
+                                                       command: str) -> None:
+    rows = _rows(_section(CONFIG_DOC.read_text(encoding="utf-8"), heading))
+    flags = _subcommand_flags(command)
+    for key, _, _ in documented_keys(cls):
+        section, name = key.split(".")
+        env, flag = rows[key][-2], rows[key][-1]
+        assert f"`{prefix}{section.upper()}__{name.upper()}`" in env, f"{key}: env var"
+        if name in ("ticket_secret", "join_token"):
+            assert f"`GPUMESH_{name.upper()}`" in env and "--" not in flag, key
+            continue
+        shown = re.findall(r"`(--[a-z][a-z0-9.-]*)`", flag)
+        assert f"--{section}.{name.replace('_', '-')}" in shown, f"{key}: flag"
+        assert set(shown) <= flags, f"{key}: gpumesh {command} has no flag {set(shown) - flags}"
 
 
 def _subcommand_flags(name: str) -> set[str]:
@@ -69,36 +97,27 @@ def _subcommand_flags(name: str) -> set[str]:
     return {o for a in sub.choices[name]._actions for o in a.option_strings}
 
 
-@pytest.mark.parametrize(("heading", "command"), [("Router", "router"), ("Node", "node")])
-def test_documented_flags_exist(heading: str, command: str) -> None:
-    section = _section(CONFIG_DOC.read_text(encoding="utf-8"), heading)
-    rows = [r for r in section.splitlines() if re.match(r"^\|\s*`[a-z0-9_]+`\s*\|", r)]
-    flags = {f for r in rows for f in re.findall(r"`(--[a-z][a-z0-9-]*)", r.rsplit("|", 2)[1])}
-    assert flags, "no flags found in the Flag column"
-    unknown = sorted(flags - _subcommand_flags(command))
-    assert not unknown, f"gpumesh {command} has no flag(s) {unknown}"
-
-
 def test_router_example_loads() -> None:
     cfg = RouterConfig.load(EXAMPLES / "router.toml", env={})
-    assert cfg.policy == "predicted_latency" and cfg.routing.objective == "max_slo_attainment"
-    assert cfg.port == 50050
-    assert cfg.router_id == "router-eu1-a"
-    assert cfg.queue_bound == 512
-    assert cfg.max_attempts == 2
+    assert cfg.routing.policy == "predicted_latency"
+    assert cfg.routing.objective == "max_slo_attainment"
+    assert cfg.serving.port == 50050
+    assert cfg.serving.router_id == "router-eu1-a"
+    assert cfg.dispatch.queue_bound == 512
+    assert cfg.dispatch.max_attempts == 2
     assert cfg.routing.sample_size == 32 and cfg.routing.output_tokens_default == 256
-    assert cfg.foreign_nodes == ()
+    assert cfg.membership.foreign_nodes == ()
 
 
 def test_node_example_loads() -> None:
     cfg = load_node_config(EXAMPLES / "node.toml", environ={})
-    assert cfg.engine == "vllm"
-    assert cfg.node_id == "gpu-node-0"
-    assert cfg.routers == ("10.0.0.2:50050", "10.0.0.3:50050")
-    assert cfg.aliases == ("qwen-7b",)
-    assert cfg.max_model_len == 8192
-    assert cfg.enforce_eager is False
-    assert cfg.engine_args["enable_prefix_caching"] is True
+    assert cfg.engine.kind == "vllm"
+    assert cfg.serving.node_id == "gpu-node-0"
+    assert cfg.membership.routers == ("10.0.0.2:50050", "10.0.0.3:50050")
+    assert cfg.engine.aliases == ("qwen-7b",)
+    assert cfg.engine.max_model_len == 8192
+    assert cfg.engine.enforce_eager is False
+    assert cfg.engine.engine_args["enable_prefix_caching"] is True
     assert cfg.resolved_served_name() == "qwen2.5-7b"
 
 

@@ -267,13 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--router-env-b", action="append", default=[], metavar="NAME=VALUE",
                    help="dp05/dp7: also a router B with this env (repeatable) on the same nodes, "
                         "benched interleaved with the first, e.g. "
-                        "GPUMESH_ROUTER_PREFILL_FROM_CAPACITY=0")
+                        "GPUMESH_ROUTER_ROUTING__STEP_FROM_REPORT=0")
     r.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="extra vLLM engine argument of every vLLM node (the node TOML's "
                         "[engine_args]; VALUE is JSON, else a string), e.g. stream_interval=4; "
                         "repeats")
     r.add_argument("--node-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="a top-level key of every node's TOML (node.config.NodeConfig; VALUE "
+                   help="a key of every node's TOML, by its name (node.config.NodeConfig; VALUE "
                         "is JSON, else a string), e.g. stream_messages_per_s=0; repeats")
     r.add_argument("--spread-workers", action="store_true",
                    help="load processes round-robin over the router's workers' own ports "

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpumesh.config import nest
 from gpumesh.node.config import NodeConfig
+from gpumesh.node.streaming.settings import StreamingSettings
 from gpumesh_bench.workload import REFERENCE_OUTPUT, REFERENCE_PROMPT
 
 SERVED = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
@@ -158,10 +160,10 @@ def node_toml(env: Env, spec: GpuNodeSpec) -> str:
             t = env.sim_time_scale
             top.update(heartbeat_busy_interval_s=0.25 * t, heartbeat_idle_interval_s=1.0 * t,
                        flush_interval_ms=max(1, round(20 * t)),
-                       stream_messages_per_s=NodeConfig.stream_messages_per_s / t)
+                       stream_messages_per_s=StreamingSettings().stream_messages_per_s / t)
     top.update(env.node_options)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in top.items()]
-    for t, kv in tables.items():
-        lines.append(f"[{t}]")
+    lines = []
+    for section, kv in nest(NodeConfig, {**top, **tables}).items():   # keys by their names
+        lines.append(f"[{section}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in kv.items()]
     return "\n".join(lines) + "\n"

@@ -70,8 +70,8 @@ class Group:
             renv = {"GPUMESH_LOG_LEVEL": "warning"}
             if env.engine == "sim" and env.sim_scale_intervals and env.sim_time_scale > 0:
                 t = env.sim_time_scale   # RouterConfig defaults 1.5 s / 3 s, scaled
-                renv.update(GPUMESH_ROUTER_FRESHNESS_S=str(1.5 * t),
-                            GPUMESH_ROUTER_LEASE_TTL_S=str(3.0 * t))
+                renv.update(GPUMESH_ROUTER_MEMBERSHIP__FRESHNESS_S=str(1.5 * t),
+                            GPUMESH_ROUTER_MEMBERSHIP__LEASE_TTL_S=str(3.0 * t))
             renv.update(env.router_env)
             renv.update(r.env)
             c = _child(r.name, args, env, renv)

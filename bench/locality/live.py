@@ -56,11 +56,12 @@ from gpumesh_bench.stats import percentile
 from gpumesh_bench.tenants import TenantRequest, TenantSpec, trace
 
 SETUPS: dict[str, tuple[str, ...]] = {
-    "least_request": ("--policy", "least_request", "--prefix-locality", "off"),
-    "wll": ("--prefix-locality", "off", "--affinity-max-keys", "0"),
-    "approximate": ("--prefix-locality", "approximate", "--affinity-max-keys", "0"),
-    "precise": ("--prefix-locality", "precise", "--affinity-max-keys", "0"),
-    "affinity": ("--prefix-locality", "off"),
+    "least_request": ("--policy", "least_request", "--locality.prefix-locality", "off"),
+    "wll": ("--locality.prefix-locality", "off", "--locality.affinity-max-keys", "0"),
+    "approximate": ("--locality.prefix-locality", "approximate",
+                    "--locality.affinity-max-keys", "0"),
+    "precise": ("--locality.prefix-locality", "precise", "--locality.affinity-max-keys", "0"),
+    "affinity": ("--locality.prefix-locality", "off"),
 }
 SHAPE_7B = {"step_a_ms": 4.74, "step_b_decode_ms": 0.0109, "step_b_prefill_ms": 0.0241}
 

@@ -148,20 +148,23 @@ def ttft_recovery(records: list[tuple[float, float | None, str]], stop_s: float,
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     port = _free_port()
-    cfg = RouterConfig(host="127.0.0.1", port=port, router_id="probe", shutdown_grace_s=0.2)
+    cfg = RouterConfig(serving={"host": "127.0.0.1", "port": port, "router_id": "probe",
+                                "shutdown_grace_s": 0.2})
     router = RouterServer(cfg)
     await router.start()
     nodes = []
     for i in range(a.nodes):
         engine = SimEngine(SimEngineConfig(model_name="sim", seed=i, **SHAPE_7B))
-        node = NodeServer(NodeConfig(engine="sim", port=0, node_id=f"n{i:02d}",
-                                     routers=(router.address,)), engine)
+        node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                     serving={"port": 0, "node_id": f"n{i:02d}"},
+                                     membership={"routers": (router.address,)}), engine)
         await node.start()
         nodes.append(node)
-    doc: dict[str, Any] = {"nodes": a.nodes, "heartbeat_busy_interval_s":
-                           nodes[0].cfg.heartbeat_busy_interval_s,
-                           "heartbeat_idle_interval_s": nodes[0].cfg.heartbeat_idle_interval_s,
-                           "reconnect_max_backoff_s": nodes[0].cfg.reconnect_max_backoff_s,
+    beats = nodes[0].cfg.membership
+    doc: dict[str, Any] = {"nodes": a.nodes,
+                           "heartbeat_busy_interval_s": beats.heartbeat_busy_interval_s,
+                           "heartbeat_idle_interval_s": beats.heartbeat_idle_interval_s,
+                           "reconnect_max_backoff_s": beats.reconnect_max_backoff_s,
                            "repeats": []}
     try:
         while len(router.registry) < a.nodes:

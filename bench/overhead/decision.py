@@ -77,9 +77,9 @@ def _pcts(ns: list[int]) -> dict[str, float]:
 
 
 def bench_one(reg: Registry, profile: Policy, iters: int, rng: random.Random) -> dict[str, Any]:
-    cfg = RouterConfig(router_id="x")
-    filters = default_filters(cfg.kv_hard_threshold)
-    d = cfg.decision_sample_size
+    cfg = RouterConfig(serving={"router_id": "x"})
+    filters = default_filters(cfg.routing.kv_hard_threshold)
+    d = cfg.routing.sample_size
     req = RequestInfo("m", 512)
     ids = [v.entry.node_id for v in reg.fleet()]
     seqs = dict.fromkeys(ids, 1)
@@ -117,7 +117,7 @@ def bench_one(reg: Registry, profile: Policy, iters: int, rng: random.Random) ->
 
 
 def run(sizes: list[int], iters: int, policies: tuple[str, ...] = POLICIES) -> list[dict[str, Any]]:
-    cfg = RouterConfig(router_id="x")
+    cfg = RouterConfig(serving={"router_id": "x"})
     rows = []
     for n in sizes:
         reg = build_registry(n)

@@ -268,9 +268,9 @@ async def run_engine_loop(config_file: str | Path | None, cfg: LoopConfig,
     rec.update(engine=engine.kind, model=engine.model.name, init_s=round(init_s, 1),
                kv_tokens=kv_tokens, config=str(config_file or ""),
                gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if node_cfg.engine == "vllm":
-        rec["engine_args"] = {"stream_interval": node_cfg.stream_interval,
-                              **dict(node_cfg.engine_args)}
+    if node_cfg.engine.kind == "vllm":
+        rec["engine_args"] = {"stream_interval": node_cfg.engine.stream_interval,
+                              **dict(node_cfg.engine.engine_args)}
     return rec
 
 

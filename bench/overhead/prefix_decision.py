@@ -64,8 +64,8 @@ def _pcts(ns: list[int]) -> dict[str, float]:
 
 def run(sizes: list[int], iters: int, blocks: int = 1_000_000, tenants: int = 512,
         prefix_blocks: int = 250) -> list[dict[str, Any]]:
-    cfg = RouterConfig(router_id="x")
-    filters = default_filters(cfg.kv_hard_threshold)
+    cfg = RouterConfig(serving={"router_id": "x"})
+    filters = default_filters(cfg.routing.kv_hard_threshold)
     rows = []
     for n in sizes:
         reg = build_registry(n)
@@ -99,7 +99,7 @@ def run(sizes: list[int], iters: int, blocks: int = 1_000_000, tenants: int = 51
                 t0 = time.perf_counter_ns()
                 info = loc.annotate(info)
                 d = select_from(profile, reg.candidate_source("m"), info, rng, filters,
-                                cfg.decision_sample_size)
+                                cfg.routing.sample_size)
                 (full if k % 2 else base).append(time.perf_counter_ns() - t0)
                 if k % 2:
                     held.append(len(info.cached_tokens))

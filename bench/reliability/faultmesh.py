@@ -110,8 +110,8 @@ class FaultMesh:
     def _node_config(self, i: int) -> Path:
         speed = self.spec.node_speed[i] if i < len(self.spec.node_speed) else 1.0
         path = self.spec.log_dir / f"chaos-n{i}-{self._tag}.toml"
-        path.write_text(f'max_concurrency = {self.spec.max_concurrency}\n'
-                        f'[sim]\nmodel_name = "{MODEL}"\ntime_scale = {self.spec.time_scale}\n'
+        path.write_text(f'[serving]\nmax_concurrency = {self.spec.max_concurrency}\n'
+                        f'[engine.sim]\nmodel_name = "{MODEL}"\ntime_scale = {self.spec.time_scale}\n'
                         f'speed = {speed}\n'
                         + (f'step_b_prefill_ms = {self.spec.prefill_ms_per_token}\n'
                            if self.spec.prefill_ms_per_token else ''))

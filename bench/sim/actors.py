@@ -108,25 +108,26 @@ class SimRouter:
     def __init__(self, router_id: str, config: RouterConfig, clock: Callable[[], float],
                  rng: random.Random, extra_filters: Sequence[Filter] = ()) -> None:
         self.router_id = router_id
-        self.registry = Registry(router_id, lease_ttl_s=config.lease_ttl_s,
-                                 freshness_s=config.freshness_s,
-                                 max_concurrency_default=config.max_concurrency_default,
-                                 known_model_retention_s=config.known_model_retention_s,
-                                 peer_share_half_life_s=config.peer_share_half_life_s,
-                                 step_from_report=config.step_from_report, clock=clock)
+        self.registry = Registry(router_id, lease_ttl_s=config.membership.lease_ttl_s,
+                                 freshness_s=config.membership.freshness_s,
+                                 max_concurrency_default=config.dispatch.max_concurrency_default,
+                                 known_model_retention_s=config.membership.known_model_retention_s,
+                                 peer_share_half_life_s=config.membership.peer_share_half_life_s,
+                                 step_from_report=config.routing.step_from_report, clock=clock)
         # as router.app builds them: the policy, the session table
         profile = build_policy(config.routing)
-        self.sessions = SessionTable(config.affinity_max_keys, config.affinity_ttl_s, clock)
-        filters = [*default_filters(config.kv_hard_threshold), *extra_filters]
+        self.sessions = SessionTable(config.locality.affinity_max_keys,
+                                     config.locality.affinity_ttl_s, clock)
+        filters = [*default_filters(config.routing.kv_hard_threshold), *extra_filters]
         self.admission = AdmissionQueue(self.registry, profile, filters, rng, clock,
-                                        queue_bound=config.queue_bound,
-                                        decision_sample_size=config.decision_sample_size)
+                                        queue_bound=config.dispatch.queue_bound,
+                                        decision_sample_size=config.routing.sample_size)
         self.credits: dict[int, Credit] = {}
         # prefix locality (router.fleet.locality): prompts' block ids are their hashes
-        self.locality = (PrefixLocality(config.prefix_locality, PrefixIndexes(
-            config.prefix_index_max_entries, config.prefix_approx_ttl_s,
-            config.prefix_pending_ttl_s), clock)
-            if config.prefix_locality != "off" else None)
+        self.locality = (PrefixLocality(config.locality.prefix_locality, PrefixIndexes(
+            config.locality.prefix_index_max_entries, config.locality.prefix_approx_ttl_s,
+            config.locality.prefix_pending_ttl_s), clock)
+            if config.locality.prefix_locality != "off" else None)
         # an SMG gateway in this router's place (a comparison policy, smg_policy)
         self.smg: SmgCacheAware | None = None
 

@@ -39,8 +39,8 @@ from gpumesh.node.engines.sim.scheduler import SimRequest
 from gpumesh.node.report import build_load_report
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.fleet.locality import prefill_tokens
-from gpumesh.config import coerce
-from gpumesh.router.scheduling import NoCandidate, RequestInfo, RoutingSettings
+from gpumesh.config import nest
+from gpumesh.router.scheduling import NoCandidate, RequestInfo
 from gpumesh.types import ModelSpec, Registration
 from gpumesh_bench.sim import smg_policy
 from gpumesh_bench.sim.actors import RequestRecord, RunResult, SimNode, SimRouter
@@ -79,15 +79,16 @@ class Simulation:
         overrides.pop("policy", None)   # the run's policy argument decides
         overrides.pop("router_id", None)
         gateways = smg_policy.gateways(policy, smg, seed, fleet.routers, self._worker_load)
-        given = coerce(RoutingSettings, "routing", overrides.pop("routing", None) or {})
-        routing = given.model_copy(update={"policy": "least_request" if gateways else policy})
-        self.config = RouterConfig(router_id="r0", routing=routing, **overrides)
+        values = nest(RouterConfig, overrides)   # a fleet's router keys, by their names
+        values.setdefault("routing", {})["policy"] = "least_request" if gateways else policy
+        values.setdefault("serving", {})["router_id"] = "r0"
+        self.config = RouterConfig.build(values)
         clock = self._clock
         # a disaggregated fleet: whole requests only to the nodes that serve them (disagg.py)
         roles = {n.node_id: n.role for n in fleet.nodes}
         extra = [whole_filter(whole_nodes(roles))] if fleet.disaggregated else []
-        self.routers = [SimRouter(f"r{i}", replace(self.config, router_id=f"r{i}"), clock,
-                                  random.Random(seed * 7919 + i), extra)
+        self.routers = [SimRouter(f"r{i}", self.config.replace(serving={"router_id": f"r{i}"}),
+                                  clock, random.Random(seed * 7919 + i), extra)
                         for i in range(fleet.routers)]
         for r, g in zip(self.routers, gateways or ()):
             r.smg = g

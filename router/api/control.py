@@ -56,11 +56,12 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
         self.config = config
         self.locality = locality   # prefix-cache updates from nodes (router.fleet.locality)
         self.registry = registry
-        self.quarantine = quarantine or Quarantine(config.quarantine_s, registry.clock)
+        self.quarantine = quarantine or Quarantine(config.membership.quarantine_s, registry.clock)
         self.limits = NodeLimits(
-            max_models=config.node_max_models, max_aliases=config.node_max_aliases,
-            max_name_length=config.node_max_name_length,
-            max_capacity_weight=config.node_max_capacity_weight)
+            max_models=config.membership.node_max_models,
+            max_aliases=config.membership.node_max_aliases,
+            max_name_length=config.membership.node_max_name_length,
+            max_capacity_weight=config.membership.node_max_capacity_weight)
         self.heartbeats_dropped = 0
         self.auth_counters = AuthCounters()   # app.py shares the router's
         self.orders = NodeOrders()   # the operator API's drain/undrain orders, per stream
@@ -70,9 +71,10 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
 
     def _hello(self) -> control_pb2.RouterMessage:
         return control_pb2.RouterMessage(hello=control_pb2.RouterHello(
-            router_id=self.config.router_id, peer_addresses=self.config.peer_addresses,
-            heartbeat_interval_ms=self.config.heartbeat_interval_ms,
-            lease_ttl_ms=int(self.config.lease_ttl_s * 1000)))
+            router_id=self.config.serving.router_id,
+            peer_addresses=self.config.serving.peer_addresses,
+            heartbeat_interval_ms=self.config.membership.heartbeat_interval_ms,
+            lease_ttl_ms=int(self.config.membership.lease_ttl_s * 1000)))
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         # Who before what: the caller is authenticated before its first message is read, so
@@ -90,7 +92,8 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
             # The first message must come within one lease (a node sends its Registration at
             # once); an idle stranger's stream does not stay open.
             read = asyncio.ensure_future(context.read())
-            done, _ = await asyncio.wait({read, closing}, timeout=self.config.lease_ttl_s,
+            done, _ = await asyncio.wait({read, closing},
+                                         timeout=self.config.membership.lease_ttl_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if read not in done:
                 read.cancel()
@@ -100,7 +103,7 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                                           "no Registration within the lease", context.peer())
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"the first message (a Registration) must come within "
-                                    f"{self.config.lease_ttl_s:g}s")
+                                    f"{self.config.membership.lease_ttl_s:g}s")
             while True:
                 msg = read.result()
                 if msg is grpc.aio.EOF:
@@ -120,7 +123,7 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
                     except InvalidNodeInput as exc:
                         await self._reject(context, claimed, msg.registration.address,
                                            node_id, stream_id, exc)
-                    rate = HeartbeatRate(self.config.node_max_heartbeats_per_s)
+                    rate = HeartbeatRate(self.config.membership.node_max_heartbeats_per_s)
                     if node_id and node_id != reg.node_id:
                         self.registry.stream_closed(node_id, stream_id)
                     node_id = reg.node_id
@@ -174,8 +177,8 @@ class RouterControlPlaneServicer(control_pb2_grpc.ControlPlaneServicer):
         is counted, logged and ended here."""
         try:
             return authenticate(peer_identity(context), context.invocation_metadata() or (),
-                                join_token=self.config.join_token,
-                                tls=bool(self.config.tls_cert_file))
+                                join_token=self.config.security.join_token,
+                                tls=bool(self.config.security.tls_cert_file))
         except MembershipError as exc:
             self.auth_counters.reject("node", exc.code, exc.message, context.peer())
             await self._unregistered.refuse(context, exc.code, exc.message)

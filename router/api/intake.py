@@ -39,7 +39,7 @@ def deadline(context: grpc.aio.ServicerContext, config: RouterConfig,
     """The request's deadline on ``clock``: the client's remaining gRPC deadline, or
     ``request_timeout_s`` when it set none."""
     remaining = context.time_remaining()
-    return clock() + (config.request_timeout_s if remaining is None else remaining)
+    return clock() + (config.dispatch.request_timeout_s if remaining is None else remaining)
 
 
 async def prepare(raw: bytes, req: inference_pb2.GenerateRequest, config: RouterConfig,

@@ -111,9 +111,10 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
 
     async def GetFleet(self, request: control_pb2.GetFleetRequest,
                        context: grpc.aio.ServicerContext) -> control_pb2.GetFleetResponse:
-        workers = self.config.peer_addresses if len(self.config.peer_addresses) > 1 else ()
+        peers = self.config.serving.peer_addresses
+        workers = peers if len(peers) > 1 else ()
         return control_pb2.GetFleetResponse(
-            router_id=self.config.router_id, policy=self.config.policy,
+            router_id=self.config.serving.router_id, policy=self.config.routing.policy,
             nodes=[node_status(v, self.registry.predictions)
                    for v in self.registry.fleet()]
             + [quarantined_status(q) for q in (self.quarantine.listing()
@@ -132,8 +133,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         if view is None:
             known = ", ".join(v.entry.node_id for v in self.registry.fleet()) or "none"
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"node {node_id!r} is not in router {self.config.router_id}'s "
-                                f"fleet (nodes: {known})")
+                                f"node {node_id!r} is not in router "
+                                f"{self.config.serving.router_id}'s fleet (nodes: {known})")
         assert view is not None
         return view
 
@@ -142,7 +143,8 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         view = await self._known(request.node_id, context)
         reason = request.reason[:256]
         self.registry.drain(request.node_id, reason)
-        why = f"operator via router {self.config.router_id}" + (f": {reason}" if reason else "")
+        why = (f"operator via router {self.config.serving.router_id}"
+               + (f": {reason}" if reason else ""))
         ordered = self.orders.send(view.entry.stream_id, control_pb2.RouterMessage(
             drain=control_pb2.DrainOrder(reason=why)))
         log.info("node %s: drain ordered (%s)", request.node_id, why)
@@ -155,7 +157,7 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         self.registry.undrain(request.node_id)
         ordered = self.orders.send(view.entry.stream_id, control_pb2.RouterMessage(
             undrain=control_pb2.UndrainOrder(
-                reason=f"operator via router {self.config.router_id}")))
+                reason=f"operator via router {self.config.serving.router_id}")))
         log.info("node %s: undrain ordered", request.node_id)
         view = self._view(request.node_id) or view
         return control_pb2.UndrainNodeResponse(node=node_status(view), ordered=ordered)
@@ -165,14 +167,15 @@ class RouterOperatorServicer(control_pb2_grpc.RouterServicer):
         record = DispatchRecord()
         trace = self.telemetry.start("Pick", context, record)
         try:
-            if not self.config.ticket_secret:
+            if not self.config.security.ticket_secret:
                 raise errors.lookaside_disabled()
             ctx = await intake.prepare(b"", request.request, self.config, self.dispatcher,
                                        context, self.clock, trace)
             slot = await self.dispatcher.pick(ctx, record, frozenset(request.exclude_node_ids))
             ticket, expires_ms = tickets.issue(
-                self.config.ticket_secret_bytes, self.config.router_id, slot.node_id,
-                slot.charged_tokens, self.config.ticket_ttl_s, now=self.wall_clock())
+                self.config.security.ticket_secret_bytes, self.config.serving.router_id,
+                slot.node_id,
+                slot.charged_tokens, self.config.security.ticket_ttl_s, now=self.wall_clock())
         except (errors.RouterError, ValueError) as e:
             if isinstance(e, ValueError):
                 e = errors.RouterError(grpc.StatusCode.FAILED_PRECONDITION, str(e))

@@ -69,7 +69,7 @@ class NodeClient:
         ]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
-        # credentials: mutual TLS to the node (RouterConfig.tls_*); None = plaintext
+        # credentials: mutual TLS to the node (RouterConfig.security.tls_*); None = plaintext
         self.channels = [grpc.aio.secure_channel(a, credentials, options=options)
                          if credentials is not None else grpc.aio.insecure_channel(a, options=options)
                          for a in (self.frontends or (address,))]

@@ -172,7 +172,7 @@ class DisaggTransport:
         arrives over the wire) and returns the two-leg call; None when no decode node takes
         it within ``disagg_leg_timeout_s`` (the request is then served whole)."""
         d, ctx = self.d, self.ctx
-        wait = min(d.config.disagg_leg_timeout_s, ctx.deadline - d.clock())
+        wait = min(d.config.dispatch.disagg_leg_timeout_s, ctx.deadline - d.clock())
 
         def charge(node_id: str, _: Decision) -> Any:
             return d.registry.charge(node_id, 0)
@@ -239,7 +239,7 @@ class TwoLegCall:
         """Runs the prompt on a prefill node; returns its KV-transfer parameters (JSON)."""
         d, ctx, info = self.d, self.ctx, self.ctx.info
         deadline = ctx.deadline
-        wait = max(0.001, min(d.config.disagg_leg_timeout_s, deadline - d.clock()))
+        wait = max(0.001, min(d.config.dispatch.disagg_leg_timeout_s, deadline - d.clock()))
 
         def charge(node_id: str, _: Decision) -> Any:
             return d.registry.charge(node_id, prefill_tokens(info, node_id))
@@ -306,7 +306,8 @@ class TwoLegCall:
         client = d.channels.get(slot.node_id, slot.address, slot.frontends)
         self._rpc = call = client.stream(
             dec.SerializeToString(),
-            timeout_s=max(0.001, min(ctx.deadline - d.clock(), d.config.request_timeout_s)),
+            timeout_s=max(0.001, min(ctx.deadline - d.clock(),
+                                     d.config.dispatch.request_timeout_s)),
             metadata=dispatch_metadata(d.registry.router_id, 0, self.extra))
         self._decode = ObservedCall(ProxyCall(d, slot, call, True, ctx.deadline, self.record),
                                     d.ejector, ctx.deadline)
@@ -314,7 +315,7 @@ class TwoLegCall:
                 "gpumesh.node.id": slot.node_id,
                 "gpumesh.prefill.node.id": self.record.prefill_node_id},
                 trace.SpanKind.INTERNAL):
-            wait = max(0.001, min(d.config.disagg_leg_timeout_s, ctx.deadline - d.clock()))
+            wait = max(0.001, min(d.config.dispatch.disagg_leg_timeout_s, ctx.deadline - d.clock()))
             try:
                 chunk = await asyncio.wait_for(self._decode.first(), wait)
             except TimeoutError:

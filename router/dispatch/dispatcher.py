@@ -40,12 +40,11 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumesh import attempts, migration
 from gpumesh.router.auth.interceptor import current_key_name
 from gpumesh.router.backends import NodeChannels
-from gpumesh.router.config import RouterConfig
 from gpumesh.router.dispatch import context, disagg, failover
 from gpumesh.router.dispatch.admission import AdmissionQueue
 from gpumesh.router.dispatch.context import RequestContext
@@ -66,6 +65,8 @@ from gpumesh.router.scheduling import Decision, Policy, RequestInfo
 from gpumesh.router.scheduling.filters import Filter, fresh_first
 from gpumesh.v1 import inference_pb2 as pb
 
+if TYPE_CHECKING:
+    from gpumesh.router.config import RouterConfig
 
 
 class Dispatcher:
@@ -85,18 +86,19 @@ class Dispatcher:
         self.clock = clock   # deadlines (seconds, monotonic)
         # Gray failures (router.dispatch.watch, .ejection): STALE nodes and outliers get no
         # new work while another node can take it; stalled calls on STALE nodes fail over.
+        dispatch = config.dispatch
         self.ejector = OutlierEjector(EjectionPolicy(
-            consecutive_failures=config.outlier_consecutive_failures,
-            latency_factor=config.outlier_latency_factor,
-            base_s=config.outlier_base_ejection_s, max_s=config.outlier_max_ejection_s), clock)
-        self.watch = InFlightWatch(self._reporting, clock, config.stall_s, self._replaceable)
+            consecutive_failures=dispatch.outlier_consecutive_failures,
+            latency_factor=dispatch.outlier_latency_factor,
+            base_s=dispatch.outlier_base_ejection_s, max_s=dispatch.outlier_max_ejection_s), clock)
+        self.watch = InFlightWatch(self._reporting, clock, dispatch.stall_s, self._replaceable)
         self._watch_task: asyncio.Task[None] | None = None
         registry.add_removal_listener(self._node_left)
         filters = (*filters, fresh_first(), self.ejector)
         self.admission = AdmissionQueue(registry, profile, filters, rng, clock,
-                                        queue_bound=config.queue_bound,
-                                        decision_sample_size=config.decision_sample_size,
-                                        slo_admission=config.slo_admission)
+                                        queue_bound=config.dispatch.queue_bound,
+                                        decision_sample_size=config.routing.sample_size,
+                                        slo_admission=config.dispatch.slo_admission)
 
     def decide(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Decision:
         """One routing decision now, without charging (Router.Pick preview, tests)."""
@@ -114,9 +116,9 @@ class Dispatcher:
         disagg.check_client_request(request)   # KV-transfer parameters are the router's
         return await context.prepare(
             request, raw, deadline, current_key_name.get(), on_attempt,
-            registry=self.registry, chars_per_token=self.config.chars_per_token,
+            registry=self.registry, chars_per_token=self.config.routing.chars_per_token,
             locality=self.locality, sessions=self.sessions,
-            model_slos=(self.config.slo_ttft_ms, self.config.slo_tpot_ms))
+            model_slos=(self.config.dispatch.slo_ttft_ms, self.config.dispatch.slo_tpot_ms))
 
     def stream(self, ctx: RequestContext, record: DispatchRecord) -> AsyncIterator[bytes]:
         """Step 2 (GenerateStream): yields the node's serialized GenerateStreamResponse chunks
@@ -127,7 +129,7 @@ class Dispatcher:
         self._start_watch()
         # disaggregated prefill/decode (dispatch.disagg): the first attempt runs two legs
         legs, whole = disagg.route(self.registry, ctx.request, ctx.info,
-                                   self.config.disagg_min_prompt_tokens)
+                                   self.config.dispatch.disagg_min_prompt_tokens)
         whole_t = ProxyTransport(self, ctx, record, True, self._proxy_charge(ctx.info), whole)
         t: attempts.Transport[bytes] = (whole_t if legs is None else
                                         disagg.DisaggTransport(self, ctx, record, legs, whole_t))
@@ -157,7 +159,7 @@ class Dispatcher:
     def _state(self, ctx: RequestContext) -> attempts.Attempts:
         """A stream that may continue on another node keeps its progress (every chunk is
         read for its token ids); one that may not is forwarded unread."""
-        if self.config.max_migrations < 1 or not migration.migratable(ctx.request):
+        if self.config.dispatch.max_migrations < 1 or not migration.migratable(ctx.request):
             return attempts.Attempts()
         return attempts.Attempts(request=ctx.request, progress=migration.StreamProgress())
 
@@ -186,7 +188,7 @@ class Dispatcher:
         entry = self.registry.entry(node_id)
         if entry is None:
             return False
-        return self.registry.state_of(entry, now)[1] < self.config.stall_s
+        return self.registry.state_of(entry, now)[1] < self.config.dispatch.stall_s
 
     def _replaceable(self, node_id: str, now: float) -> bool:
         """Another node that reported within ``stall_s`` serves one of this node's models."""
@@ -206,7 +208,7 @@ class Dispatcher:
     def _start_watch(self) -> None:
         if self._watch_task is None or self._watch_task.done():
             self._watch_task = asyncio.get_running_loop().create_task(
-                self.watch.run(self.config.stall_check_interval_s), name="in-flight-watch")
+                self.watch.run(self.config.dispatch.stall_check_interval_s), name="in-flight-watch")
 
     async def close(self) -> None:
         """Stops the in-flight watch (router shutdown)."""
@@ -227,8 +229,8 @@ class Dispatcher:
         def charge(node_id: str, d: Decision) -> Credit:
             wait = next((s.expected_wait_s for s in d.considered
                          if s.node_id == node_id and s.expected_wait_s is not None), 0.0)
-            hold = min(self.config.lookaside_credit_max_s,
-                       (self.config.ticket_ttl_s if not slot_until_finish else 0.0)
+            hold = min(self.config.dispatch.lookaside_credit_max_s,
+                       (self.config.security.ticket_ttl_s if not slot_until_finish else 0.0)
                        + 2.0 * wait + 1.0)
             return self.registry.charge(node_id, prefill_tokens(info, node_id), blind=True,
                                         hold_s=hold, slot_until_finish=slot_until_finish)

@@ -125,8 +125,9 @@ def first_token_wait(decision: Decision, node_id: str, config: RouterConfig) -> 
     its own reported queue), capped by ``first_token_timeout_s``."""
     expected = next((s.expected_wait_s for s in decision.considered
                      if s.node_id == node_id and s.expected_wait_s is not None), 0.0)
-    return min(config.first_token_timeout_s,
-               config.first_token_min_s + config.first_token_wait_factor * max(expected, 0.0))
+    d = config.dispatch
+    return min(d.first_token_timeout_s,
+               d.first_token_min_s + d.first_token_wait_factor * max(expected, 0.0))
 
 
 class ProxyFailover:
@@ -149,7 +150,7 @@ class ProxyFailover:
         assert isinstance(error, NodeError)
         code = failed_code(error)
         if not (retryable_before_first_chunk(error) and should_retry(
-                code, attempt, self.config.max_attempts, self.clock(), self.deadline)):
+                code, attempt, self.config.dispatch.max_attempts, self.clock(), self.deadline)):
             return False
         log.info("node %s failed before the first token (%s); retrying elsewhere",
                  node_id, code.name)
@@ -158,7 +159,7 @@ class ProxyFailover:
     def migrate(self, error: Exception, migrations: int, node_id: str,
                 delivered_tokens: int) -> bool:
         assert isinstance(error, NodeError)
-        if not continuable(error, migrations, self.config.max_migrations, self.clock(),
+        if not continuable(error, migrations, self.config.dispatch.max_migrations, self.clock(),
                            self.deadline):
             return False
         self.record.migrations += 1

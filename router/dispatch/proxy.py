@@ -140,7 +140,7 @@ class ProxyTransport:
         extra = ctx.on_attempt(slot) if ctx.on_attempt is not None else ()
         # charged = the prefill the node still does (prefix locality: less its cached prefix)
         metadata = dispatch_metadata(d.registry.router_id, slot.charged_tokens, extra)
-        timeout_s = max(0.001, min(ctx.deadline - d.clock(), d.config.request_timeout_s))
+        timeout_s = max(0.001, min(ctx.deadline - d.clock(), d.config.dispatch.request_timeout_s))
         client = d.channels.get(slot.node_id, slot.address, slot.frontends)
         rpc = client.stream if self.streaming else client.unary
         call = ProxyCall(d, slot, rpc(body, timeout_s=timeout_s, metadata=metadata),

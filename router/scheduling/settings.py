@@ -2,19 +2,23 @@
 
 What an operator decides about routing, and nothing the engines can tell the router: which
 policy, which objective, how many candidates a decision looks at on a large fleet, and the
-two guesses the prediction needs where a request or a node says nothing (a request's output
-length, an adapter's load time). Every other quantity the prediction uses comes from the
-nodes' engine profiles and load reports (docs/routing.md).
+guesses the prediction needs where a request or a node says nothing (a request's output
+length and prompt size, an adapter's load time), where a node's decode step comes from, and the
+KV filter. Every other quantity the prediction uses comes from the nodes' engine profiles and
+load reports (docs/routing.md).
 
-Loaded like the rest of the configuration: a ``[routing]`` TOML table, the environment
-``GPUMESH_ROUTER_ROUTING="policy=least_request,sample_size=16"``, or ``--routing k=v,...``.
+Loaded like the rest of the configuration (gpumesh.config): a ``[routing]`` TOML table,
+``GPUMESH_ROUTER_ROUTING__POLICY=least_request``, or ``--routing.policy least_request``
+(``--policy`` in short).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from gpumesh.config import SECTION
 
 POLICIES = ("predicted_latency", "least_request", "power_of_two", "round_robin")
 OBJECTIVES = ("slo_then_completion", "min_ttft", "max_slo_attainment")
@@ -23,7 +27,7 @@ OBJECTIVES = ("slo_then_completion", "min_ttft", "max_slo_attainment")
 class RoutingSettings(BaseModel):
     """The routing policy's settings (docs/configuration.md, "Routing policy")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = SECTION
 
     policy: Literal["predicted_latency", "least_request", "power_of_two", "round_robin"] = Field(
         "predicted_latency",
@@ -59,3 +63,16 @@ class RoutingSettings(BaseModel):
         1.0, ge=0.0, allow_inf_nan=False,
         description="Seconds a LoRA adapter load is predicted to take on a node that has not "
                     "measured one yet (a node reports its own mean once it has).")
+    step_from_report: bool = Field(
+        True,
+        description="Take a node's decode step time from its report (decode_step_s, timed "
+                    "between the engine's steps); off, or for a node that does not report it: "
+                    "inferred as average running requests / generation tokens per second.")
+    kv_hard_threshold: float = Field(
+        0.92, gt=0.0, le=1.0, allow_inf_nan=False,
+        description="Filter: skip nodes whose fresh report shows KV usage at or above this, "
+                    "while some candidate is below it.")
+    chars_per_token: float = Field(
+        4.0, gt=0.0, allow_inf_nan=False,
+        description="Prompt-size estimate for text and chat prompts, UTF-8 bytes per token "
+                    "(token-id prompts are exact).")

@@ -29,10 +29,11 @@ from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The 0.5B shape's step model: 2.29 ms + 0.0242 ms per decoding request, in real time.
-SIM_TOML = """engine = "sim"
+SIM_TOML = """[engine]
+kind = "sim"
 model = "sim-05b"
 max_model_len = 2048
-[sim]
+[engine.sim]
 time_scale = 1.0
 """
 
@@ -124,7 +125,7 @@ def test_module_entry_point_prints_result_and_writes_json(tmp_path: Path) -> Non
 def test_vllm_tiny_model_through_the_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
     pytest.importorskip("vllm")
     cfg_file = tmp_path / "node.toml"
-    cfg_file.write_text(f'engine = "vllm"\nmodel = "{tiny_model_dir}"\nserved_name = "tiny"\n'
+    cfg_file.write_text(f'[engine]\nkind = "vllm"\nmodel = "{tiny_model_dir}"\nserved_name = "tiny"\n'
                         'max_model_len = 512\nnum_gpu_blocks_override = 16\n'
                         'enforce_eager = true\n')
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",

@@ -51,11 +51,11 @@ def test_fleet_polls_share_the_loads_clock(tmp_path: Path, monkeypatch) -> None:
                    "--node-option", "stream_messages_per_s=1500", "--out", str(out)])
     assert rc == 0
     recs = json.loads((out / "results.json").read_text())["records"]
-    # --node-option: a top-level key of every node's TOML, recorded with each bench
+    # --node-option: a key of every node's TOML (by its name), recorded with each bench
     assert all(r["node_options"] == {"stream_messages_per_s": 1500} for r in recs)
     for node in ("a05b", "b05b"):
         cfg = load_node_config(out / "logs" / f"{node}.toml", environ={})
-        assert cfg.stream_messages_per_s == 1500
+        assert cfg.streaming.stream_messages_per_s == 1500
     assert {r["setup"] for r in recs} == {"2 GPUs data parallel, router #0",
                                           "2 GPUs data parallel, direct (client splits) #0"}
     # one sampler per bench, counting from the instant every load process of it starts at
@@ -243,7 +243,7 @@ def test_node_toml_puts_a_nodes_engine_args_over_the_calls(tmp_path: Path) -> No
                                               "max_num_seqs": 512})
     (tmp_path / "x.toml").write_text(gpu_env.node_toml(env, spec))
     cfg = load_node_config(tmp_path / "x.toml", environ={})
-    assert dict(cfg.engine_args) == {"enable_prefix_caching": False, "seed": 0,
+    assert dict(cfg.engine.engine_args) == {"enable_prefix_caching": False, "seed": 0,
                                      "stream_interval": 4, "max_num_seqs": 512,
                                      "compilation_config": {"cudagraph_mode": "FULL"}}
 

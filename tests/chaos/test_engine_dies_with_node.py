@@ -50,7 +50,7 @@ async def _continuation_matches(address: str) -> None:
 
 async def test_sigkill_of_the_node_pid_ends_its_vllm_processes(tiny_model_dir, tmp_path):
     cfg = tmp_path / "node.toml"
-    cfg.write_text('max_model_len = 256\nnum_gpu_blocks_override = 16\nserved_name = "tiny"\n')
+    cfg.write_text('[engine]\nmax_model_len = 256\nnum_gpu_blocks_override = 16\nserved_name = "tiny"\n')
     port = free_port()
     proc = node_proc("lifetime", port, [], model=str(tiny_model_dir), core=0, config=cfg)
     tree: set[int] = set()

@@ -121,7 +121,7 @@ async def test_overload_sheds_with_resource_exhausted_and_recovers(make_mesh):
     """3x what the fleet admits (2 nodes x 4 concurrent, queue 4): the excess is refused at
     once with RESOURCE_EXHAUSTED (not lost), admitted requests complete, and the fleet
     serves normally right after."""
-    mesh = await make_mesh(nodes=2, max_concurrency=4, router_flags=["--queue-bound", "4"])
+    mesh = await make_mesh(nodes=2, max_concurrency=4, router_flags=["--dispatch.queue-bound", "4"])
     tally, stop = Tally(), asyncio.Event()
     load = await _load(mesh, tally, stop, concurrency=36, stagger_s=0.2, think_s=0.05)
     await asyncio.sleep(4.0)

@@ -84,8 +84,8 @@ def test_compose_runs_the_image_and_configs_of_the_manifests() -> None:
     assert "configs" not in c and "name" not in c
     router_mounts = _mounts(svcs["router"])
     assert router_mounts["/etc/gpumesh/router.toml"] == DEPLOY / "kubernetes/base/router.toml"
-    router_cfg = tomllib.loads(router_mounts["/etc/gpumesh/router.toml"].read_text())
-    node_cfg = tomllib.loads((DEPLOY / "kubernetes/base/node.toml").read_text())
+    router_cfg = tomllib.loads(router_mounts["/etc/gpumesh/router.toml"].read_text())["serving"]
+    node_cfg = tomllib.loads((DEPLOY / "kubernetes/base/node.toml").read_text())["serving"]
     nodes = [n for n in svcs if n.startswith("node-")]
     assert len(nodes) >= 2 and svcs["router"]["deploy"]["replicas"] >= 2
     for name in ("router", *nodes):
@@ -106,9 +106,9 @@ def test_compose_runs_the_image_and_configs_of_the_manifests() -> None:
     for name in nodes:
         e = _env(svcs[name])
         # every router replica through the service name, as through the headless Service
-        assert e["GPUMESH_NODE_ROUTERS"] == f"dns:///router:{port}"
-        assert e["GPUMESH_NODE_NODE_ID"] == name
-        assert e["GPUMESH_NODE_ADVERTISE_ADDRESS"] == f"{name}:{node_cfg['port']}"
+        assert e["GPUMESH_NODE_MEMBERSHIP__ROUTERS"] == f"dns:///router:{port}"
+        assert e["GPUMESH_NODE_SERVING__NODE_ID"] == name
+        assert e["GPUMESH_NODE_SERVING__ADVERTISE_ADDRESS"] == f"{name}:{node_cfg['port']}"
         assert svcs[name]["healthcheck"]["test"][1:4] == ["gpumesh", "health",
                                                          f"127.0.0.1:{node_cfg['port']}"]
         grace = int(svcs[name]["stop_grace_period"].rstrip("s"))
@@ -124,15 +124,16 @@ def test_tls_profile_uses_gpumesh_certs_for_every_service() -> None:
     for name in nodes:
         assert f"--node {name}" in certs and f"--host {name}" in certs
         e = _env(svcs[name])
-        assert e["GPUMESH_NODE_TLS_CERT_FILE"] == f"/certs/{name}.pem"
-        assert e["GPUMESH_NODE_INSECURE"] == "false" and e["GPUMESH_NODE_TLS_CA_FILE"]
-        control = _env(svcs["router"])["GPUMESH_ROUTER_CONTROL_PORT"]
-        assert e["GPUMESH_NODE_ROUTERS"] == f"dns:///router:{control}"
+        assert e["GPUMESH_NODE_SECURITY__TLS_CERT_FILE"] == f"/certs/{name}.pem"
+        assert e["GPUMESH_NODE_SECURITY__INSECURE"] == "false"
+        assert e["GPUMESH_NODE_SECURITY__TLS_CA_FILE"]
+        control = _env(svcs["router"])["GPUMESH_ROUTER_SERVING__CONTROL_PORT"]
+        assert e["GPUMESH_NODE_MEMBERSHIP__ROUTERS"] == f"dns:///router:{control}"
         assert "--tls-ca" in svcs[name]["healthcheck"]["test"]
     assert "--host router" in certs
     e = _env(svcs["router"])
-    assert e["GPUMESH_ROUTER_TLS_CERT_FILE"] == "/certs/router.pem"
-    assert e["GPUMESH_ROUTER_INSECURE"] == "false"
+    assert e["GPUMESH_ROUTER_SECURITY__TLS_CERT_FILE"] == "/certs/router.pem"
+    assert e["GPUMESH_ROUTER_SECURITY__INSECURE"] == "false"
     for name in ("router", *nodes):
         assert "certs:/certs:ro" in svcs[name]["volumes"]
     assert svcs["router"]["depends_on"]["certs"]["condition"] == "service_completed_successfully"

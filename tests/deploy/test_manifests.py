@@ -114,31 +114,31 @@ def test_ports_probes_and_discovery_agree_with_the_configs(overlay: str, tmp_pat
 
     # the router: >= 2 replicas, its port everywhere
     assert router["spec"]["replicas"] >= 2
-    assert port_of(rc, "grpc") == rcfg.port
+    assert port_of(rc, "grpc") == rcfg.serving.port
     for svc_name in ("gpumesh-router", "gpumesh-router-headless"):
         svc = one(objs, "Service", svc_name)
         assert svc["spec"]["selector"].items() <= router["spec"]["template"]["metadata"][
             "labels"].items()
         grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
-        assert grpc_port["port"] == rcfg.port and grpc_port["targetPort"] == "grpc"
+        assert grpc_port["port"] == rcfg.serving.port and grpc_port["targetPort"] == "grpc"
     headless = one(objs, "Service", "gpumesh-router-headless")
     assert headless["spec"]["clusterIP"] == "None"
 
     # nodes: their port, the advertised address, every router through the headless name (on
     # the routers' control port when they have one: TLS)
-    assert port_of(nc, "grpc") == ncfg.port
-    assert env(nc)["GPUMESH_NODE_ADVERTISE_ADDRESS"] == f"$(POD_IP):{ncfg.port}"
-    assert env(nc)["GPUMESH_NODE_NODE_ID"] == "$(POD_NAME)"
-    control = int(env(rc).get("GPUMESH_ROUTER_CONTROL_PORT", 0) or rcfg.control_port)
-    want_port = control or rcfg.port
-    routers = env(nc).get("GPUMESH_NODE_ROUTERS") or ",".join(ncfg.routers)
+    assert port_of(nc, "grpc") == ncfg.serving.port
+    assert env(nc)["GPUMESH_NODE_SERVING__ADVERTISE_ADDRESS"] == f"$(POD_IP):{ncfg.serving.port}"
+    assert env(nc)["GPUMESH_NODE_SERVING__NODE_ID"] == "$(POD_NAME)"
+    control = int(env(rc).get("GPUMESH_ROUTER_SERVING__CONTROL_PORT", 0) or rcfg.serving.control_port)
+    want_port = control or rcfg.serving.port
+    routers = env(nc).get("GPUMESH_NODE_MEMBERSHIP__ROUTERS") or ",".join(ncfg.membership.routers)
     assert routers == f"dns:///gpumesh-router-headless:{want_port}"
     svc_port = next(p for p in headless["spec"]["ports"] if p["port"] == want_port)
     assert port_of(rc, svc_port["targetPort"]) == want_port
     assert bool(control) == tls
 
     # probes: readiness = "" (NOT_SERVING while starting or draining), liveness = "liveness"
-    for c, port, live in ((rc, rcfg.port, ROUTER_LIVENESS), (nc, ncfg.port, NODE_LIVENESS)):
+    for c, port, live in ((rc, rcfg.serving.port, ROUTER_LIVENESS), (nc, ncfg.serving.port, NODE_LIVENESS)):
         ready, alive = c["readinessProbe"], c["livenessProbe"]
         if tls:
             assert ready["exec"]["command"][:3] == ["gpumesh", "health", f"127.0.0.1:{port}"]
@@ -150,7 +150,7 @@ def test_ports_probes_and_discovery_agree_with_the_configs(overlay: str, tmp_pat
             assert ready["grpc"] == {"port": port, "service": ""}
             assert alive["grpc"] == {"port": port, "service": live}
     if not tls:
-        assert nc["startupProbe"]["grpc"] == {"port": ncfg.port, "service": NODE_LIVENESS}
+        assert nc["startupProbe"]["grpc"] == {"port": ncfg.serving.port, "service": NODE_LIVENESS}
 
     # metrics: the scrape annotation, the port and the exporter's environment agree
     for d, c in ((router, rc), (node, nc)):
@@ -175,10 +175,10 @@ def test_each_node_asks_for_the_gpus_its_engine_uses(overlay: str, gpus: int,
     asked = int(res.get("limits", {}).get("nvidia.com/gpu", 0))
     assert asked == gpus == int(res.get("requests", {}).get("nvidia.com/gpu", 0))
     if gpus:
-        assert ncfg.engine == "vllm" and ncfg.tensor_parallel_size == gpus
-        assert ncfg.weight == float(gpus)     # a TP group is one node of that capacity
+        assert ncfg.engine.kind == "vllm" and ncfg.engine.tensor_parallel_size == gpus
+        assert ncfg.serving.weight == float(gpus)     # a TP group is one node of that capacity
     else:
-        assert ncfg.engine == "sim"
+        assert ncfg.engine.kind == "sim"
     for c in (container(node, "node"), container(one(objs, "Deployment", "gpumesh-router"),
                                                  "router")):
         assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
@@ -199,15 +199,15 @@ def test_pods_are_non_root_and_drains_fit_the_grace_period(overlay: str, tmp_pat
     rcfg = _load_router(mounted_config(objs, router, "router.toml"), tmp_path)
     ncfg = _load_node(mounted_config(objs, node, "node.toml"), tmp_path)
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > (
-        rcfg.shutdown_grace_s + router["spec"]["template"]["spec"]["containers"][0][
+        rcfg.serving.shutdown_grace_s + router["spec"]["template"]["spec"]["containers"][0][
             "lifecycle"]["preStop"]["sleep"]["seconds"])
     # the preStop drain waits up to W seconds, then SIGTERM's drain_timeout_s: both fit
     pre = " ".join(container(node, "node")["lifecycle"]["preStop"]["exec"]["command"])
-    assert "gpumesh drain \"$POD_NAME\"" in pre and f"gpumesh-router:{rcfg.port}" in pre
+    assert "gpumesh drain \"$POD_NAME\"" in pre and f"gpumesh-router:{rcfg.serving.port}" in pre
     wait = float(pre.split("--wait", 1)[1].split()[0])
     grace = node["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > wait and grace > ncfg.drain_timeout_s
-    assert rcfg.request_timeout_s <= ncfg.drain_timeout_s   # the longest stream fits
+    assert grace > wait and grace > ncfg.serving.drain_timeout_s
+    assert rcfg.dispatch.request_timeout_s <= ncfg.serving.drain_timeout_s   # the longest stream fits
     # disruption budgets for both
     for name, pods in (("gpumesh-router", router), ("gpumesh-node", node)):
         pdb = one(objs, "PodDisruptionBudget", name)
@@ -227,7 +227,7 @@ def test_the_hpa_scales_the_nodes_on_the_exported_signal(overlay: str, tmp_path:
     assert metric["external"]["metric"]["name"] in exported
     assert metric["external"]["metric"]["name"] == "gpumesh_router_model_nodes_wanted"
     ncfg = _load_node(mounted_config(objs, node, "node.toml"), tmp_path)
-    served = ncfg.resolved_served_name() if ncfg.engine == "vllm" else ncfg.model
+    served = ncfg.resolved_served_name() if ncfg.engine.kind == "vllm" else ncfg.engine.model
     assert metric["external"]["metric"]["selector"]["matchLabels"]["model"] == served
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60
 
@@ -235,8 +235,8 @@ def test_the_hpa_scales_the_nodes_on_the_exported_signal(overlay: str, tmp_path:
 def test_tls_mounts_the_secret_where_tls_is_on():
     objs = render("gpu-tls")
     for kind, name, cname, prefix in (
-            ("Deployment", "gpumesh-router", "router", "GPUMESH_ROUTER_"),
-            ("StatefulSet", "gpumesh-node", "node", "GPUMESH_NODE_")):
+            ("Deployment", "gpumesh-router", "router", "GPUMESH_ROUTER_SECURITY__"),
+            ("StatefulSet", "gpumesh-node", "node", "GPUMESH_NODE_SECURITY__")):
         d = one(objs, kind, name)
         c = container(d, cname)
         vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
@@ -250,9 +250,9 @@ def test_tls_mounts_the_secret_where_tls_is_on():
     # expands when POD_NAME is defined earlier in the list
     node_env = [e["name"] for e in container(one(objs, "StatefulSet", "gpumesh-node"),
                                              "node")["env"]]
-    assert node_env.index("POD_NAME") < node_env.index("GPUMESH_NODE_TLS_CERT_FILE")
+    assert node_env.index("POD_NAME") < node_env.index("GPUMESH_NODE_SECURITY__TLS_CERT_FILE")
     assert env(container(one(objs, "StatefulSet", "gpumesh-node"), "node"))[
-        "GPUMESH_NODE_TLS_CERT_FILE"] == "/etc/gpumesh/tls/$(POD_NAME).pem"
+        "GPUMESH_NODE_SECURITY__TLS_CERT_FILE"] == "/etc/gpumesh/tls/$(POD_NAME).pem"
     plain = render("gpu")
     assert not any(v["name"] == "tls" for v in one(plain, "StatefulSet", "gpumesh-node")[
         "spec"]["template"]["spec"]["volumes"])
@@ -280,16 +280,14 @@ def test_the_pd_overlay_runs_a_prefill_and_a_decode_pool(tmp_path: Path) -> None
     dcfg = _load_node(mounted_config(objs, decode, "node.toml"), tmp_path)
     pcfg = _load_node(mounted_config(objs, prefill, "node.toml"), tmp_path)
     dc, pc = container(decode, "node"), container(prefill, "node")
-    assert env(dc)["GPUMESH_NODE_ROLE"] == "decode" and pcfg.role == "prefill"
-    assert "GPUMESH_NODE_ROLE" not in env(pc)
-    kv_ports = (int(env(dc)["GPUMESH_NODE_KV_PORT"]), pcfg.kv_port)
+    assert env(dc)["GPUMESH_NODE_SERVING__ROLE"] == "decode" and pcfg.serving.role == "prefill"
+    assert "GPUMESH_NODE_SERVING__ROLE" not in env(pc)
+    kv_ports = (int(env(dc)["GPUMESH_NODE_SERVING__KV_PORT"]), pcfg.serving.kv_port)
     assert kv_ports == (port_of(dc, "kv"), port_of(pc, "kv"))
-    for field in ("engine", "model", "served_name", "dtype", "max_model_len",
-                  "tensor_parallel_size"):
-        assert getattr(pcfg, field) == getattr(dcfg, field), field
+    assert pcfg.engine == dcfg.engine   # every engine key
     for c in (dc, pc):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert env(c)["GPUMESH_NODE_ADVERTISE_ADDRESS"] == f"$(POD_IP):{dcfg.port}"
+        assert env(c)["GPUMESH_NODE_SERVING__ADVERTISE_ADDRESS"] == f"$(POD_IP):{dcfg.serving.port}"
     # the two pools' pods are told apart by their selectors
     sel = prefill["spec"]["selector"]["matchLabels"]
     assert not sel.items() <= decode["spec"]["template"]["metadata"]["labels"].items()

@@ -46,11 +46,11 @@ class FuzzMesh:
 def fuzz_mesh(tmp_path_factory) -> Iterator[FuzzMesh]:
     tmp = tmp_path_factory.mktemp("fuzz")
     rport, nport = free_port(), free_port()
-    router = router_proc(rport, ("--quarantine-s", "5"), env={"GPUMESH_TICKET_SECRET": SECRET})
+    router = router_proc(rport, ("--membership.quarantine-s", "5"), env={"GPUMESH_TICKET_SECRET": SECRET})
     cfg = tmp / "node.toml"
     # GPUMESH_FUZZ_TIME_SCALE: the simulated node's speed (0.01 for a long run of 10,000s)
     scale = os.environ.get("GPUMESH_FUZZ_TIME_SCALE", "1.0")
-    cfg.write_text(f'ticket_secret = "{SECRET}"\n'
+    cfg.write_text(f'[security]\nticket_secret = "{SECRET}"\n'
                    + NODE_TOML.replace("time_scale = 1.0", f"time_scale = {float(scale)}"))
     node = node_proc("fuzz-node", nport, [f"127.0.0.1:{rport}"], engine="sim", model="sim",
                      config=cfg)

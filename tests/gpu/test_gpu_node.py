@@ -58,17 +58,19 @@ async def gpu_mesh(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
     tmp = tmp_path_factory.mktemp("gpu-mesh")
     rport = free_port()
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=rport, heartbeat_interval_ms=250,
-                                       shutdown_grace_s=1.0))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": rport,
+                                                "shutdown_grace_s": 1.0},
+                                       membership={"heartbeat_interval_ms": 250}))
     await router.start()
     raddr = f"127.0.0.1:{rport}"
     cfg = tmp / "node.toml"
     cfg.write_text(
-        f'served_name = "{SERVED}"\nmax_model_len = 2048\nload_format = "dummy"\n'
+        '[membership]\nheartbeat_busy_interval_s = 0.25\n[serving]\ndrain_timeout_s = 5\n'
+        f'[engine]\nserved_name = "{SERVED}"\nmax_model_len = 2048\nload_format = "dummy"\n'
         f'dtype = "bfloat16"\ntokenizer = "{gpu_model_dir / "tokenizer"}"\n'
-        'gpu_memory_utilization = 0.85\nheartbeat_busy_interval_s = 0.25\ndrain_timeout_s = 5\n'
+        'gpu_memory_utilization = 0.85\n'
         # As the benchmark's nodes (gpumesh_bench.gpu): vLLM's compile cache is then shared.
-        '[engine_args]\nenable_prefix_caching = false\nseed = 0\n')
+        '[engine.engine_args]\nenable_prefix_caching = false\nseed = 0\n')
     nport = free_port()
     node = node_proc("gpu-node", nport, [raddr], model=str(gpu_model_dir), config=cfg)
     try:

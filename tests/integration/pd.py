@@ -17,10 +17,10 @@ from gpumesh import metadata as md
 from gpumesh.client import MeshClient, StreamResult, build_request
 from tests.integration.test_mesh_vllm import Mesh, healthy
 
-PD_TOML = ('max_model_len = 1024\nserved_name = "tiny"\nheartbeat_busy_interval_s = 0.1\n'
+PD_TOML = ('[engine]\nmax_model_len = 1024\nserved_name = "tiny"\nnum_gpu_blocks_override = 64\n'
+           'enforce_eager = true\n[membership]\nheartbeat_busy_interval_s = 0.1\n'
            'heartbeat_idle_interval_s = 0.5\nreconnect_max_backoff_s = 0.5\n'
-           'num_gpu_blocks_override = 64\ndrain_timeout_s = 10\nrole = "{role}"\n'
-           'enforce_eager = true\n')
+           '[serving]\ndrain_timeout_s = 10\nrole = "{role}"\n')
 
 
 async def warm_up(router_addr: str, attempts: int = 8, in_a_row: int = 2) -> None:
@@ -55,9 +55,9 @@ class PdMesh(Mesh):
 
         # leases long enough for engines starting side by side on a busy machine
         self.router = RouterServer(RouterConfig(
-            host="127.0.0.1", port=self.router_port, lease_ttl_s=15.0, freshness_s=5.0,
-            heartbeat_interval_ms=100, shutdown_grace_s=1.0, stall_s=5.0,
-            disagg_leg_timeout_s=self.leg_timeout_s))
+            serving={"host": "127.0.0.1", "port": self.router_port, "shutdown_grace_s": 1.0},
+            membership={"lease_ttl_s": 15.0, "freshness_s": 5.0, "heartbeat_interval_ms": 100},
+            dispatch={"stall_s": 5.0, "disagg_leg_timeout_s": self.leg_timeout_s}))
         await self.router.start()
 
     async def start_pd_node(self, name: str, role: str, core: int, model_dir: Path,

@@ -23,16 +23,20 @@ from gpumesh.v1 import control_pb2 as cpb
 
 @pytest.fixture
 async def fleet(tiny_adapters: Path):
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, lease_ttl_s=3.0,
-                                       freshness_s=1.5, shutdown_grace_s=0.2))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": 0,
+                                                "shutdown_grace_s": 0.2},
+                                       membership={"lease_ttl_s": 3.0, "freshness_s": 1.5}))
     await router.start()
     nodes = []
     try:
         for name in ("sa", "sb"):
             node = NodeServer(
-                NodeConfig(engine="sim", port=0, node_id=name, routers=(router.address,),
-                           adapter_dir=str(tiny_adapters), heartbeat_busy_interval_s=0.05,
-                           heartbeat_idle_interval_s=0.1),
+                NodeConfig(engine={"kind": "sim"},
+                           serving={"port": 0, "node_id": name},
+                           membership={"routers": (router.address,),
+                                       "heartbeat_busy_interval_s": 0.05,
+                                       "heartbeat_idle_interval_s": 0.1},
+                           lora={"adapter_dir": str(tiny_adapters)}),
                 SimEngine(SimEngineConfig(model_name="m", time_scale=1.0,
                                           adapter_load_ms=50.0)))
             await node.start()

@@ -41,10 +41,11 @@ NODES = ("la", "lb")
 PROMPT = [17, 402, 33, 1005, 61, 7, 250, 12, 99, 808]
 # 48 KV blocks of 128 tokens (the CPU backend's block): 6,144 tokens, room for a conversation
 # of 1.8k tokens
-NODE_TOML = ('served_name = "tiny-cpu"\nheartbeat_busy_interval_s = 0.1\n'
+NODE_TOML = ('[engine]\nserved_name = "tiny-cpu"\nmax_model_len = 2048\n'
+             'num_gpu_blocks_override = 48\nenforce_eager = true\n'
+             '[membership]\nheartbeat_busy_interval_s = 0.1\n'
              'heartbeat_idle_interval_s = 0.2\nreconnect_max_backoff_s = 0.5\n'
-             'adapter_dir = "{adapters}"\nmax_loras = 2\nmax_lora_rank = 8\n'
-             'max_model_len = 2048\nnum_gpu_blocks_override = 48\nenforce_eager = true\n')
+             '[lora]\nadapter_dir = "{adapters}"\nmax_loras = 2\nmax_lora_rank = 8\n')
 
 LOAD_STREAMS, LOAD_PROMPT = 8, 900   # 7,200 prompt tokens: more than a node's KV (6,144)
 
@@ -52,8 +53,9 @@ LOAD_STREAMS, LOAD_PROMPT = 8, 900   # 7,200 prompt tokens: more than a node's K
 @pytest.fixture(scope="module")
 async def mesh(tiny_model_dir: Path, tiny_adapters: Path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("affinity")
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, lease_ttl_s=3.0,
-                                       freshness_s=1.5, shutdown_grace_s=0.5))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": 0,
+                                                "shutdown_grace_s": 0.5},
+                                       membership={"lease_ttl_s": 3.0, "freshness_s": 1.5}))
     await router.start()
     procs, addrs = {}, {}
     try:

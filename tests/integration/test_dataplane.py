@@ -19,9 +19,9 @@ from gpumesh.router.config import RouterConfig
 from tests.integration.procs import Proc, free_port, node_proc, wait_serving
 
 SECRET = "dataplane-secret"
-NODE_TOML = (f'ticket_secret = "{SECRET}"\nheartbeat_busy_interval_s = 0.1\n'
+NODE_TOML = (f'[security]\nticket_secret = "{SECRET}"\n[membership]\nheartbeat_busy_interval_s = 0.1\n'
              'heartbeat_idle_interval_s = 0.3\nreconnect_max_backoff_s = 0.5\n'
-             '[sim]\ntime_scale = 1.0\n')
+             '[engine.sim]\ntime_scale = 1.0\n')
 
 
 async def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
@@ -42,9 +42,11 @@ def healthy_ids(fleet: cpb.GetFleetResponse) -> set[str]:
 @pytest.fixture(scope="module")
 async def lookaside_mesh(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lookaside")
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, ticket_secret=SECRET,
-                                       lease_ttl_s=2.0, freshness_s=1.0,
-                                       heartbeat_interval_ms=100, shutdown_grace_s=0.5))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": 0,
+                                                "shutdown_grace_s": 0.5},
+                                       security={"ticket_secret": SECRET},
+                                       membership={"lease_ttl_s": 2.0, "freshness_s": 1.0,
+                                                   "heartbeat_interval_ms": 100}))
     await router.start()
     cfg = tmp / "node.toml"
     cfg.write_text(NODE_TOML)
@@ -94,7 +96,7 @@ async def test_lookaside_streams_from_the_node_and_credits_clear_by_node_counts(
     async with MeshClient(router.address) as c:
         fleet = await c.fleet()
     admitted = sum(a.admitted_requests for n in fleet.nodes for a in n.load.router_accounts
-                   if a.router_id == router.config.router_id)
+                   if a.router_id == router.config.serving.router_id)
     assert admitted == 7
 
 
@@ -183,7 +185,7 @@ async def test_pick_of_unknown_model_is_not_found(lookaside_mesh):
 async def test_multi_worker_router_every_worker_sees_the_fleet_and_accounts_exactly(tmp_path):
     port = free_port()
     router = Proc("router-mw", ["router", "--host", "127.0.0.1", "--port", str(port),
-                                "--workers", "2", "--freshness-s", "1.0"])
+                                "--workers", "2", "--membership.freshness-s", "1.0"])
     cfg = tmp_path / "node.toml"
     cfg.write_text(NODE_TOML)
     nodes = []
@@ -254,7 +256,7 @@ async def test_spread_client_round_robins_over_every_worker():
                 await asyncio.sleep(0.05)
             assert len(seen) == 3, seen
         # A node (no Router service) or a single-process router: the target as given.
-        single = RouterServer(RouterConfig(host="127.0.0.1", port=0))
+        single = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": 0}))
         await single.start()
         try:
             async with await MeshClient.spread(single.address) as c:

@@ -27,9 +27,10 @@ from tests.integration.procs import Proc, free_port, node_proc, wait_serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-NODE_TOML = ('max_model_len = 512\nserved_name = "fe"\nheartbeat_busy_interval_s = 0.1\n'
+NODE_TOML = ('[engine]\nmax_model_len = 512\nserved_name = "fe"\nnum_gpu_blocks_override = 8\n'
+             '[membership]\nheartbeat_busy_interval_s = 0.1\n'
              'heartbeat_idle_interval_s = 0.5\nreconnect_max_backoff_s = 0.5\n'
-             'num_gpu_blocks_override = 8\ndrain_timeout_s = 30\nfrontends = 2\n')
+             '[serving]\ndrain_timeout_s = 30\nfrontends = 2\n')
 # 8 KV blocks of vLLM CPU's 128 tokens hold two of these tests' ~490-token requests at a
 # time; the rest wait in the engine (in flight on the node). With 64 blocks all twelve of the
 # spread test ran at once and finished in about a second: CI once saw no report mid-stream.
@@ -73,9 +74,10 @@ async def mesh(tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[Frontend
     # loaded node's heartbeat once went 2 s without reaching the router (engine, two front
     # ends and the load on two cores), which removed the node mid-test (UNAVAILABLE "every
     # node serving it has left")
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=rport, lease_ttl_s=10.0,
-                                       freshness_s=1.0, heartbeat_interval_ms=100,
-                                       shutdown_grace_s=1.0))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": rport,
+                                                "shutdown_grace_s": 1.0},
+                                       membership={"lease_ttl_s": 10.0, "freshness_s": 1.0,
+                                                   "heartbeat_interval_ms": 100}))
     await router.start()
     cfg = tmp_path_factory.mktemp("fe") / "node.toml"
     cfg.write_text(NODE_TOML)
@@ -173,7 +175,7 @@ async def test_router_spreads_calls_and_the_heartbeat_merges_both_front_ends(
     except AssertionError as e:
         raise AssertionError(f"{len(tasks)} streams started, {sum(t.done() for t in tasks)} "
                              f"done, no report with more than {n // 2} in flight: {e}") from e
-    assert {a.router_id for a in seen.load.router_accounts} == {mesh.router.config.router_id}
+    assert {a.router_id for a in seen.load.router_accounts} == {mesh.router.config.serving.router_id}
     (acc,) = seen.load.router_accounts
     assert acc.admitted_requests - acc.finished_requests == seen.load.in_flight
     got = await asyncio.gather(*tasks)

@@ -36,8 +36,9 @@ async def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> None:
 
 @contextlib.asynccontextmanager
 async def router() -> AsyncIterator[RouterServer]:
-    r = RouterServer(RouterConfig(host="127.0.0.1", port=free_port(), router_id="rt",
-                                  heartbeat_interval_ms=50, shutdown_grace_s=0.5))
+    r = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": free_port(),
+                                           "router_id": "rt", "shutdown_grace_s": 0.5},
+                                  membership={"heartbeat_interval_ms": 50}))
     await r.start()
     try:
         yield r
@@ -48,8 +49,10 @@ async def router() -> AsyncIterator[RouterServer]:
 async def test_a_cleared_sim_cache_empties_the_index_at_once() -> None:
     async with router() as r:
         engine = SimEngine(SimEngineConfig(model_name=MODEL, time_scale=1.0))
-        node = NodeServer(NodeConfig(engine="sim", port=0, node_id="s0", routers=(r.address,),
-                                     heartbeat_idle_interval_s=5.0), engine)
+        node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                     serving={"port": 0, "node_id": "s0"},
+                                     membership={"routers": (r.address,),
+                                                 "heartbeat_idle_interval_s": 5.0}), engine)
         await node.start()
         try:
             await wait_for(lambda: len(r.registry) == 1)

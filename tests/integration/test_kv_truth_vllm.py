@@ -39,16 +39,20 @@ async def mesh(tiny_model_dir: Path) -> AsyncIterator[tuple[RouterServer, object
     from gpumesh.node.config import NodeConfig
     from gpumesh.node.engines.vllm import VllmEngine, VllmEngineConfig
 
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=free_port(), router_id="rt",
-                                       heartbeat_interval_ms=100, shutdown_grace_s=0.5))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": free_port(),
+                                                "router_id": "rt", "shutdown_grace_s": 0.5},
+                                       membership={"heartbeat_interval_ms": 100}))
     await router.start()
     engine = VllmEngine(VllmEngineConfig(
         model=str(tiny_model_dir), served_name="tiny", max_model_len=512,
         num_gpu_blocks_override=16, enforce_eager=True, kv_events=True))
-    node = NodeServer(NodeConfig(engine="vllm", port=0, node_id="kv", model=str(tiny_model_dir),
-                                 served_name="tiny", routers=(router.address,),
-                                 heartbeat_busy_interval_s=0.1, heartbeat_idle_interval_s=0.5,
-                                 reconnect_max_backoff_s=0.5), engine)
+    node = NodeServer(NodeConfig(engine={"kind": "vllm", "model": str(tiny_model_dir),
+                                         "served_name": "tiny"},
+                                 serving={"port": 0, "node_id": "kv"},
+                                 membership={"routers": (router.address,),
+                                             "heartbeat_busy_interval_s": 0.1,
+                                             "heartbeat_idle_interval_s": 0.5,
+                                             "reconnect_max_backoff_s": 0.5}), engine)
     try:
         await node.start()
         await wait_for(lambda: len(router.registry) == 1, 60)

@@ -22,14 +22,16 @@ from tests.integration.procs import free_port, node_proc, wait_serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-NODE_TOML = ('max_model_len = 512\nserved_name = "{name}"\nheartbeat_busy_interval_s = 0.1\n'
+NODE_TOML = ('[engine]\nmax_model_len = 512\nserved_name = "{name}"\nnum_gpu_blocks_override = 64\n'
+             '[membership]\nheartbeat_busy_interval_s = 0.1\n'
              'heartbeat_idle_interval_s = 0.5\nreconnect_max_backoff_s = 0.5\n'
-             'num_gpu_blocks_override = 64\ndrain_timeout_s = 10\n')
+             '[serving]\ndrain_timeout_s = 10\n')
 
 
 def router_config(port: int) -> RouterConfig:
-    return RouterConfig(host="127.0.0.1", port=port, lease_ttl_s=2.0, freshness_s=1.0,
-                        heartbeat_interval_ms=100, shutdown_grace_s=1.0)
+    return RouterConfig(serving={"host": "127.0.0.1", "port": port, "shutdown_grace_s": 1.0},
+                        membership={"lease_ttl_s": 2.0, "freshness_s": 1.0,
+                                    "heartbeat_interval_ms": 100})
 
 
 class Mesh:

@@ -53,17 +53,19 @@ async def mesh(policy: str = "") -> AsyncIterator[Mesh]:
     default when empty)."""
     routers = []
     for rid in ("ra", "rb"):
-        r = RouterServer(RouterConfig(host="127.0.0.1", port=0, router_id=rid, lease_ttl_s=5.0,
-                                      freshness_s=2.0, shutdown_grace_s=0.5,
+        r = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": 0, "router_id": rid,
+                                               "shutdown_grace_s": 0.5},
+                                      membership={"lease_ttl_s": 5.0, "freshness_s": 2.0},
                                       routing={"policy": policy} if policy else {}))
         await r.start()
         routers.append(r)
     nodes: dict[str, NodeServer] = {}
     for nid in ("na", "nb"):
-        cfg = NodeConfig(engine="sim", port=0, node_id=nid, served_name=MODEL,
-                         routers=tuple(r.address for r in routers),
-                         heartbeat_busy_interval_s=0.05, heartbeat_idle_interval_s=0.2,
-                         drain_timeout_s=5.0, sim={"step_a_ms": 20.0})
+        cfg = NodeConfig(engine={"kind": "sim", "served_name": MODEL, "sim": {"step_a_ms": 20.0}},
+                         serving={"port": 0, "node_id": nid, "drain_timeout_s": 5.0},
+                         membership={"routers": tuple(r.address for r in routers),
+                                     "heartbeat_busy_interval_s": 0.05,
+                                     "heartbeat_idle_interval_s": 0.2})
         node = NodeServer(cfg, build_engine(cfg))
         await node.start()
         nodes[nid] = node

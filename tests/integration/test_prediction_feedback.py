@@ -29,6 +29,7 @@ from gpumesh.node.config import NodeConfig
 from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from gpumesh.router.app import RouterServer
 from gpumesh.router.auth.keys import hash_key
+from gpumesh.config import nest
 from gpumesh.router.config import RouterConfig
 from gpumesh.router.scheduling import Policy
 from gpumesh.status import run_status
@@ -56,9 +57,9 @@ async def wait_for(pred: Callable[[], bool], timeout: float = 30.0) -> None:
 @contextlib.asynccontextmanager
 async def mesh(policy: Policy, n: int = 1, step_a_ms: float = 50.0,
                **router_kw: Any) -> AsyncIterator[RouterServer]:
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=free_port(), router_id="rt",
-                                       heartbeat_interval_ms=50, shutdown_grace_s=0.5,
-                                       **router_kw))
+    router = RouterServer(RouterConfig.build(nest(RouterConfig, {
+        "host": "127.0.0.1", "port": free_port(), "router_id": "rt",
+        "heartbeat_interval_ms": 50, "shutdown_grace_s": 0.5, **router_kw})))
     await router.start()
     router.dispatcher.admission.profile = policy   # the policy under test
     nodes = []
@@ -66,10 +67,11 @@ async def mesh(policy: Policy, n: int = 1, step_a_ms: float = 50.0,
         for i in range(n):
             engine = SimEngine(SimEngineConfig(model_name=MODEL, time_scale=1.0, seed=i,
                                                step_a_ms=step_a_ms))
-            node = NodeServer(NodeConfig(engine="sim", port=0, node_id=f"n{i}",
-                                         routers=(router.address,),
-                                         heartbeat_idle_interval_s=0.2,
-                                         reconnect_max_backoff_s=0.2), engine)
+            node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                         serving={"port": 0, "node_id": f"n{i}"},
+                                         membership={"routers": (router.address,),
+                                                     "heartbeat_idle_interval_s": 0.2,
+                                                     "reconnect_max_backoff_s": 0.2}), engine)
             await node.start()
             nodes.append(node)
         await wait_for(lambda: len(router.registry) == n)

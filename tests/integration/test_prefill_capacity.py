@@ -20,14 +20,17 @@ from gpumesh.router.scheduling.predictor import step_cost
 
 
 async def test_heartbeat_carries_prefill_capacity_to_the_router_and_get_fleet() -> None:
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, router_id="rt",
-                                       heartbeat_interval_ms=50, shutdown_grace_s=0.5))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": 0,
+                                                "router_id": "rt", "shutdown_grace_s": 0.5},
+                                       membership={"heartbeat_interval_ms": 50}))
     await router.start()
     engine = SimEngine(SimEngineConfig(model_name="sim", time_scale=4.0))
     expected = engine.prefill_capacity_tokens_per_s()
     assert expected == pytest.approx(159_750.0 / 4, rel=1e-3)
-    node = NodeServer(NodeConfig(engine="sim", port=0, node_id="pc",
-                                 routers=(router.address,), heartbeat_idle_interval_s=0.1),
+    node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                 serving={"port": 0, "node_id": "pc"},
+                                 membership={"routers": (router.address,),
+                                             "heartbeat_idle_interval_s": 0.1}),
                       engine)
     await node.start()
     try:
@@ -58,14 +61,17 @@ async def test_heartbeat_carries_prefill_capacity_to_the_router_and_get_fleet() 
 
 async def test_heartbeat_carries_the_decode_step_to_the_router_and_get_fleet() -> None:
     """The node's timed decode step (LoadReport.decode_step_s) is the router's step time."""
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, router_id="rt",
-                                       heartbeat_interval_ms=50, shutdown_grace_s=0.5))
+    router = RouterServer(RouterConfig(serving={"host": "127.0.0.1", "port": 0,
+                                                "router_id": "rt", "shutdown_grace_s": 0.5},
+                                       membership={"heartbeat_interval_ms": 50}))
     await router.start()
     # 5 ms simulated steps slowed 4x: 20 ms on the wall clock.
     engine = SimEngine(SimEngineConfig(model_name="sim", time_scale=4.0, step_a_ms=5.0,
                                        step_b_decode_ms=0.0, step_b_prefill_ms=0.0))
-    node = NodeServer(NodeConfig(engine="sim", port=0, node_id="st",
-                                 routers=(router.address,), heartbeat_idle_interval_s=0.1),
+    node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                 serving={"port": 0, "node_id": "st"},
+                                 membership={"routers": (router.address,),
+                                             "heartbeat_idle_interval_s": 0.1}),
                       engine)
     await node.start()
     try:

@@ -18,6 +18,7 @@ from gpumesh.node.app import NodeServer
 from gpumesh.node.config import NodeConfig
 from gpumesh.node.engines.sim import SimEngine, SimEngineConfig
 from gpumesh.router.app import RouterServer
+from gpumesh.config import nest
 from gpumesh.router.config import RouterConfig
 from gpumesh.v1 import inference_pb2, inference_pb2_grpc
 from tests.integration.procs import free_port
@@ -36,8 +37,9 @@ async def wait_for(pred: Callable[[], bool], timeout: float = 30.0) -> float:
 
 
 def router_config(port: int, **kw: Any) -> RouterConfig:
-    return RouterConfig(host="127.0.0.1", port=port, router_id="rt", heartbeat_interval_ms=50,
-                        shutdown_grace_s=0.5, **kw)
+    return RouterConfig.build(nest(RouterConfig, {
+        "host": "127.0.0.1", "port": port, "router_id": "rt", "heartbeat_interval_ms": 50,
+        "shutdown_grace_s": 0.5, **kw}))
 
 
 @contextlib.asynccontextmanager
@@ -48,9 +50,11 @@ async def mesh(n: int = 3, **kw: Any) -> AsyncIterator[tuple[RouterServer, list[
     nodes = []
     for i in range(n):
         engine = SimEngine(SimEngineConfig(model_name=MODEL, time_scale=1.0, seed=i))
-        node = NodeServer(NodeConfig(engine="sim", port=0, node_id=f"n{i}",
-                                     routers=(router.address,), heartbeat_idle_interval_s=0.2,
-                                     reconnect_max_backoff_s=0.2), engine)
+        node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                     serving={"port": 0, "node_id": f"n{i}"},
+                                     membership={"routers": (router.address,),
+                                                 "heartbeat_idle_interval_s": 0.2,
+                                                 "reconnect_max_backoff_s": 0.2}), engine)
         await node.start()
         nodes.append(node)
     holder: dict[str, RouterServer] = {"router": router}
@@ -123,8 +127,10 @@ async def test_without_events_the_router_approximates() -> None:
     try:
         for i in range(3):
             engine = SimEngine(SimEngineConfig(model_name=MODEL, time_scale=1.0, seed=i))
-            node = NodeServer(NodeConfig(engine="sim", port=0, node_id=f"q{i}",
-                                         routers=(router.address,), kv_events=False), engine)
+            node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                         serving={"port": 0, "node_id": f"q{i}"},
+                                         membership={"routers": (router.address,),
+                                                     "kv_events": False}), engine)
             await node.start()
             nodes.append(node)
         await wait_for(lambda: len(router.registry) == 3)

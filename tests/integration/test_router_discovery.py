@@ -100,14 +100,15 @@ async def test_node_heartbeats_to_every_replica_behind_a_name_and_follows_it():
         try:
             for i, h in enumerate(HOSTS):
                 procs.append(Proc(f"router-{i}", [
-                    "router", "--host", h, "--port", str(port), "--lease-ttl-s", "10",
-                    "--freshness-s", "5"], env={"GPUMESH_ROUTER_ROUTER_ID": f"r{i}"}))
+                    "router", "--host", h, "--port", str(port), "--membership.lease-ttl-s", "10",
+                    "--membership.freshness-s", "5"], env={"GPUMESH_ROUTER_SERVING__ROUTER_ID": f"r{i}"}))
             for h, p in zip(HOSTS, procs):
                 await wait_serving_async(routers[h], 60, watch=[p])
             node = Proc("dns-node", [
                 "node", "--engine", "sim", "--served-name", MODEL, "--port", "0",
                 "--node-id", "dn", "--router", f"dns://127.0.0.1:{dns_port}/{NAME}:{port}",
-                "--router-resolve-interval-s", "0.5", "--heartbeat-idle-interval-s", "0.2"])
+                "--membership.router-resolve-interval-s", "0.5",
+                "--membership.heartbeat-idle-interval-s", "0.2"])
             procs.append(node)
 
             async def registered_with(hosts: tuple[str, ...]) -> bool:
@@ -187,9 +188,9 @@ async def test_discovery_over_tls_verifies_routers_by_the_name(tmp_path):
         try:
             for i, h in enumerate(hosts):
                 procs.append(Proc(f"tls-router-{i}", [
-                    "router", "--host", h, "--port", str(port), "--control-port",
+                    "router", "--host", h, "--port", str(port), "--serving.control-port",
                     str(control), *tls],
-                    env={"GPUMESH_ROUTER_ROUTER_ID": f"t{i}"}))
+                    env={"GPUMESH_ROUTER_SERVING__ROUTER_ID": f"t{i}"}))
             procs.append(Proc("tls-node", [
                 "node", "--engine", "sim", "--served-name", MODEL, "--port", "0",
                 "--node-id", "tn", "--router", f"dns://127.0.0.1:{dns_port}/{NAME}:{control}",

@@ -119,8 +119,9 @@ async def smg_over_sim_nodes(exe: Path, model_dir: Path, id_prefix: str, nodes: 
     smg: SmgProcess | None = None
     try:
         for i in range(nodes):
-            node = NodeServer(NodeConfig(port=0, engine="sim", model=str(model_dir),
-                                         served_name=str(model_dir), node_id=f"{id_prefix}{i}"),
+            node = NodeServer(NodeConfig(serving={"port": 0, "node_id": f"{id_prefix}{i}"},
+                                         engine={"kind": "sim", "model": str(model_dir),
+                                                 "served_name": str(model_dir)}),
                               SimEngine(sim_config(model_dir)))
             await node.start()
             servers.append(node)

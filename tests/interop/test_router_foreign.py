@@ -40,8 +40,9 @@ async def _until(cond, timeout_s: float = 120.0, what: str = "condition") -> Non
 async def mesh(vllm_grpc_worker: str, tiny_model_dir: Path):
     # A long lease: nothing here waits for one to expire, and a worker busy with long streams
     # on shared cores can answer a load poll later than the default lease allows.
-    router = RouterServer(RouterConfig(port=0, host="127.0.0.1", lease_ttl_s=30.0,
-                                       foreign_nodes=(f"{vllm_grpc_worker}?node_id=stock-vllm",)))
+    router = RouterServer(RouterConfig(serving={"port": 0, "host": "127.0.0.1"},
+                                       membership={"lease_ttl_s": 30.0,
+                                                   "foreign_nodes": (f"{vllm_grpc_worker}?node_id=stock-vllm",)}))
     await router.start()
     member = router.foreign.members[0]
     try:
@@ -165,9 +166,10 @@ async def test_mixed_fleet_routes_as_one(mesh, tiny_model_dir):
     router, _, ch = mesh
     await _reported(router, "stock-vllm", "the foreign node in the fleet")
     vocab = 2048
-    sim = NodeServer(NodeConfig(port=0, engine="sim", model=str(tiny_model_dir),
-                                served_name=str(tiny_model_dir), node_id="sim-peer",
-                                routers=(router.address,)),
+    sim = NodeServer(NodeConfig(serving={"port": 0, "node_id": "sim-peer"},
+                                engine={"kind": "sim", "model": str(tiny_model_dir),
+                                        "served_name": str(tiny_model_dir)},
+                                membership={"routers": (router.address,)}),
                      SimEngine(SimEngineConfig(model_name=str(tiny_model_dir), vocab_size=vocab,
                                                max_context_length=512, time_scale=5.0)))
     await sim.start()

@@ -25,8 +25,8 @@ async def node():
     # time_scale 20: slow enough for a request to still be running when the test aborts it.
     engine = SimEngine(SimEngineConfig(model_name=MODEL, time_scale=20.0, vocab_size=2048,
                                        max_context_length=4096, kv_capacity_tokens=65536))
-    server = NodeServer(NodeConfig(port=0, engine="sim", model=MODEL, served_name=MODEL,
-                                   node_id="interop-sim"), engine)
+    server = NodeServer(NodeConfig(serving={"port": 0, "node_id": "interop-sim"},
+                                   engine={"kind": "sim", "model": MODEL, "served_name": MODEL}), engine)
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         yield server, ch

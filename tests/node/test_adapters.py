@@ -81,8 +81,9 @@ async def test_sim_adapter_cache_loads_once_and_evicts_lru() -> None:
 
 
 async def test_sim_node_serves_its_adapters_and_reports_them(tiny_adapters: Path) -> None:
-    node = NodeServer(NodeConfig(engine="sim", port=0, node_id="lora-sim",
-                                 adapter_dir=str(tiny_adapters), max_loras=1),
+    node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                 serving={"port": 0, "node_id": "lora-sim"},
+                                 lora={"adapter_dir": str(tiny_adapters), "max_loras": 1}),
                       SimEngine(SimEngineConfig(model_name="sim", time_scale=1.0,
                                                 max_loras=1, adapter_load_ms=40.0)))
     await node.start()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from gpumesh.node.config import NodeConfig
+from gpumesh.node.config import NodeConfig, NodeServingSettings
 from gpumesh.node.engines.vllm.kv_transfer import (
     KvTransferTotals,
     apply_side_channel,
@@ -31,17 +31,18 @@ def test_unknown_role_is_refused() -> None:
     with pytest.raises(ValueError, match="role"):
         default_kv_transfer_config("mixed", True)
     with pytest.raises(ValueError, match="role"):
-        NodeConfig(role="mixed")
-    with pytest.raises(ValueError, match="engine = 'vllm'"):
-        NodeConfig(role="prefill", engine="sim")
+        NodeConfig(serving={"role": "mixed"})
+    with pytest.raises(ValueError, match="engine.kind = 'vllm'"):
+        NodeConfig(serving={"role": "prefill"}, engine={"kind": "sim"})
     with pytest.raises(ValueError, match="kv_port"):
-        NodeConfig(role="decode", kv_port=70000)
+        NodeConfig(serving={"role": "decode", "kv_port": 70000})
 
 
 def test_advertised_host() -> None:
-    assert NodeConfig(host="10.0.0.5").advertised_host() == "10.0.0.5"
-    assert NodeConfig(host="0.0.0.0", advertise_address="pod-1:50051").advertised_host() == "pod-1"
-    assert NodeConfig(host="0.0.0.0").advertised_host() not in ("", "0.0.0.0")
+    assert NodeServingSettings(host="10.0.0.5").advertised_host() == "10.0.0.5"
+    assert NodeServingSettings(host="0.0.0.0",
+                               advertise_address="pod-1:50051").advertised_host() == "pod-1"
+    assert NodeServingSettings(host="0.0.0.0").advertised_host() not in ("", "0.0.0.0")
 
 
 def test_side_channel_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,10 +36,11 @@ async def cp():
 async def node(cp, tiny_model_dir, tmp_path_factory):
     plane, cp_addr = cp
     cfg = tmp_path_factory.mktemp("node") / "node.toml"
-    cfg.write_text(f'ticket_secret = "{SECRET}"\nnum_gpu_blocks_override = 64\n'
-                   'heartbeat_busy_interval_s = 0.1\nheartbeat_idle_interval_s = 0.5\n'
-                   'max_model_len = 512\nserved_name = "tiny"\naliases = ["tiny-alias"]\n'
-                   'drain_timeout_s = 20\n')
+    cfg.write_text(f'[security]\nticket_secret = "{SECRET}"\n'
+                   '[engine]\nnum_gpu_blocks_override = 64\nmax_model_len = 512\n'
+                   'served_name = "tiny"\naliases = ["tiny-alias"]\n'
+                   '[membership]\nheartbeat_busy_interval_s = 0.1\nheartbeat_idle_interval_s = 0.5\n'
+                   '[serving]\ndrain_timeout_s = 20\n')
     port = free_port()
     proc = node_proc(NODE_ID, port, [cp_addr], model=str(tiny_model_dir), core=0, config=cfg)
     addr = f"127.0.0.1:{port}"

@@ -12,9 +12,10 @@ from tests.integration.procs import RecordingControlPlane, free_port
 
 async def test_serves_without_router_then_registers_when_one_appears():
     cp_port = free_port()
-    node = NodeServer(NodeConfig(engine="sim", port=0, node_id="lonely",
-                                 routers=(f"127.0.0.1:{cp_port}",),
-                                 reconnect_max_backoff_s=0.3),
+    node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                 serving={"port": 0, "node_id": "lonely"},
+                                 membership={"routers": (f"127.0.0.1:{cp_port}",),
+                                             "reconnect_max_backoff_s": 0.3}),
                       SimEngine(SimEngineConfig(model_name="sim", time_scale=0)))
     await node.start()
     try:

@@ -65,7 +65,8 @@ class SlowTokenizeSim(SimEngine):
 @pytest.fixture
 async def slow_node():
     engine = SlowTokenizeSim()
-    node = NodeServer(NodeConfig(engine="sim", port=0, node_id="slowtok"), engine)
+    node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                 serving={"port": 0, "node_id": "slowtok"}), engine)
     await node.start()
     try:
         yield node, engine

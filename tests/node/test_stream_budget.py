@@ -53,8 +53,9 @@ async def test_many_streams_get_fewer_larger_messages():
     # 0.25 s (the cap; even a stream alone would get 0.1 s). Each stream takes ~0.6 s (120
     # tokens, a simulated step of ~5 ms), so about 3-4 messages each, against ~120 at the base
     # interval (101 measured with the budget off).
-    node = NodeServer(NodeConfig(engine="sim", port=0, node_id="budget", flush_interval_ms=5,
-                                 stream_messages_per_s=10),
+    node = NodeServer(NodeConfig(engine={"kind": "sim"},
+                                 serving={"port": 0, "node_id": "budget"},
+                                 streaming={"flush_interval_ms": 5, "stream_messages_per_s": 10}),
                       SimEngine(SimEngineConfig(model_name="sim", time_scale=2.0)))
     await node.start()
     try:
@@ -68,11 +69,11 @@ async def test_many_streams_get_fewer_larger_messages():
 
 def test_the_budget_is_set_by_toml_or_env_and_validated(tmp_path):
     toml = tmp_path / "node.toml"
-    toml.write_text('engine = "sim"\nstream_messages_per_s = 500\n')
-    assert load_node_config(toml, environ={}).stream_messages_per_s == 500
-    assert load_node_config(toml, environ={"GPUMESH_NODE_STREAM_MESSAGES_PER_S": "0"}
-                            ).stream_messages_per_s == 0
-    assert NodeConfig().stream_messages_per_s == 2000
-    toml.write_text('engine = "sim"\nstream_messages_per_s = -1\n')
-    with pytest.raises(ValueError, match="stream_messages_per_s must be >= 0"):
+    toml.write_text('[engine]\nkind = "sim"\n[streaming]\nstream_messages_per_s = 500\n')
+    assert load_node_config(toml, environ={}).streaming.stream_messages_per_s == 500
+    env = {"GPUMESH_NODE_STREAMING__STREAM_MESSAGES_PER_S": "0"}
+    assert load_node_config(toml, environ=env).streaming.stream_messages_per_s == 0
+    assert NodeConfig().streaming.stream_messages_per_s == 2000
+    toml.write_text('[engine]\nkind = "sim"\n[streaming]\nstream_messages_per_s = -1\n')
+    with pytest.raises(ValueError, match="streaming.stream_messages_per_s: must be >= 0"):
         load_node_config(toml, environ={})

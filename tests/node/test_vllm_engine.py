@@ -438,12 +438,12 @@ def test_stream_interval_from_node_toml_reaches_the_engine_args(tmp_path: Path) 
     from gpumesh.node.config import load_node_config
 
     toml = tmp_path / "node.toml"
-    toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 4\n')
+    toml.write_text('[engine]\nkind = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 4\n')
     engine = build_engine(load_node_config(toml, environ={}))
     assert engine_kwargs(engine._config)["stream_interval"] == 4   # type: ignore[attr-defined]
     assert engine_kwargs(VllmEngineConfig(model="/m"))["stream_interval"] == 1
-    toml.write_text('engine = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 0\n')
-    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+    toml.write_text('[engine]\nkind = "vllm"\nmodel = "/nowhere/m"\nstream_interval = 0\n')
+    with pytest.raises(ValueError, match="engine.stream_interval: must be >= 1"):
         load_node_config(toml, environ={})
 
 

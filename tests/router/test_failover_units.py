@@ -125,8 +125,9 @@ def test_continuable_bounded_by_migrations_and_deadline() -> None:
 
 
 def test_first_token_wait_follows_the_expected_wait() -> None:
-    cfg = SimpleNamespace(first_token_timeout_s=120.0, first_token_min_s=10.0,
-                          first_token_wait_factor=4.0)
+    cfg = SimpleNamespace(dispatch=SimpleNamespace(first_token_timeout_s=120.0,
+                                                   first_token_min_s=10.0,
+                                                   first_token_wait_factor=4.0))
     d = SimpleNamespace(considered=(SimpleNamespace(node_id="a", expected_wait_s=2.0),
                                     SimpleNamespace(node_id="b", expected_wait_s=None)))
     assert failover.first_token_wait(d, "a", cfg) == 18.0  # type: ignore[arg-type]

@@ -47,16 +47,17 @@ async def _until(cond, timeout_s: float = 30.0) -> None:
 @pytest.fixture(scope="module")
 async def mesh(tiny_model_dir: Path):
     model = str(tiny_model_dir)
-    node = NodeServer(NodeConfig(port=0, engine="sim", model=model, served_name=model,
-                                 node_id="sim-as-vllm"),
+    node = NodeServer(NodeConfig(serving={"port": 0, "node_id": "sim-as-vllm"},
+                                 engine={"kind": "sim", "model": model, "served_name": model}),
                       SimEngine(SimEngineConfig(model_name=model, vocab_size=2048,
                                                 max_context_length=2048, time_scale=1.0)))
     await node.start()
     # A long lease: the tests block the shared event loop in the wrapped encode for
     # TOKENIZE_S, and nothing here waits for a lease to expire.
-    router = RouterServer(RouterConfig(port=0, host="127.0.0.1", lease_ttl_s=30.0,
-                                       foreign_nodes=(
-        f"127.0.0.1:{node.port}?node_id=foreign&tokenizer={model}",)))
+    router = RouterServer(RouterConfig(serving={"port": 0, "host": "127.0.0.1"},
+                                       membership={"lease_ttl_s": 30.0,
+                                                   "foreign_nodes": (
+        f"127.0.0.1:{node.port}?node_id=foreign&tokenizer={model}",)}))
     await router.start()
     try:
         await _until(lambda: (e := router.registry.entry("foreign")) is not None

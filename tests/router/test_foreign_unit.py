@@ -27,9 +27,9 @@ def test_spec_parse():
 
 
 def test_config_lists_foreign_nodes():
-    cfg = RouterConfig.load(env={"GPUMESH_ROUTER_FOREIGN_NODES": "a:1?weight=2, b:2"})
-    assert cfg.foreign_nodes == ("a:1?weight=2", "b:2")
-    assert RouterConfig().foreign_nodes == ()
+    cfg = RouterConfig.load(env={"GPUMESH_ROUTER_MEMBERSHIP__FOREIGN_NODES": "a:1?weight=2, b:2"})
+    assert cfg.membership.foreign_nodes == ("a:1?weight=2", "b:2")
+    assert RouterConfig().membership.foreign_nodes == ()
 
 
 def test_load_mapping_prefers_the_servicers_prefill_count():

@@ -194,7 +194,7 @@ def test_sampled_decisions_include_the_holder_and_the_session_node() -> None:
 
 def test_settings_are_few_described_and_validated() -> None:
     fields = RoutingSettings.model_fields
-    assert len(fields) <= 8 and all(f.description for f in fields.values())
+    assert len(fields) <= 10 and all(f.description for f in fields.values())
     with pytest.raises(ValueError):
         RoutingSettings(objective="fastest")       # type: ignore[arg-type]
     with pytest.raises(ValueError):

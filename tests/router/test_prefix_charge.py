@@ -37,7 +37,7 @@ def _fleet() -> tuple[Registry, Dispatcher]:
         reg.heartbeat(nid, i + 1, 1, 0, LoadReport(kv_cache_usage=0.1, kv_capacity_tokens=KV,
                                                    prefill_capacity_tokens_per_s=20_000.0))
     profile = build_policy(RoutingSettings(policy="predicted_latency"))
-    d = Dispatcher(RouterConfig(router_id=RID), reg, None,  # type: ignore[arg-type]
+    d = Dispatcher(RouterConfig(serving={"router_id": RID}), reg, None,  # type: ignore[arg-type]
                    profile, default_filters(0.92), random.Random(1), clock)
     return reg, d
 

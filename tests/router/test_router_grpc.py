@@ -18,6 +18,7 @@ from gpumesh import metadata as md
 from gpumesh import tickets
 from gpumesh.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from gpumesh.router.app import RouterServer
+from gpumesh.config import nest
 from gpumesh.router.config import RouterConfig
 from tests.integration.procs import free_port
 from tests.router.fakenode import FakeNode
@@ -38,7 +39,7 @@ def config(**kw: Any) -> RouterConfig:
                             "lease_ttl_s": 1.0, "freshness_s": 0.5, "heartbeat_interval_ms": 50,
                             "shutdown_grace_s": 0.5, "ticket_secret": SECRET}
     base.update(kw)
-    return RouterConfig(**base)
+    return RouterConfig.build(nest(RouterConfig, base))
 
 
 class Fleet:

@@ -114,15 +114,16 @@ async def test_router_serves_the_signal_to_prometheus_and_getfleet():
 
     port = free_port()
     tel = gt.init(gt.ROUTER_SERVICE, "sat", environ={gt.PROMETHEUS_PORT_ENV: str(port)})
-    cfg = RouterConfig(host="127.0.0.1", port=0, router_id="sat", lease_ttl_s=5.0)
+    cfg = RouterConfig(serving={"host": "127.0.0.1", "port": 0, "router_id": "sat"},
+                       membership={"lease_ttl_s": 5.0})
     router = RouterServer(cfg, telemetry=None)
     router.telemetry = RouterTelemetry(tel, "sat", router.registry)
     router.telemetry.register_gauges()
     router.telemetry.register_saturation(lambda: router.saturation.latest)
     await router.start()
-    ncfg = NodeConfig(engine="sim", port=0, node_id="n1", served_name="m",
-                      routers=(router.address,), max_concurrency=4,
-                      heartbeat_idle_interval_s=0.2)
+    ncfg = NodeConfig(engine={"kind": "sim", "served_name": "m"},
+                      serving={"port": 0, "node_id": "n1", "max_concurrency": 4},
+                      membership={"routers": (router.address,), "heartbeat_idle_interval_s": 0.2})
     node = NodeServer(ncfg, build_engine(ncfg))
     await node.start()
     try:

@@ -46,15 +46,15 @@ def test_request_slo_reads_the_key_and_the_models_entries() -> None:
                                      ("m=3600001",)])
 def test_bad_model_entries_are_refused(entries: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):
-        RouterConfig(slo_ttft_ms=entries)
+        RouterConfig(dispatch={"slo_ttft_ms": entries})
     with pytest.raises(ValueError):
-        RouterConfig(slo_tpot_ms=entries)
+        RouterConfig(dispatch={"slo_tpot_ms": entries})
 
 
 def test_admission_mode_is_checked() -> None:
-    assert RouterConfig(slo_admission="reject").slo_admission == "reject"
+    assert RouterConfig(dispatch={"slo_admission": "reject"}).dispatch.slo_admission == "reject"
     with pytest.raises(ValueError):
-        RouterConfig(slo_admission="maybe")
+        RouterConfig(dispatch={"slo_admission": "maybe"})
 
 
 def key_file(extra: str) -> str:

@@ -119,10 +119,11 @@ async def secured_mesh(mode: str, tmp: Path) -> AsyncIterator[Secured]:
     make_mesh_certs(d, node_ids=["good", "other"])
     keys = tmp / "keys.toml"
     keys.write_text(keys_toml())
-    router_args = ["--api-keys-file", str(keys), "--quarantine-s", "30"]
+    router_args = ["--api-keys-file", str(keys), "--membership.quarantine-s", "30"]
     kw: dict = {}
     if mode == "token":
-        kw = dict(router_env={"GPUMESH_JOIN_TOKEN": TOKEN}, node_toml=f'join_token = "{TOKEN}"\n',
+        kw = dict(router_env={"GPUMESH_JOIN_TOKEN": TOKEN},
+                  node_toml=f'[security]\njoin_token = "{TOKEN}"\n',
                   client_kwargs={"api_key": OPERATOR_KEY})
     else:
         router_args += _tls_args(d, "router")

@@ -18,8 +18,8 @@ from gpumesh.v1 import control_pb2 as cpb
 from gpumesh.v1 import control_pb2_grpc as cpb_grpc
 from tests.integration.procs import Proc, free_port, node_proc
 
-NODE_TOML = ('heartbeat_busy_interval_s = 0.1\nheartbeat_idle_interval_s = 0.3\n'
-             'reconnect_max_backoff_s = 0.5\n[sim]\ntime_scale = 1.0\n')
+NODE_TOML = ('[membership]\nheartbeat_busy_interval_s = 0.1\nheartbeat_idle_interval_s = 0.3\n'
+             'reconnect_max_backoff_s = 0.5\n[engine.sim]\ntime_scale = 1.0\n')
 
 
 async def wait_for(predicate: Callable[[], Awaitable[object]], timeout_s: float = 60.0,
@@ -46,8 +46,8 @@ class Mesh:
 
 
 def router_proc(port: int, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> Proc:
-    args = ["router", "--host", "127.0.0.1", "--port", str(port), "--lease-ttl-s", "3",
-            "--freshness-s", "1.5", "--shutdown-grace-s", "0.5", *extra]
+    args = ["router", "--host", "127.0.0.1", "--port", str(port), "--membership.lease-ttl-s", "3",
+            "--membership.freshness-s", "1.5", "--serving.shutdown-grace-s", "0.5", *extra]
     return Proc("router", args, {"GPUMESH_LOG_LEVEL": "info", **(env or {})})
 
 
@@ -66,12 +66,12 @@ async def mesh(tmp: Path, node_names: Sequence[str] = ("good",), router_args: Se
     """A router process and sim node processes registered with it (healthy in its fleet).
     ``control_port``: the router also serves one, and the nodes register there."""
     port = free_port()
-    extra_router = ["--control-port", str(control_port)] if control_port else []
+    extra_router = ["--serving.control-port", str(control_port)] if control_port else []
     r = router_proc(port, [*router_args, *extra_router], router_env)
     m = Mesh(r, f"{router_host}:{port}")
     m.node_router = f"127.0.0.1:{control_port}" if control_port else m.router_address
     cfg = tmp / "node.toml"
-    cfg.write_text(node_toml + NODE_TOML)   # top-level keys before the [sim] table
+    cfg.write_text(node_toml + NODE_TOML)   # node_toml: its own tables ([security])
     try:
         for name in node_names:
             nport = free_port()

@@ -228,10 +228,11 @@ async def test_a_refused_node_logs_the_routers_status(secured, tmp_path):
     s = secured
     cfg = tmp_path / "node.toml"
     if s.mode == "token":
-        cfg.write_text('join_token = "not-the-token"\nreconnect_max_backoff_s = 0.3\n')
+        cfg.write_text('[security]\njoin_token = "not-the-token"\n'
+                       '[membership]\nreconnect_max_backoff_s = 0.3\n')
         extra, want = [], S.UNAUTHENTICATED
     else:   # node "intruder" holding node "other"'s certificate
-        cfg.write_text("reconnect_max_backoff_s = 0.3\n")
+        cfg.write_text("[membership]\nreconnect_max_backoff_s = 0.3\n")
         extra, want = _tls_args(s.certs, "other"), S.PERMISSION_DENIED
     # debug logging: every attempt's outcome is in the log, not only the first refusal
     proc = Proc("intruder", ["node", "--engine", "sim", "--model", "sim", "--port",

@@ -20,7 +20,7 @@ TOKEN = "join-token-for-tests"
 async def token_mesh(tmp_path_factory):
     async with mesh(tmp_path_factory.mktemp("token"), ("good",),
                     router_env={"GPUMESH_JOIN_TOKEN": TOKEN},
-                    node_toml=f'join_token = "{TOKEN}"\n') as m:
+                    node_toml=f'[security]\njoin_token = "{TOKEN}"\n') as m:
         yield m
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 @pytest.fixture(scope="module")
 async def one_node(tmp_path_factory):
     async with mesh(tmp_path_factory.mktemp("input"), ("good",),
-                    router_args=("--quarantine-s", "60")) as m:
+                    router_args=("--membership.quarantine-s", "60")) as m:
         yield m
 
 

@@ -175,7 +175,7 @@ async def router_only_mesh(certs, tmp_path_factory):
     async with mesh(tmp_path_factory.mktemp("ronly"), ("good",),
                     router_args=[*_tls_args(d, "router"), "--tls-require-client-cert"],
                     router_env={"GPUMESH_TICKET_SECRET": secret},
-                    node_toml=f'ticket_secret = "{secret}"\nrouter_only = true\n'
+                    node_toml=f'[security]\nticket_secret = "{secret}"\nrouter_only = true\n'
                               'tls_require_client_cert = true\n',
                     node_args_for=lambda n: _tls_args(d, n),
                     client_kwargs={"tls": _client_tls(d, "operator")}) as m:

@@ -46,8 +46,8 @@ async def mesh(receiver):
     rport = free_port()
     raddr = f"127.0.0.1:{rport}"
     procs = [Proc(ROUTER_ID, ["router", "--host", "127.0.0.1", "--port", str(rport),
-                              "--router-id", ROUTER_ID, "--first-token-timeout-s", "10",
-                              "--fleet-rebuild-s", "0"], env)]
+                              "--router-id", ROUTER_ID, "--dispatch.first-token-timeout-s", "10",
+                              "--membership.fleet-rebuild-s", "0"], env)]
     try:
         for node_id in NODES:
             port = free_port()

@@ -31,8 +31,8 @@ async def pd_trace_mesh(receiver, tiny_model_dir, tmp_path_factory):
     rport = free_port()
     raddr = f"127.0.0.1:{rport}"
     procs = [Proc("pd-trace-router", ["router", "--host", "127.0.0.1", "--port", str(rport),
-                                      "--router-id", "pd-trace-router", "--fleet-rebuild-s",
-                                      "0", "--lease-ttl-s", "15", "--freshness-s", "5"], env)]
+                                      "--router-id", "pd-trace-router", "--membership.fleet-rebuild-s",
+                                      "0", "--membership.lease-ttl-s", "15", "--membership.freshness-s", "5"], env)]
     addrs: list[str] = []
     try:
         for core, (node_id, role) in enumerate((("tr-pre", "prefill"), ("tr-dec", "decode"))):

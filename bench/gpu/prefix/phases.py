@@ -94,12 +94,12 @@ class PrefixWorkload:
 
 def _router_specs(env: Env, setups: list[str], shape: str) -> list[GpuRouterSpec]:
     """One router per gpumesh setup, named ``p-<setup>``, over both nodes."""
-    base = {"GPUMESH_ROUTER_AFFINITY_WEIGHT": "0"}
+    base: dict[str, str] = {}
     if env.engine == "vllm":   # the dummy model's tokenizer (simulated nodes need none)
-        base["GPUMESH_ROUTER_PREFIX_TOKENIZERS"] = (
+        base["GPUMESH_ROUTER_LOCALITY__PREFIX_TOKENIZERS"] = (
             f"{SERVED[shape]}={env.models[shape] / 'tokenizer'}")
     return [GpuRouterSpec(_rname(k), _ROUTERS[k][0], NODES,
-                          env={**base, "GPUMESH_ROUTER_PREFIX_LOCALITY": _ROUTERS[k][1]})
+                          env={**base, "GPUMESH_ROUTER_LOCALITY__PREFIX_LOCALITY": _ROUTERS[k][1]})
             for k in setups]
 
 

@@ -1,9 +1,9 @@
 """Membership for stock vLLM gRPC workers: each listed worker registered and reported like a
 node.
 
-For each worker in ``RouterConfig.foreign_nodes`` a ``ForeignMember`` task does what a gpumesh
-node does itself: HealthCheck + GetModelInfo -> ``Registry.register`` (kind "vllm-grpc", a
-fresh incarnation per connection), then load reports into ``Registry.heartbeat`` exactly as
+For each worker in ``RouterConfig.membership.foreign_nodes`` a ``ForeignMember`` task does
+what a gpumesh node does itself: HealthCheck + GetModelInfo -> ``Registry.register`` (kind
+"vllm-grpc", a fresh incarnation per connection), then load reports into ``Registry.heartbeat`` exactly as
 heartbeats would be applied:
 
 - pushed: ``SubscribeKvEvents`` (``load_records_before_first_batch``): every batch's
