@@ -7,7 +7,7 @@ check, ``gpumesh sim validate``).
    every router sees every node (each node heartbeats and streams its KV events to all of
    them), only the one under load gets requests;
 2. ``engines`` ``gpumesh node --engine vllm`` processes on the same model folder, each with
-   the same engine arguments (``[node.engine_args]`` of a generated node TOML). On vLLM CPU,
+   the same engine arguments (``[engine.engine_args]`` of a generated node TOML). On vLLM CPU,
    engine i is pinned to core ``cores[i]``: ``VLLM_CPU_OMP_THREADS_BIND=<core>`` and
    ``taskset -c <core>`` for the whole node process (its front end too). On CUDA ``cores``
    is empty and the engines share the visible GPU(s): give each its memory share with the
@@ -122,7 +122,7 @@ class LiveFleet:
         for i, node_id in enumerate(self.node_ids):
             port = self.node_ports[node_id] = free_port()
             conf = self._tmp / f"{node_id}.toml"
-            lines = ["[node]", "[node.engine_args]"]
+            lines = ["[engine.engine_args]"]
             lines += [f"{k} = {_toml_value(v)}" for k, v in s.engine_args.items()]
             conf.write_text("\n".join(lines) + "\n", encoding="utf-8")
             argv = [sys.executable, "-m", "gpumesh.cli", "--log-level", "info", "node",
