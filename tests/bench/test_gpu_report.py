@@ -155,7 +155,7 @@ def test_report_pairs_message_budget_benches_by_their_recorded_leg_not_the_label
 
 
 def test_report_keeps_every_calls_records_and_labels_them_by_call() -> None:
-    # one results.json that two device calls appended the same phase to: same setup strings
+    # one results.json that two runs appended the same phase to: same setup strings
     def msg(call: int, label: str, done: float, fixed: int = 0) -> dict[str, object]:
         r = _rec(f"1 GPU, direct to node, {label} #0", 128, done, 1.2, phase="msg05")
         return {**r, "call": call, "round": 0, **({"flush_interval_ms": fixed} if fixed else {})}
