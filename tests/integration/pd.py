@@ -46,6 +46,14 @@ async def warm_up(router_addr: str, attempts: int = 8, in_a_row: int = 2) -> Non
                          f"{attempts} tries")
 
 
+async def direct_warm_up(node_addr: str, requests: int = 3) -> None:
+    """A few whole requests of the warm-up's length straight to one node."""
+    async with MeshClient(node_addr) as client:
+        for i in range(requests):
+            await client.generate(build_request(f"{i} warm up " * 40, model="tiny",
+                                                max_tokens=2, temperature=0), timeout=120)
+
+
 class PdMesh(Mesh):
     leg_timeout_s = 10.0   # the router's disagg_leg_timeout_s
 
@@ -77,7 +85,12 @@ async def started_pd_mesh(model_dir: Path, tmp: Path,
         await asyncio.gather(m.start_pd_node("pre", "prefill", 0, model_dir, tmp),
                              m.start_pd_node("dec", "decode", 1, model_dir, tmp))
         await m.wait_fleet(lambda f: {"pre", "dec"} <= healthy(f))
-        await warm_up(m.router_addr)
+        # each engine's first prefills on a CPU run far slower than later ones (kernels are
+        # prepared per shape), longer than a short leg deadline: served whole, directly,
+        # before the router's legs are timed
+        for name in ("pre", "dec"):
+            await direct_warm_up(m.addrs[name])
+        await warm_up(m.router_addr, attempts=16)
         yield m
     finally:
         await m.close()
