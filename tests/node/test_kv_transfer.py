@@ -4,6 +4,7 @@ totals read from vLLM's connector stats (gpumesh.node.engines.vllm.kv_transfer).
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -13,6 +14,7 @@ from gpumesh.node.engines.vllm.kv_transfer import (
     apply_side_channel,
     check_params,
     default_kv_transfer_config,
+    free_port,
 )
 
 
@@ -53,7 +55,18 @@ def test_side_channel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert host == "10.1.2.3" and 0 < port < 65536
     assert os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.2.3"
     assert os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(port)
-    assert apply_side_channel({"kv_connector": "NixlConnector"}, "h", 5600) == ("h", 5600)
+    free = free_port()
+    assert apply_side_channel({"kv_connector": "NixlConnector"}, "h", free) == ("h", free)
+
+
+def test_side_channel_port_in_use_is_an_error() -> None:
+    """A configured port something already listens on: an error at start, not a hang."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=str(port)):
+            apply_side_channel({"kv_connector": "NixlConnector"}, "127.0.0.1", port)
 
 
 @pytest.mark.parametrize("params", [

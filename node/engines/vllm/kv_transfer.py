@@ -74,22 +74,23 @@ def apply_side_channel(kv_transfer_config: Mapping[str, Any] | None, host: str,
             or "Nixl" not in str(kv_transfer_config.get("kv_connector", ""))):
         return None
     if port:
-        _check_bindable(host, port)
+        _check_port_free(port)
     port = port or free_port()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     return host, port
 
 
-def _check_bindable(host: str, port: int) -> None:
-    """``ValueError`` naming the address when the side channel could not bind it: vLLM's
-    handshake listener would die in its thread and the engine wait for it without end."""
+def _check_port_free(port: int) -> None:
+    """``ValueError`` naming the port when something on this machine already listens on it:
+    vLLM's handshake listener would die in its thread and the engine wait for it without end.
+    (The wildcard address: the check needs no name resolution of the advertised host.)"""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host, port))
+            s.bind(("", port))
         except OSError as e:
-            raise ValueError(f"KV side channel {host}:{port} cannot be bound ({e.strerror}); "
-                             "choose another kv_port or 0 for a free one") from e
+            raise ValueError(f"KV side-channel port {port} cannot be bound ({e.strerror}); "
+                             "choose another kv_port, or 0 for a free one") from e
 
 
 def check_params(params: Mapping[str, Any]) -> None:
