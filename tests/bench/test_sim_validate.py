@@ -124,7 +124,7 @@ def test_livecal_recovers_a_known_step_model(tmp_path: Path) -> None:
     want = {"step_a_ms": 8.0, "step_b_decode_ms": 0.4, "step_b_prefill_ms": 0.06}  # CPU-like
     conf = tmp_path / "node.toml"
     # slowed 3x (wall = 3 x simulated): scheduling noise of a busy machine matters less
-    conf.write_text("[node.sim]\ntime_scale = 3.0\n"
+    conf.write_text("[engine.sim]\ntime_scale = 3.0\n"
                     + "".join(f"{k} = {v}\n" for k, v in want.items()))
     node = ChildProcess.gpumesh("simnode", ["node", "--engine", "sim", "--port", str(port),
                                             "--node-id", "s0", "--served-name", "tiny",
@@ -132,7 +132,7 @@ def test_livecal_recovers_a_known_step_model(tmp_path: Path) -> None:
                                 tmp_path / "node.log", die_with_parent=True)
     try:
         wait_serving(f"127.0.0.1:{port}", 60, watch=[node])
-        fit = asyncio.run(calibrate(f"127.0.0.1:{port}", "tiny", 30_000, context=200))
+        fit = asyncio.run(calibrate(f"127.0.0.1:{port}", "tiny", 30_000, context=200, reps=4))
     finally:
         stop_all([node], 10)
     tolerance = {"step_a_ms": 0.3, "step_b_decode_ms": 0.3, "step_b_prefill_ms": 0.5}
