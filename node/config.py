@@ -27,6 +27,7 @@ from gpumesh.node.adapters import LoraSettings
 from gpumesh.node.engines.settings import EngineSettings
 from gpumesh.node.heartbeat import NodeMembershipSettings
 from gpumesh.node.streaming.settings import StreamingSettings
+from gpumesh.security.settings import TLS_SHORT_FLAGS
 
 ROLES = ("both", "prefill", "decode")   # NodeServingSettings.role (docs/disaggregation.md)
 
@@ -98,9 +99,7 @@ class NodeConfig(Settings):
         "engine.gpu_memory_utilization": "gpu-memory-utilization",
         "engine.enforce_eager": "enforce-eager",
         "engine.num_gpu_blocks_override": "num-gpu-blocks-override",
-        "security.tls_cert_file": "tls-cert-file", "security.tls_key_file": "tls-key-file",
-        "security.tls_ca_file": "tls-ca-file",
-        "security.tls_require_client_cert": "tls-require-client-cert",
+        **TLS_SHORT_FLAGS,
         "security.insecure": "insecure", "security.router_only": "router-only"}
 
     serving: NodeServingSettings = Field(default_factory=NodeServingSettings,

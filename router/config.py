@@ -35,6 +35,7 @@ from gpumesh.router.auth.settings import RouterSecuritySettings
 from gpumesh.router.dispatch.settings import DispatchSettings
 from gpumesh.router.fleet.settings import LocalitySettings, MembershipSettings, ScalingSettings
 from gpumesh.router.scheduling.settings import POLICIES, RoutingSettings
+from gpumesh.security.settings import TLS_SHORT_FLAGS
 
 __all__ = ["POLICIES", "RouterConfig", "ServingSettings", "add_arguments", "from_args"]
 
@@ -93,9 +94,7 @@ class RouterConfig(Settings):
     SHORT_FLAGS: ClassVar[dict[str, str | list[str]]] = {
         "serving.host": "host", "serving.port": "port", "serving.router_id": "router-id",
         "routing.policy": "policy",
-        "security.tls_cert_file": "tls-cert-file", "security.tls_key_file": "tls-key-file",
-        "security.tls_ca_file": "tls-ca-file",
-        "security.tls_require_client_cert": "tls-require-client-cert",
+        **TLS_SHORT_FLAGS,
         "security.insecure": "insecure", "security.api_keys_file": "api-keys-file"}
 
     serving: ServingSettings = Field(default_factory=ServingSettings,

@@ -42,3 +42,10 @@ class SecuritySettings(BaseModel):
     @property
     def ticket_secret_bytes(self) -> bytes:
         return self.ticket_secret.encode()
+
+
+#: the short flags of the TLS settings, the same for the router and the node
+TLS_SHORT_FLAGS: dict[str, str | list[str]] = {
+    "security.tls_cert_file": "tls-cert-file", "security.tls_key_file": "tls-key-file",
+    "security.tls_ca_file": "tls-ca-file",
+    "security.tls_require_client_cert": "tls-require-client-cert"}

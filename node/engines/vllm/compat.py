@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumesh.node.engines.base import EngineError, EngineOverloaded, InvalidRequest, PromptTooLong
+from gpumesh.node.engines.base import (
+    EngineError,
+    EngineOverloaded,
+    EngineRequest,
+    InvalidRequest,
+    PromptTooLong,
+)
 
 
 def import_entry_points() -> tuple[Any, Any, Any]:
@@ -80,3 +86,24 @@ def current_platform() -> Any:
     from vllm import platforms
 
     return platforms.current_platform
+
+
+def sampling_params(request: EngineRequest) -> Any:
+    """vLLM's ``SamplingParams`` for ``request``: deltas, detokenized, greedy/top-k mapped."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = request.sampling
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else -1,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        include_stop_str_in_output=False,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=True,
+        skip_special_tokens=True,
+    )

@@ -25,6 +25,7 @@ from gpumesh.node.engines.vllm.compat import (
     engine_error,
     import_entry_points,
     refresh_vllm_envs,
+    sampling_params,
     vllm_error_types,
 )
 from gpumesh.node.engines.vllm.config import VllmEngineConfig
@@ -265,7 +266,7 @@ class VllmEngine:
             raise PromptTooLong(
                 f"prompt has {n} tokens; the model's context window is {self._max_model_len}"
             )
-        params = self._sampling_params(request)
+        params = sampling_params(request)
         if request.kv_transfer_params is not None:
             params.extra_args = request_extra_args(request.kv_transfer_params, self._kv_transfer)
         # An already-rendered engine input: vLLM skips its (deprecated) raw-prompt path.
@@ -381,24 +382,3 @@ class VllmEngine:
         if self._tokenizer is None:
             raise EngineUnavailable("engine shut down" if self._shut else "engine still starting")
         return self._tokenizer
-
-    @staticmethod
-    def _sampling_params(request: EngineRequest) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        s = request.sampling
-        return SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else -1,
-            seed=s.seed,
-            stop=list(s.stop) or None,
-            include_stop_str_in_output=False,
-            ignore_eos=s.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=True,
-            skip_special_tokens=True,
-        )
-
