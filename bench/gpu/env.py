@@ -38,6 +38,7 @@ class GpuRouterSpec:
     policy: str = "predicted_latency"
     members: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)   # on top of Env.router_env
+    workers: int = 0   # router processes (--workers); 0 = Env.workers
 
 
 @dataclass

@@ -66,7 +66,7 @@ class Group:
             port = free_port()
             self.addr[r.name] = f"127.0.0.1:{port}"
             args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", r.policy,
-                    "--workers", str(env.workers), "--router-id", r.name.replace(".", "-")]
+                    "--workers", str(r.workers or env.workers), "--router-id", r.name.replace(".", "-")]
             renv = {"GPUMESH_LOG_LEVEL": "warning"}
             if env.engine == "sim" and env.sim_scale_intervals and env.sim_time_scale > 0:
                 t = env.sim_time_scale   # RouterConfig defaults 1.5 s / 3 s, scaled

@@ -39,6 +39,11 @@ this router's; the unreported terms are what this router sent since n's last rep
                                          blocks someone else would hit (best = the longest
                                          prefix any node holds of q)
               + R * b_decode * out       q's decode tokens lengthen their steps
+              + b_prefill * dup          refreshing a second copy of a prefix keeps it
+                                         alive on n and evicts blocks someone else would
+                                         hit: dup = best when n is one of several nodes
+                                         holding the longest prefix and not its keeper
+                                         (``prefix_keeper``), else 0
 
 The slot wait: when n's report had requests waiting (its running batch is full), q waits
 for (those still waiting + f * unreported + 1) finishes, at R finishes per
@@ -54,9 +59,13 @@ router's own outstanding prompt tokens and requests there, at the default step c
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpumesh.kvblocks import BLOCK_SIZE
 from gpumesh.profiles import EngineProfile
+from gpumesh.router.scheduling.policies.base import node_rank, request_key
 from gpumesh.router.scheduling.types import Candidate, RequestInfo
 
 MIN_FIT_SPANS = 8
@@ -136,10 +145,33 @@ def output_tokens(request: RequestInfo, default: int, cap: int) -> int:
     return min(request.output_tokens, cap) if request.output_tokens > 0 else default
 
 
+def prefix_keeper(candidates: Sequence[Candidate], request: RequestInfo,
+                  best_held: int) -> str:
+    """When several candidates hold the request's longest known prefix (to within a
+    block), the one that keeps it: first in the rendezvous order of that prefix's last
+    block (``base.node_rank``), so every request sharing the prefix names the same keeper
+    on every router replica and the other copies age out of the other nodes' caches. ""
+    when fewer than two hold it."""
+    if best_held <= 0:
+        return ""
+    holders = [c.node_id for c in candidates
+               if held_tokens(c, request) > best_held - BLOCK_SIZE]
+    if len(holders) < 2:
+        return ""
+    blocks = best_held // BLOCK_SIZE
+    if request.prefix_hashes and 0 < blocks <= len(request.prefix_hashes):
+        key = zlib.crc32(f"p:{request.prefix_hashes[blocks - 1]}".encode())
+    else:
+        key = request_key(request)
+    return min(holders, key=lambda n: node_rank(key, n))
+
+
 def predict(c: Candidate, request: RequestInfo, cost: StepCost, *, out: int,
-            best_held: int, out_default: int, adapter_load_s: float) -> Prediction:
+            best_held: int, out_default: int, adapter_load_s: float,
+            keeper: str = "") -> Prediction:
     """The prediction for ``request`` on ``c`` (module doc). ``out``: the request's output
-    tokens (``output_tokens``); ``best_held``: ``best_held_tokens(request)``."""
+    tokens (``output_tokens``); ``best_held``: ``best_held_tokens(request)``; ``keeper``:
+    ``prefix_keeper`` of the candidates (a duplicate holder pays ``dup``)."""
     r = c.report
     f = max(c.peer_factor, 1.0)
     if r is not None:
@@ -166,8 +198,9 @@ def predict(c: Candidate, request: RequestInfo, cost: StepCost, *, out: int,
         ttft += measured if measured > 0 else adapter_load_s
     ttft *= c.prediction_scale if c.prediction_scale > 0 else 1.0
     completion = ttft + out * (cost.a_s + cost.decode_s * (running + 1.0))
+    dup = best_held if keeper and c.node_id != keeper and held > best_held - BLOCK_SIZE else 0
     imposed = (running * cost.prefill_s * own
-               + cost.prefill_s * max(best_held - held, 0)
+               + cost.prefill_s * (max(best_held - held, 0) + dup)
                + running * cost.decode_s * out
                + _kv_overflow(c, own + out, running, f, out_default) * cost.prefill_s
                * (1.0 + running))

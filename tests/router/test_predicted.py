@@ -23,7 +23,7 @@ from gpumesh.router.scheduling import (
     select_from,
 )
 from gpumesh.router.scheduling.policies.predicted import PredictedLatency, builtin_profile_for
-from gpumesh.router.scheduling.predictor import StepCost, predict, step_cost
+from gpumesh.router.scheduling.predictor import StepCost, predict, prefix_keeper, step_cost
 from gpumesh.router.scheduling.filters import whole_request
 from gpumesh.types import LoadReport, StepModel
 from gpumesh.v1 import inference_pb2
@@ -96,6 +96,30 @@ def test_a_miss_pays_the_eviction_of_a_prefix_held_elsewhere() -> None:
     hit = predict(cand("h"), req, COST, **{**KW, "best_held": 900})
     assert miss.imposed_s == pytest.approx(0.0001 * 900) and hit.imposed_s == 0.0
     assert miss.ttft_s - hit.ttft_s == pytest.approx(0.0001 * 900)
+
+
+def test_a_prefix_held_twice_has_one_keeper_and_the_other_copy_pays_its_eviction() -> None:
+    hashes = tuple(range(1, 64))
+    reqs = [RequestInfo("m", 1008 + 16 * i, prefix_hashes=hashes,
+                        cached_tokens={"a": 960, "b": 960, "c": 320}) for i in range(3)]
+    cs = [cand("a", running=2), cand("b", running=2), cand("c")]
+    keepers = {prefix_keeper(cs, r, 960) for r in reqs}
+    assert len(keepers) == 1 and keepers <= {"a", "b"}     # one keeper for every request
+    assert prefix_keeper(list(reversed(cs)), reqs[0], 960) in keepers   # on every replica
+    keeper = keepers.pop()
+    other = "b" if keeper == "a" else "a"
+    kw = {**KW, "best_held": 960, "keeper": keeper}
+    p_keep = predict(next(c for c in cs if c.node_id == keeper), reqs[0], COST, **kw)
+    p_dup = predict(next(c for c in cs if c.node_id == other), reqs[0], COST, **kw)
+    assert p_dup.imposed_s - p_keep.imposed_s == pytest.approx(0.0001 * 960)
+    assert p_dup.ttft_s == p_keep.ttft_s
+    # equal load: the keeper wins; a copy elsewhere is refreshed only when the keeper is
+    # busier by more than the eviction it saves
+    assert select(policy(), cs[:2], reqs[0], RNG, ()).node_id == keeper
+    busy = [cand(keeper, running=2, pending=4000), cand(other, running=2)]
+    assert select(policy(), busy, reqs[0], RNG, ()).node_id == other
+    # one holder: no keeper, nothing charged
+    assert prefix_keeper(cs, RequestInfo("m", 1000, cached_tokens={"a": 960}), 960) == ""
 
 
 def test_full_slots_and_full_kv_wait() -> None:

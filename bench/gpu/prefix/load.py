@@ -122,6 +122,7 @@ def _child(kind: str, target: str, model: str, worker_nodes: dict[str, str],
     async def grpc_go() -> list[RequestResult]:
         import grpc
 
+        from gpumesh.client import SPREAD_OPTIONS, spread_target
         from gpumesh.v1 import inference_pb2 as pb
         from gpumesh.v1 import inference_pb2_grpc as pb_grpc
         from gpumesh_bench.loadgen import send_message
@@ -133,8 +134,11 @@ def _child(kind: str, target: str, model: str, worker_nodes: dict[str, str],
             m.sampling.ignore_eos = True
             return m
 
-        async with grpc.aio.insecure_channel(
-                target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        # a multi-worker router: a connection per worker, calls round-robin over them
+        spread = await spread_target(target)
+        opts = [("grpc.max_receive_message_length", 64 << 20),
+                *(SPREAD_OPTIONS if spread != target else [])]
+        async with grpc.aio.insecure_channel(spread, options=opts) as ch:
             stub = pb_grpc.InferenceStub(ch)
             await asyncio.wait_for(ch.channel_ready(), timeout=30)
             await asyncio.sleep(max(0.0, start_at - time.time()))

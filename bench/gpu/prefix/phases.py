@@ -12,10 +12,10 @@ reversed every round):
   (SMG's defaults otherwise). Which cache state it could have: the record's ``smg_mode``, from
   whether the nodes' ``SubscribeKvEvents`` carried block events during the bench.
 
-Session affinity is off in every gpumesh router (``affinity_weight`` 0), so locality alone
-places requests; the routers hash prompts with the model's own tokenizer (loaded when the
-nodes register) and run one process each (approximate mode's record of what went where is per
-process), whatever ``--workers``.
+The routers hash prompts with the model's own tokenizer (loaded when the nodes register).
+``least_request`` and ``precise`` run ``--workers`` processes each (the bench's default 4, as
+a router is deployed on a multi-core host; the load opens a connection per worker),
+``approximate`` one (its record of what went where is per process).
 
 Every bench spells its prompts with a salt of its own (``prefix.load``): system prompts and
 conversations alike, so no bench finds in the engines' caches, or in a router's or SMG's
@@ -99,7 +99,8 @@ def _router_specs(env: Env, setups: list[str], shape: str) -> list[GpuRouterSpec
         base["GPUMESH_ROUTER_LOCALITY__PREFIX_TOKENIZERS"] = (
             f"{SERVED[shape]}={env.models[shape] / 'tokenizer'}")
     return [GpuRouterSpec(_rname(k), _ROUTERS[k][0], NODES,
-                          env={**base, "GPUMESH_ROUTER_LOCALITY__PREFIX_LOCALITY": _ROUTERS[k][1]})
+                          env={**base, "GPUMESH_ROUTER_LOCALITY__PREFIX_LOCALITY": _ROUTERS[k][1]},
+                          workers=1 if k == "approximate" else 0)
             for k in setups]
 
 
@@ -215,12 +216,11 @@ def phase_prefix(env: Env, phase: str = "prefix05", rounds: int = 2,
     extra: list[Any] = []
     workload = {**asdict(w), "kv_blocks": blocks, "kv_tokens": blocks * 16,
                 "system_prompt_tokens_all": w.tenants * (w.system_words + 3),
-                "spelling": spell_vocab, "procs": n_procs, "router_workers": 1,
+                "spelling": spell_vocab, "procs": n_procs,
+                "router_workers": {k: 1 if k == "approximate" else env.workers for k in gp},
                 "scheduler": {**SCHEDULER, **{k: v for k, v in env.engine_args.items()
                                               if k in SCHEDULER}}}
-    saved, saved_workers = dict(env.node_options), env.workers
-    # one process per router: approximate mode's record of what went where is per process
-    env.workers = 1
+    saved = dict(env.node_options)
     if env.engine == "sim":
         # a simulated node reports its ``model`` as the model's path to SMG, which loads the
         # tokenizer from there (the served name stays the GPU nodes'); SMG's token ids of the
@@ -262,7 +262,7 @@ def phase_prefix(env: Env, phase: str = "prefix05", rounds: int = 2,
                     spell_vocab, n_procs, rounds, workload, g.addr[NODES[0]])
         finally:
             stop_all(reversed(extra))
-            env.node_options, env.workers = saved, saved_workers
+            env.node_options = saved
 
 
 def _rounds(env: Env, phase: str, shape: str, w: PrefixWorkload, order: list[str],

@@ -38,6 +38,7 @@ from gpumesh.router.scheduling.predictor import (
     best_held_tokens,
     output_tokens,
     predict,
+    prefix_keeper,
     step_cost,
 )
 from gpumesh.router.scheduling.settings import RoutingSettings
@@ -107,8 +108,10 @@ class PredictedLatency:
         profile = self.profile(request.model)
         out = output_tokens(request, s.output_tokens_default, s.output_tokens_cap)
         best = best_held_tokens(request)
+        keeper = prefix_keeper(candidates, request, best)
         return [predict(c, request, step_cost(c, profile), out=out, best_held=best,
-                        out_default=s.output_tokens_default, adapter_load_s=s.adapter_load_s)
+                        out_default=s.output_tokens_default, adapter_load_s=s.adapter_load_s,
+                        keeper=keeper)
                 for c in candidates]
 
     def pick(self, candidates: Sequence[Candidate], request: RequestInfo,
