@@ -14,7 +14,9 @@ their defaults, ranges (``Field(gt=0)``) and descriptions. Layers, each over the
    the short flags a configuration declares (``--port``).
 
 The same rules hold in every layer: an unknown key is an error that names it (a key of the old
-flat layout names its section: "max_attempts moved to [dispatch] max_attempts"); a value out of
+flat layout names its section: "max_attempts moved to [dispatch] max_attempts"; a key that moved
+between sections, declared in ``RENAMED``, names its new place: "[routing] kv_hard_threshold
+moved to [membership] kv_hard_threshold"); a value out of
 range or of the wrong type is an error that names ``section.key``; booleans read true/false,
 1/0, yes/no, on/off; lists are TOML arrays, or comma-separated (``a:1,b:2``) in the environment
 and on the command line, where a flag may also repeat; tables (``engine_args``) are TOML
@@ -93,7 +95,9 @@ class Settings(BaseSettings):
     OTHER_TABLES: ClassVar[tuple[str, ...]] = ()   # tables for the other component, skipped
     ENV_ALIASES: ClassVar[dict[str, str]] = {}     # "section.key" -> extra variable, below ours
     SHORT_FLAGS: ClassVar[dict[str, str | list[str]]] = {}   # "section.key" -> --short name(s)
-    RENAMED: ClassVar[dict[str, str]] = {}         # a key's name outside its section, if other
+    # a key's former name -> "section.key": a name outside any section (node: "engine"), or a
+    # former "section.key" (a key moved between sections), refused with its new place
+    RENAMED: ClassVar[dict[str, str]] = {}
     ENV_NOT_SETTINGS: ClassVar[tuple[str, ...]] = ()   # variables with the prefix that are not
 
     @classmethod
@@ -125,7 +129,7 @@ class Settings(BaseSettings):
         try:
             return cls.model_validate(dict(values))
         except ValidationError as exc:
-            raise ConfigError(describe(exc)) from None
+            raise ConfigError(describe(exc, cls)) from None
 
     def replace(self, **sections: Mapping[str, Any]) -> Self:
         """A copy with some keys of some sections changed, validated again:
@@ -145,10 +149,10 @@ def sections(cls: type[Settings]) -> dict[str, type[BaseModel]]:
 
 def section_of(cls: type[Settings]) -> dict[str, str]:
     """A key's own name -> "section.key" (key names are unique across a configuration's
-    sections), plus ``cls.RENAMED`` (a name a key had outside its section)."""
+    sections), plus the names in ``cls.RENAMED`` that a key had outside any section."""
     out = {key: f"{name}.{key}" for name, model in sections(cls).items()
            for key in model.model_fields}
-    out.update(cls.RENAMED)
+    out.update((old, new) for old, new in cls.RENAMED.items() if "." not in old)
     return out
 
 
@@ -182,15 +186,17 @@ def documented_keys(cls: type[Settings]) -> list[tuple[str, str, Any]]:
     return out
 
 
-def describe(exc: ValidationError) -> str:
-    """One line per problem, each naming ``section.key``."""
+def describe(exc: ValidationError, cls: type[Settings] | None = None) -> str:
+    """One line per problem, each naming ``section.key``; an unknown key that ``cls`` declares
+    moved (``RENAMED``) names its new place."""
     lines = []
     for e in exc.errors():
         where = ".".join(str(p) for p in e["loc"] if not isinstance(p, int)) or "config"
         ctx = e.get("ctx") or {}
         kind = e["type"]
         if kind == "extra_forbidden":
-            msg = "unknown key"
+            new = _new_place(cls, where) if cls else None
+            msg = f"moved to [{new.replace('.', '] ', 1)}" if new else "unknown key"
         elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
             op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
                   "less_than": "<"}[kind]
@@ -212,12 +218,19 @@ def _merge(into: dict[str, Any], more: Mapping[str, Any]) -> None:
             into[key] = dict(value) if isinstance(value, Mapping) else value
 
 
+def _new_place(cls: type[Settings], key: str) -> str | None:
+    """The "section.key" of a key given by a former name: a name outside any section (a key's
+    own name, or one in ``cls.RENAMED``), or a former "section.key" declared in RENAMED."""
+    return cls.RENAMED.get(key) if "." in key else section_of(cls).get(key)
+
+
 def _moved(cls: type[Settings], key: str) -> str | None:
-    where = section_of(cls).get(key)
+    where = _new_place(cls, key)
     if where is None:
         return None
     section, new = where.split(".", 1)
-    return f"{key} moved to [{section}] {new}"
+    old = "[{}] {}".format(*key.split(".", 1)) if "." in key else key
+    return f"{old} moved to [{section}] {new}"
 
 
 def _toml_values(cls: type[Settings], path: Path) -> dict[str, Any]:
@@ -241,8 +254,9 @@ def _toml_values(cls: type[Settings], path: Path) -> dict[str, Any]:
             for inner_key in value:
                 if inner_key not in names[key].model_fields:
                     where = section_of(cls).get(inner_key)
-                    problems.append(f"[{key}] {inner_key}: unknown key" if where is None else
-                                    f"[{key}] {inner_key}: belongs in [{where.split('.')[0]}]")
+                    problems.append(_moved(cls, f"{key}.{inner_key}") or (
+                        f"[{key}] {inner_key}: unknown key" if where is None else
+                        f"[{key}] {inner_key}: belongs in [{where.split('.')[0]}]"))
         else:
             problems.append(_moved(cls, key) or f"{key}: unknown key")
     if problems:
@@ -273,9 +287,10 @@ def _env_values(cls: type[Settings], environ: Mapping[str, str]) -> dict[str, An
         parts = name.split("__")
         if len(parts) == 2 and parts[0] in names and parts[1] in names[parts[0]].model_fields:
             continue
-        moved = _moved(cls, name)
-        if moved:
-            section, key = section_of(cls)[name].split(".", 1)
+        old = ".".join(parts) if len(parts) == 2 else name
+        moved, where = _moved(cls, old), _new_place(cls, old)
+        if moved and where:
+            section, key = where.split(".", 1)
             problems.append(f"{var}: {moved}: set {prefix}{section.upper()}__{key.upper()}")
         elif name in names:
             problems.append(f"{var}: one variable per key: {var}__<KEY>")
@@ -302,14 +317,25 @@ def add_cli(parser: argparse.ArgumentParser, cls: type[Settings]) -> CliSettings
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file "
                         "(docs/configuration.md); the environment and flags override it")
     shortcuts = {where.replace("_", "-"): names for where, names in cls.SHORT_FLAGS.items()}
-    return CliSettingsSource(cls, root_parser=parser, cli_shortcuts=shortcuts)
+    source = CliSettingsSource(cls, root_parser=parser, cli_shortcuts=shortcuts)
+    for old in (old for old in cls.RENAMED if "." in old):   # refused in cli_values
+        flag = old.replace("_", "-")
+        parser.add_argument(f"--{flag}", f"--no-{flag}", dest=old, nargs="?", const="",
+                            help=argparse.SUPPRESS)
+    return source
 
 
 def cli_values(source: CliSettingsSource, args: argparse.Namespace) -> dict[str, Any]:
     """The keys given on the command line, nested by section (for :meth:`Settings.load`)."""
     cls: type[Settings] = source.settings_cls   # type: ignore[assignment]
     given = vars(args)
-    ns = {k: v for k, v in given.items() if "." in k or k in cls.model_fields}
+    moved = {old: new for old, new in cls.RENAMED.items() if "." in old}
+    given_moved = [f"--{old.replace('_', '-')} moved to --{new.replace('_', '-')}"
+                   for old, new in moved.items() if given.get(old) is not None]
+    if given_moved:
+        raise ConfigError("; ".join(given_moved))
+    ns = {k: v for k, v in given.items()
+          if ("." in k or k in cls.model_fields) and k not in moved}
     for old, where in cls.RENAMED.items():
         # a short flag named like its section (node --engine sim): the section's own flag
         # (a JSON object) owns the name, so a plain value goes to the renamed key

@@ -78,7 +78,7 @@ class RouterServer:
                                  max_concurrency_default=config.dispatch.max_concurrency_default,
                                  known_model_retention_s=membership.known_model_retention_s,
                                  peer_share_half_life_s=membership.peer_share_half_life_s,
-                                 step_from_report=config.routing.step_from_report,
+                                 step_from_report=config.membership.step_from_report,
                                  clock=clock, fleet_rebuild_s=membership.fleet_rebuild_s)
         # TLS (gpumesh.security.tls): the public port's files; nodes are dialled over mutual
         # TLS with the same certificate when it is set
@@ -108,7 +108,7 @@ class RouterServer:
             # a model's prefix tokenizer loads when the model first registers, not on a request
             self.registry.add_listener(self.tokenizers.models_changed)
         self.dispatcher = Dispatcher(config, self.registry, self.channels, self.profile,
-                                     default_filters(config.routing.kv_hard_threshold),
+                                     default_filters(config.membership.kv_hard_threshold),
                                      rng or random.Random(), clock, sessions=self.sessions,
                                      locality=self.locality)
         # OpenTelemetry from the OTEL_* environment; off (and free) when no endpoint is set.
@@ -123,7 +123,7 @@ class RouterServer:
             KeyStore(security.api_keys_file) if security.api_keys_file else None,
             operator_open=not (security.api_keys_file or security.tls_require_client_cert),
             resolve=self.registry.resolve,
-            prompt_tokens=lambda r: estimate_prompt_tokens(r, config.routing.chars_per_token),
+            prompt_tokens=lambda r: estimate_prompt_tokens(r, config.locality.chars_per_token),
             counters=self.auth_counters)
         register_auth_metrics(self.telemetry.metrics, self.auth_counters)
         # The scaling signal (router.fleet.saturation): sampled by the sweeper, read by

@@ -5,8 +5,10 @@ Sections, each declared by the package that uses it (docs/configuration.md lists
 ========================  ====================================================================
 ``[serving]``             this process: address, identity, sibling workers, shutdown, channels
 ``[routing]``             the policy and its prediction inputs (router.scheduling.settings)
-``[locality]``            the prefix index and routing-key affinity (router.fleet.settings)
-``[membership]``          leases, freshness, node bounds, foreign nodes (router.fleet.settings)
+``[locality]``            prompt size, the prefix index, routing-key affinity (router.fleet.
+                          settings)
+``[membership]``          leases, freshness, reading reports (KV filter, decode step), node
+                          bounds, foreign nodes (router.fleet.settings)
 ``[dispatch]``            queue, deadlines, attempts, failover, ejection, disaggregation, SLO
                           admission (router.dispatch.settings)
 ``[security]``            TLS, join token, API keys, tickets (router.auth.settings)
@@ -89,6 +91,11 @@ class RouterConfig(Settings):
     OTHER_TABLES: ClassVar[tuple[str, ...]] = ("node",)
     ENV_ALIASES: ClassVar[dict[str, str]] = {"security.ticket_secret": "GPUMESH_TICKET_SECRET",
                                              "security.join_token": "GPUMESH_JOIN_TOKEN"}
+    # keys that moved between sections: refused with their new place (gpumesh.config)
+    RENAMED: ClassVar[dict[str, str]] = {
+        "routing.step_from_report": "membership.step_from_report",
+        "routing.kv_hard_threshold": "membership.kv_hard_threshold",
+        "routing.chars_per_token": "locality.chars_per_token"}
     # deploy/compose.yaml's host side of the routers' port, read by Compose, not the router
     ENV_NOT_SETTINGS: ClassVar[tuple[str, ...]] = ("GPUMESH_ROUTER_PUBLISH",)
     SHORT_FLAGS: ClassVar[dict[str, str | list[str]]] = {

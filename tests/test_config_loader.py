@@ -23,7 +23,7 @@ def _node(path: Path | None = None, env: dict[str, str] | None = None,
 
 
 # (loader, env prefix, a boolean key, a seconds key), keys as "section.key"
-LOADERS = [(_router, "GPUMESH_ROUTER_", "routing.step_from_report", "membership.lease_ttl_s"),
+LOADERS = [(_router, "GPUMESH_ROUTER_", "membership.step_from_report", "membership.lease_ttl_s"),
            (_node, "GPUMESH_NODE_", "engine.enforce_eager", "serving.drain_timeout_s")]
 
 
@@ -116,6 +116,40 @@ def test_the_node_engine_key_is_engine_kind(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="GPUMESH_NODE_ENGINE__KIND"):
         _node(None, {"GPUMESH_NODE_ENGINE": "sim"})
     assert _node(None, {"GPUMESH_NODE_ENGINE__KIND": "sim"}).engine.kind == "sim"
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(
+    (old, new) for old, new in RouterConfig.RENAMED.items() if "." in old))
+def test_a_key_moved_between_sections_is_refused_with_its_place_in_every_layer(
+        tmp_path: Path, old: str, new: str) -> None:
+    (old_section, key), (new_section, new_key) = old.split("."), new.split(".")
+    default = getattr(getattr(RouterConfig(), new_section), new_key)
+    value = {bool: "false", float: "0.5"}[type(default)]
+    told = rf"\[{old_section}\] {key} moved to \[{new_section}\] {new_key}"
+    toml = tmp_path / "r.toml"
+    for text in (f"[{old_section}]\n{key} = {value}\n",
+                 f"[router.{old_section}]\n{key} = {value}\n"):
+        toml.write_text(text)
+        with pytest.raises(ConfigError, match=told):
+            _router(toml)
+    with pytest.raises(ConfigError, match=told + ": set " + _var("GPUMESH_ROUTER_", new)):
+        _router(None, {_var("GPUMESH_ROUTER_", old): value})
+    with pytest.raises(ConfigError, match=rf"{old}: moved to \[{new_section}\] {new_key}"):
+        RouterConfig.build({old_section: {key: value}})
+    flag, new_flag = (f"--{w.replace('_', '-')}" for w in (old, new))
+    for argv in ([flag, value], [f"--no-{flag[2:]}"]):
+        args = build_parser().parse_args(["router", *argv])
+        with pytest.raises(ConfigError, match=f"{flag} moved to {new_flag}"):
+            cli_values(args.router_cli, args)
+    # the new place takes it in every layer
+    toml.write_text(f"[{new_section}]\n{new_key} = {value}\n")
+    want = _get(RouterConfig.build({new_section: {new_key: value}}), new)
+    assert want != default
+    assert _get(_router(toml), new) == want
+    assert _get(_router(None, {_var("GPUMESH_ROUTER_", new): value}), new) == want
+    argv = [f"--no-{new_flag[2:]}"] if isinstance(default, bool) else [new_flag, value]
+    args = build_parser().parse_args(["router", *argv])
+    assert _get(RouterConfig.load(None, {}, cli_values(args.router_cli, args)), new) == want
 
 
 def test_component_tables_and_lists(tmp_path: Path) -> None:

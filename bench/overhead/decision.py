@@ -78,7 +78,7 @@ def _pcts(ns: list[int]) -> dict[str, float]:
 
 def bench_one(reg: Registry, profile: Policy, iters: int, rng: random.Random) -> dict[str, Any]:
     cfg = RouterConfig(serving={"router_id": "x"})
-    filters = default_filters(cfg.routing.kv_hard_threshold)
+    filters = default_filters(cfg.membership.kv_hard_threshold)
     d = cfg.routing.sample_size
     req = RequestInfo("m", 512)
     ids = [v.entry.node_id for v in reg.fleet()]

@@ -65,7 +65,7 @@ def _pcts(ns: list[int]) -> dict[str, float]:
 def run(sizes: list[int], iters: int, blocks: int = 1_000_000, tenants: int = 512,
         prefix_blocks: int = 250) -> list[dict[str, Any]]:
     cfg = RouterConfig(serving={"router_id": "x"})
-    filters = default_filters(cfg.routing.kv_hard_threshold)
+    filters = default_filters(cfg.membership.kv_hard_threshold)
     rows = []
     for n in sizes:
         reg = build_registry(n)

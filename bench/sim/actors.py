@@ -113,12 +113,12 @@ class SimRouter:
                                  max_concurrency_default=config.dispatch.max_concurrency_default,
                                  known_model_retention_s=config.membership.known_model_retention_s,
                                  peer_share_half_life_s=config.membership.peer_share_half_life_s,
-                                 step_from_report=config.routing.step_from_report, clock=clock)
+                                 step_from_report=config.membership.step_from_report, clock=clock)
         # as router.app builds them: the policy, the session table
         profile = build_policy(config.routing)
         self.sessions = SessionTable(config.locality.affinity_max_keys,
                                      config.locality.affinity_ttl_s, clock)
-        filters = [*default_filters(config.routing.kv_hard_threshold), *extra_filters]
+        filters = [*default_filters(config.membership.kv_hard_threshold), *extra_filters]
         self.admission = AdmissionQueue(self.registry, profile, filters, rng, clock,
                                         queue_bound=config.dispatch.queue_bound,
                                         decision_sample_size=config.routing.sample_size)

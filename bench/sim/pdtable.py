@@ -8,8 +8,8 @@ the same request rates, ``load`` x that capacity: equal GPUs and equal offered t
 Per seed, every split replays the same requests (paired), so the ratios to ``agg`` come with
 the confidence interval of the paired ratio. Each node is the ``shape`` engine profile as it
 is (its KV cache, ``max_num_batched_tokens``), with ``max_num_seqs`` and the context length
-set here; one router, the default policy for whole requests, the simulator's pool choice and
-rule (``pools``) for disaggregated ones.
+set here; one router, the router's default policy (``RoutingSettings().policy``) for whole
+requests, the simulator's pool choice and rule (``pools``) for disaggregated ones.
 
 SLO (goodput and attainment): TTFT within max(100 ms, 3 x a lone request's prefill of the
 workload's median prompt on the profile), TPOT within ``tpot_ms`` (default 15 ms).
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumesh.profiles import builtin_profile
+from gpumesh.router.scheduling.settings import RoutingSettings
 from gpumesh_bench.sim import fleets
 from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.core import Simulation, simulate
@@ -35,7 +36,7 @@ from gpumesh_bench.sim.metrics import SLOSpec, aggregate, mean_ci, ratio_ci, run
 from gpumesh_bench.sim.pools import KvLink, PdRule
 from gpumesh_bench.stats import percentile
 
-POLICY = "predicted_latency"
+POLICY = RoutingSettings().policy   # whole requests: the router's default policy
 SPLITS = ("agg", "2P2D", "1P3D", "3P1D")
 
 

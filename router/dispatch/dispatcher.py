@@ -116,7 +116,7 @@ class Dispatcher:
         disagg.check_client_request(request)   # KV-transfer parameters are the router's
         return await context.prepare(
             request, raw, deadline, current_key_name.get(), on_attempt,
-            registry=self.registry, chars_per_token=self.config.routing.chars_per_token,
+            registry=self.registry, chars_per_token=self.config.locality.chars_per_token,
             locality=self.locality, sessions=self.sessions,
             model_slos=(self.config.dispatch.slo_ttft_ms, self.config.dispatch.slo_tpot_ms))
 

@@ -61,7 +61,7 @@ class Registry:
                  peer_share_half_life_s: float = 10.0, step_from_report: bool = True,
                  clock: Clock = time.monotonic, fleet_rebuild_s: float = -1.0) -> None:
         self.router_id = router_id
-        self.step_from_report = step_from_report   # RouterConfig.routing.step_from_report
+        self.step_from_report = step_from_report   # RouterConfig.membership.step_from_report
         self.lease_ttl_s = lease_ttl_s
         self.freshness_s = freshness_s
         self.max_concurrency_default = max_concurrency_default

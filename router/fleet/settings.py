@@ -1,6 +1,6 @@
 """The fleet's sections of the router's configuration: ``[membership]`` (leases, freshness,
-what a node may declare, foreign nodes), ``[locality]`` (the prefix index and routing-key
-affinity) and ``[scaling]`` (the saturation signal)."""
+how a node's reports are read, what a node may declare, foreign nodes), ``[locality]`` (prompt
+size, the prefix index and routing-key affinity) and ``[scaling]`` (the saturation signal)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from gpumesh.config import SECTION, StrList
 
 
 class MembershipSettings(BaseModel):
-    """How nodes join, stay and leave (router.fleet.registry, .validation, .quarantine)."""
+    """How nodes join, stay and leave, and how their reports are read (router.fleet.registry,
+    .validation, .quarantine; the KV filter of router.scheduling.pipeline)."""
 
     model_config = SECTION
 
@@ -32,6 +33,15 @@ class MembershipSettings(BaseModel):
         description="After start, an unknown model answers UNAVAILABLE (retry hint) for this "
                     "long while a restarted router's nodes re-register; < 0: one lease_ttl_s; "
                     "0: off.")
+    step_from_report: bool = Field(
+        True,
+        description="Take a node's decode step time from its report (decode_step_s, timed "
+                    "between the engine's steps); off, or for a node that does not report it: "
+                    "inferred as average running requests / generation tokens per second.")
+    kv_hard_threshold: float = Field(
+        0.92, gt=0.0, le=1.0, allow_inf_nan=False,
+        description="Filter: skip nodes whose fresh report shows KV usage at or above this, "
+                    "while some candidate is below it.")
     peer_share_half_life_s: float = Field(
         10.0, ge=0, allow_inf_nan=False,
         description="Half-life of this router's estimated share of all routers' dispatches "
@@ -60,11 +70,17 @@ class MembershipSettings(BaseModel):
 
 
 class LocalitySettings(BaseModel):
-    """Where a request's prefix is cached (router.fleet.locality; docs/routing.md#prefix-cache-
-    locality) and which node a routing key went to last (router.fleet.sessions)."""
+    """A request's prompt: its size estimate (router.dispatch.context), where its prefix is
+    cached (router.fleet.locality; docs/routing.md#prefix-cache-locality) and which node its
+    routing key went to last (router.fleet.sessions)."""
 
     model_config = SECTION
 
+    chars_per_token: float = Field(
+        4.0, gt=0.0, allow_inf_nan=False,
+        description="Prompt-size estimate for text and chat prompts, UTF-8 bytes per token "
+                    "(token-id prompts are exact); the prediction's prompt tokens and API-key "
+                    "token quotas use it.")
     prefix_locality: Literal["auto", "precise", "approximate", "off"] = Field(
         "auto", description="auto: nodes' KV events where they stream them, else the router's "
                             "record of what it sent where; precise: events only; approximate: "

@@ -3,9 +3,10 @@
 What an operator decides about routing, and nothing the engines can tell the router: which
 policy, which objective, how many candidates a decision looks at on a large fleet, and the
 guesses the prediction needs where a request or a node says nothing (a request's output
-length and prompt size, an adapter's load time), where a node's decode step comes from, and the
-KV filter. Every other quantity the prediction uses comes from the nodes' engine profiles and
-load reports (docs/routing.md).
+length, an adapter's load time). Every other quantity the prediction uses comes from the
+nodes' engine profiles and load reports (docs/routing.md); how those reports are read (the KV
+filter, the decode step's source) is ``[membership]``, a text prompt's size estimate
+``[locality]`` (router.fleet.settings).
 
 Loaded like the rest of the configuration (gpumesh.config): a ``[routing]`` TOML table,
 ``GPUMESH_ROUTER_ROUTING__POLICY=least_request``, or ``--routing.policy least_request``
@@ -63,16 +64,3 @@ class RoutingSettings(BaseModel):
         1.0, ge=0.0, allow_inf_nan=False,
         description="Seconds a LoRA adapter load is predicted to take on a node that has not "
                     "measured one yet (a node reports its own mean once it has).")
-    step_from_report: bool = Field(
-        True,
-        description="Take a node's decode step time from its report (decode_step_s, timed "
-                    "between the engine's steps); off, or for a node that does not report it: "
-                    "inferred as average running requests / generation tokens per second.")
-    kv_hard_threshold: float = Field(
-        0.92, gt=0.0, le=1.0, allow_inf_nan=False,
-        description="Filter: skip nodes whose fresh report shows KV usage at or above this, "
-                    "while some candidate is below it.")
-    chars_per_token: float = Field(
-        4.0, gt=0.0, allow_inf_nan=False,
-        description="Prompt-size estimate for text and chat prompts, UTF-8 bytes per token "
-                    "(token-id prompts are exact).")

@@ -19,6 +19,7 @@ from gpumesh.profiles import (
     kv_bytes_per_token,
     loads_profile,
 )
+from gpumesh.router.scheduling.settings import RoutingSettings
 from gpumesh_bench.sim import cli, core, fleets, metrics, pdtable
 from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.pools import KvLink, PdRule, PoolNode, choose_decode, choose_prefill, pays
@@ -319,6 +320,8 @@ def test_pd_command_writes_the_table(tmp_path: object) -> None:
     rows = [json.loads(x) for x in lines]
     assert [r["split"] for r in rows] == ["agg", "2P2D"]
     assert rows[1]["link"]["gbytes_per_s"] == 12.5 and len(rows[1]["runs"]) == 2
+    # whole requests are routed by the router's own default policy
+    assert {r["policy"] for r in rows} == {RoutingSettings().policy}
     assert "| prompt-1024 | 0.5 |" in open(f"{out}/pd.md").read()
     with pytest.raises(ValueError):
         pdtable.parse_split("3P3D", 4)

@@ -20,6 +20,12 @@ def test_defaults_are_valid_and_router_ids_unique() -> None:
     assert a.routing.sample_size == 32
 
 
+def test_the_routing_section_holds_at_most_eight_keys() -> None:
+    """[routing] is what an operator decides (policy, objective, SLO, sample size, the
+    prediction's guesses); how reports are read and prompts sized live in other sections."""
+    assert len(RoutingSettings.model_fields) <= 8
+
+
 def _args(*argv: str):
     return build_parser().parse_args(["router", *argv])
 
@@ -61,7 +67,7 @@ def test_env_routing_and_peers() -> None:
     ({"routing": {"sample_size": -1}}, "routing.sample_size"),
     ({"routing": {"adapter_load_s": float("nan")}}, "routing.adapter_load_s"),
     ({"membership": {"lease_ttl_s": 0}}, "membership.lease_ttl_s"),
-    ({"routing": {"kv_hard_threshold": 1.5}}, "routing.kv_hard_threshold"),
+    ({"membership": {"kv_hard_threshold": 1.5}}, "membership.kv_hard_threshold"),
     ({"dispatch": {"max_attempts": 0}}, "dispatch.max_attempts"),
     ({"scaling": {"saturation_target": 0}}, "scaling.saturation_target"),
     ({"locality": {"prefix_tokenizers": ["m"]}}, "locality.prefix_tokenizers"),
@@ -86,13 +92,13 @@ def test_unknown_key_rejected(tmp_path: Path) -> None:
 
 def test_bool_keys_from_env_and_flags() -> None:
     for text, want in (("1", True), ("true", True), ("off", False), ("false", False)):
-        cfg = RouterConfig.load(env={"GPUMESH_ROUTER_ROUTING__STEP_FROM_REPORT": text})
-        assert cfg.routing.step_from_report is want, text
-    assert RouterConfig.load(env={}).routing.step_from_report is True
-    with pytest.raises(ValueError, match="routing.step_from_report"):
-        RouterConfig.load(env={"GPUMESH_ROUTER_ROUTING__STEP_FROM_REPORT": "maybe"})
-    cfg = from_args(_args("--no-routing.step-from-report", "--insecure"), {})
-    assert cfg.routing.step_from_report is False and cfg.security.insecure is True
+        cfg = RouterConfig.load(env={"GPUMESH_ROUTER_MEMBERSHIP__STEP_FROM_REPORT": text})
+        assert cfg.membership.step_from_report is want, text
+    assert RouterConfig.load(env={}).membership.step_from_report is True
+    with pytest.raises(ValueError, match="membership.step_from_report"):
+        RouterConfig.load(env={"GPUMESH_ROUTER_MEMBERSHIP__STEP_FROM_REPORT": "maybe"})
+    cfg = from_args(_args("--no-membership.step-from-report", "--insecure"), {})
+    assert cfg.membership.step_from_report is False and cfg.security.insecure is True
 
 
 def test_replace_revalidates() -> None:

@@ -99,16 +99,16 @@ def test_a_reported_step_time_is_used_as_reported() -> None:
     clock.t += 0.25
     beat(r, "a", 1, 3, running=0, gen=0.0)       # an older node's report: inferred / kept
     assert candidate(r, "a").step_s == pytest.approx(0.009)
-    # Off (RouterConfig.routing.step_from_report): inferred from the same reports.
+    # Off (RouterConfig.membership.step_from_report): inferred from the same reports.
     r2, clock2 = registry(("a", 1.0), from_report=False)
     settle(r2, clock2, "a", 1, 1, running=20, gen=1000.0, reported=0.008)
     assert candidate(r2, "a").step_s == pytest.approx(0.020)
 
 
 def test_step_from_report_is_a_router_setting() -> None:
-    assert RouterConfig().routing.step_from_report is True
-    env = {"GPUMESH_ROUTER_ROUTING__STEP_FROM_REPORT": "0"}
-    assert RouterConfig.load(env=env).routing.step_from_report is False
+    assert RouterConfig().membership.step_from_report is True
+    env = {"GPUMESH_ROUTER_MEMBERSHIP__STEP_FROM_REPORT": "0"}
+    assert RouterConfig.load(env=env).membership.step_from_report is False
 
 
 def test_step_time_uses_the_running_count_averaged_like_the_rate() -> None:
