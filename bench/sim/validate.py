@@ -146,6 +146,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--step-scale", type=float, default=1.0,
                    help="with --merge: multiply the profile's step terms by this (a step "
                         "model fitted in place on a live run, docs/simulator.md#fidelity)")
+    p.add_argument("--serving", default="",
+                   help="with --merge: the serving path's CPU costs (the [front_end] cpu_* and "
+                        "[router] keys) from this profile TOML, on top of the step model "
+                        "(docs/simulator.md#fidelity)")
     p.add_argument("--merge", nargs="+", default=[], metavar="VALIDATE.json",
                    help="no live runs: fold earlier validate.json files (e.g. one policy "
                         "each) into one comparison in --out, the simulator re-run with one "
@@ -320,11 +324,20 @@ def validate(a: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if a.merge:
         profile = fidelity.load_profile(a.profile) if a.profile else None
-        doc = fidelity.merge(a.merge, profile, a.sim_seeds, a.step_scale)
+        serving = None
+        if a.serving:
+            sp = fidelity.load_profile(a.serving)
+            serving = {k: sp[k] for k in fidelity.SERVING_KEYS}
+        doc = fidelity.merge(a.merge, profile, a.sim_seeds, a.step_scale, serving,
+                             [p for p in a.policies.split(",") if p])
+        doc["merge_command"] = "gpumesh sim validate " + " ".join(getattr(a, "argv", []))
     else:
         doc = asyncio.run(_validate(a, out))
     md = fidelity.markdown(doc)
     (out / "validate.json").write_text(json.dumps(doc) + "\n", encoding="utf-8")
-    (out / "validate.md").write_text(f"`{doc['command']}`\n\n" + md, encoding="utf-8")
+    head = f"`{doc['command']}`\n\n"
+    if doc.get("merge_command"):
+        head = f"Live runs: `{doc['command']}`\n\nSimulator: `{doc['merge_command']}`\n\n"
+    (out / "validate.md").write_text(head + md, encoding="utf-8")
     sys.stdout.write(md)
     return 0
