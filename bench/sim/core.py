@@ -271,25 +271,6 @@ class Simulation:
         for rid in ends:
             self._push(t, _END_RECV, int(rid))
 
-    @staticmethod
-    def _kv_recv(router: SimRouter, node_id: str, ops: list[tuple[str, tuple[int, ...]]]) -> None:
-        """A node's block events into the router's index (precise locality; the same as
-        ``PrefixLocality.apply`` does with the control plane's updates, without the seq), or
-        into an SMG gateway's event index."""
-        if router.smg is not None:
-            router.smg.kv_events(node_id, ops)
-        loc = router.locality
-        if loc is None or loc.mode == "approximate":
-            return
-        ix = loc.indexes.model(MODEL)
-        for op, hashes in ops:
-            if op == "stored":
-                ix.add(node_id, hashes)
-            elif op == "removed":
-                ix.remove(node_id, hashes)
-            else:
-                ix.clear_node(node_id)
-
     def _first_recv(self, index: int) -> None:
         rec = self.records[index]
         rec.first_s = self.now
@@ -404,7 +385,7 @@ class Simulation:
                 self._router_msgs(*p)
             elif kind == _KV_RECV:
                 ri, node_id, ops = p
-                self._kv_recv(routers[ri], node_id, ops)
+                routers[ri].kv_events(node_id, ops, MODEL)
             elif kind >= PREFILL_RECV and self.pd is not None:
                 self.pd.handle(kind, p)
         self._events = events

@@ -74,11 +74,6 @@ def sim_fleet(node_ids: Sequence[str], profile: dict[str, Any], *, max_num_seqs:
     """The live fleet as a simulator fleet (module docstring)."""
     steps = {k: float(profile[k]) for k in STEP_KEYS if k in profile}
     serving = serving_costs(profile)
-    if serving is not None and "step_b_prefill_ms" in steps:
-        # a calibrated prefill slope (TTFT over prompt length) holds the front end's input
-        # work per prompt token, which the serving path now serves itself
-        steps["step_b_prefill_ms"] = max(steps["step_b_prefill_ms"]
-                                         - serving.node_prompt_token_ms, 0.0)
     eng = SimEngineConfig.for_shape(
         "0.5b", **steps, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         kv_capacity_tokens=kv_capacity_tokens, kv_block_size=kv_block_size,

@@ -24,6 +24,14 @@ counted.
 Run on the fidelity check's CPU fleet: ``python -m gpumesh_bench.sim.frontcal --out FILE``
 (the tiny model, two engines pinned to cores 0 and 1, the validate run's engine settings);
 it writes a profile TOML with the step model fitted by ``livecal`` and the measured costs.
+
+Several measurements: ``--median RUN.json... --out FILE`` writes the first run's profile with
+each cost the median over the runs (the ``.json`` each run writes beside its TOML).
+
+Another host's processes run the same code at another speed: ``--rescale VALIDATE.json
+--profile P --costs FILE --fit-workload W --out FILE`` (:func:`rescale`) scales the measured
+costs by what that host's live runs of workload W used (their ``cpu_cores_by_process``), and
+writes profile P with the scaled costs; the other workloads' runs are the held-out check.
 """
 
 from __future__ import annotations
@@ -264,6 +272,28 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
             "(tiny model, 2 engines pinned to cores 0 and 1)"}
 
 
+def _rescale_main(a: argparse.Namespace) -> dict[str, Any]:
+    from gpumesh_bench.sim import fidelity
+
+    doc = fidelity.read_doc(a.rescale)
+    costs = fidelity.load_profile(a.costs)
+    base = {**fidelity.load_profile(a.profile),
+            **{k: costs[k] for k in fidelity.SERVING_KEYS}}
+    scaled, check = rescale(doc, base, a.fit_workload)
+    return {**base, **scaled, "cpu_check": check, "live": doc["live"],
+            "source": f"{a.profile} with the serving costs of {a.costs} scaled to the "
+                      f"live runs of {a.fit_workload} in {a.rescale}"}
+
+
+def _median_main(a: argparse.Namespace) -> dict[str, Any]:
+    from gpumesh_bench.sim.fidelity import SERVING_KEYS
+
+    runs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in a.median]
+    return {**runs[0], **{k: statistics.median(float(r[k]) for r in runs) for k in SERVING_KEYS},
+            "source": f"frontcal: each serving cost the median of {len(runs)} runs",
+            "runs": [{k: r[k] for k in SERVING_KEYS} for r in runs]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from gpumesh_bench.sim.fidelity import profile_toml
 
@@ -273,16 +303,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--rescale", default="", metavar="VALIDATE.json",
+                   help="no fleet: scale --costs to this validate run's host (module docstring)")
+    p.add_argument("--profile", default="", help="with --rescale: the step model's profile")
+    p.add_argument("--costs", default="", help="with --rescale: the measured costs' profile")
+    p.add_argument("--fit-workload", default="shared-prefix")
+    p.add_argument("--median", nargs="+", default=[], metavar="RUN.json",
+                   help="no fleet: the median of these frontcal runs' costs")
     p.add_argument("--out", required=True, help="profile TOML to write (+ .json beside it)")
     a = p.parse_args(argv)
-    doc = asyncio.run(_main(a))
+    if a.rescale and not (a.profile and a.costs):
+        p.error("--rescale needs --profile and --costs")
+    doc = (_rescale_main(a) if a.rescale else _median_main(a) if a.median
+           else asyncio.run(_main(a)))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    live = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_capacity_tokens": 2097152}
+    live = doc.pop("live", None) or {"max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                                     "kv_capacity_tokens": 2097152}
     out.write_text(profile_toml(doc, live), encoding="utf-8")
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     sys.stdout.write(json.dumps({k: v for k, v in doc.items()
-                                 if k not in ("samples", "probes")}, indent=1) + "\n")
+                                 if k not in ("samples", "probes", "cpu_check")}, indent=1)
+                     + "\n")
     return 0
 
 
