@@ -20,9 +20,10 @@ runs the disaggregated requests (the pool choice and the rule: ``pools``).
 
 Messages (request to node, first token and end to the router, heartbeats, registrations)
 take ``network_delay_s`` one way; with the fleet's ``serving`` costs the router and every
-node's front end are also FIFO servers on the way (``serving``). What does not run: gRPC, the servicers, streaming
-coalescing, the router's wait queue (nodes have no concurrency limit here, so a request is
-always placed at once), retries and failover (no node fails), tracing.
+node's front end are also FIFO servers on the way, and the streams are coalesced into
+messages as the node does (``serving``). What does not run: gRPC, the servicers, the
+router's wait queue (nodes have no concurrency limit here, so a request is always placed at
+once), retries and failover (no node fails), tracing.
 
 Events are ordered by (time, sequence number); every random draw comes from seeded RNGs, so a
 run is a pure function of (fleet, workload, policy, seed).
