@@ -166,6 +166,7 @@ def run_cpu(doc: dict[str, Any], profile: dict[str, Any], seed: int = 1
     recorded its processes' CPU: the CPU seconds its node front ends and its router used
     (less the background: the idle routers' mean rate for the router), beside the work the
     simulator's servers did with ``profile``'s serving costs on the same trace."""
+    from gpumesh.config import ConfigError
     from gpumesh_bench.sim import fidelity
     from gpumesh_bench.sim import fidelity_trace as ft
     from gpumesh_bench.sim.core import Simulation
@@ -199,7 +200,7 @@ def run_cpu(doc: dict[str, Any], profile: dict[str, Any], seed: int = 1
             rt -= (statistics.fmean(idle) if idle else 0.0) * wall
             try:
                 sim = Simulation(fleet, w, pol, seed)
-            except Exception:   # noqa: BLE001 - a policy the router no longer has
+            except ConfigError:   # a policy the router no longer has
                 continue
             sim.run()
             path = sim.path

@@ -172,3 +172,97 @@ def test_fit_recovers_costs_and_drops_negative_terms() -> None:
         assert got[k] == pytest.approx(v, rel=0.05)
     neg = [{"requests": n, "messages": m, "y": 2.0 * n - 0.1 * m} for n, _, m in shapes]
     assert set(fit(neg, ("requests", "messages"), "y")) == {"requests"}
+
+
+@pytest.mark.timeout(300)
+def test_frontcal_probes_a_live_router_and_node(tmp_path) -> None:
+    """``frontcal.measure`` through a real router to a real node (the simulated engine): the
+    client counts the outputs and stream messages each shape must give (one message for a
+    one-token request, one per token with ``per_token``, two when coalesced over 1 s), and the
+    CPU the node's and the router's processes took is fitted to non-negative costs, some of
+    the node's above 0 (CPU time is read in clock ticks: a short probe cannot pin each)."""
+    import asyncio
+
+    from gpumesh.launcher import ChildProcess, free_port, stop_all, wait_until_async
+    from gpumesh.v1 import control_pb2 as cpb
+    from gpumesh.v1 import control_pb2_grpc as cpb_grpc
+    from gpumesh_bench.fleet import group_cpu_s
+    from gpumesh_bench.sim.frontcal import measure
+
+    rport, nport = free_port(), free_port()
+    router = ChildProcess.gpumesh("router", ["router", "--host", "127.0.0.1", "--port",
+                                             str(rport), "--policy", "round_robin"],
+                                  tmp_path / "router.log", die_with_parent=True,
+                                  term_group=True)
+    node = ChildProcess.gpumesh("node", ["node", "--engine", "sim", "--host", "127.0.0.1",
+                                         "--port", str(nport), "--node-id", "s0",
+                                         "--served-name", "tiny", "--router",
+                                         f"127.0.0.1:{rport}"],
+                                tmp_path / "node.log", die_with_parent=True, term_group=True)
+
+    def cpu() -> dict[str, float]:
+        return {"front_end": group_cpu_s(node.pid), "router": group_cpu_s(router.pid)}
+
+    async def run() -> dict:
+        import grpc
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rport}") as ch:
+            stub = cpb_grpc.RouterStub(ch)
+
+            async def ready() -> bool:
+                fl = await stub.GetFleet(cpb.GetFleetRequest(), timeout=2)
+                return any(n.node_id == "s0" and n.state == cpb.NodeState.Value(
+                    "NODE_STATE_HEALTHY") for n in fl.nodes)
+
+            await wait_until_async(ready, 60, watch=[router, node], what="node s0 healthy")
+        return await measure(f"127.0.0.1:{rport}", cpu, "tiny", 30_000, requests=12,
+                             out_tokens=8, reps=1, concurrency=4, idle_s=0.5)
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        stop_all([node, router], 10)
+    per = {r["shape"]: r for r in got["probes"]}
+    assert set(per) == {"one", "long", "per_token", "coalesced"}
+    assert per["one"]["outputs"] == per["one"]["messages"] == per["one"]["requests"] == 24
+    assert per["long"]["prompt_tokens"] == 24 * 512 and per["long"]["messages"] == 24
+    assert per["per_token"]["outputs"] == per["per_token"]["messages"] == 12 * 8
+    assert per["coalesced"]["outputs"] == 12 * 8 and per["coalesced"]["messages"] == 12 * 2
+    keys = [k for k in got if k.startswith(("front_end_cpu_", "router_cpu_"))]
+    assert len(keys) == 7 and all(got[k] >= 0 for k in keys)
+    assert any(got[k] > 0 for k in keys if k.startswith("front_end_"))
+
+
+def test_rescale_fits_one_workload_and_holds_out_the_other() -> None:
+    """Costs carried to another host: scaled so that the simulated front-end and router work
+    of the fitted workload's runs equals the CPU their processes used there (vLLM's own
+    processes and the idle routers' background left out); the other workload is held out."""
+    from gpumesh_bench.sim.frontcal import rescale, run_cpu
+
+    procs = {"node-e0/python/1": 0.20, "node-e0/VLLM::EngineCor/2": 0.95,
+             "node-e1/python/3": 0.30, "router-round_robin/python/4": 0.25,
+             "router-least_request/python/5": 0.05}
+    doc = {"live": {"node_engines": {"e0": "vllm", "e1": "vllm"}, "max_num_seqs": 64,
+                    "max_num_batched_tokens": 2048, "kv_capacity_tokens": 1 << 20,
+                    "max_model_len": 4096},
+           "trace": {"seed": 1, "tenants": 2, "system_tokens": 256},
+           "workloads": {w: {"rate": 20.0, "requests": 100} for w in ("shared-prefix", "unique")},
+           "live_runs": {w: {"round_robin": {"wall_s": 10.0, "cpu_cores_by_process": procs}}
+                         for w in ("shared-prefix", "unique")}}
+    profile = {**STEP, **COSTS, "front_end_cpu_prompt_token_ms": 0.001}
+    before = {r["workload"]: r for r in run_cpu(doc, profile)}
+    assert before["shared-prefix"]["live_front_end_s"] == pytest.approx(5.0)   # (0.2+0.3) x 10
+    assert before["shared-prefix"]["live_router_s"] == pytest.approx(2.0)      # (0.25-0.05) x 10
+    scaled, check = rescale(doc, profile, "shared-prefix")
+    k_fe = 5.0 / before["shared-prefix"]["sim_front_end_s"]
+    k_rt = 2.0 / before["shared-prefix"]["sim_router_s"]
+    assert scaled["front_end_scale"] == pytest.approx(k_fe)
+    assert scaled["front_end_cpu_output_ms"] == pytest.approx(0.5 * k_fe)
+    assert scaled["router_cpu_message_ms"] == pytest.approx(0.75 * k_rt)
+    rows = {r["workload"]: r for r in check}
+    fitted = rows["shared-prefix"]
+    assert not fitted["held_out"] and rows["unique"]["held_out"]
+    assert fitted["sim_front_end_s"] == pytest.approx(5.0, rel=0.02)
+    assert fitted["sim_router_s"] == pytest.approx(2.0, rel=0.02)
+    with pytest.raises(ValueError, match="no live run of 'other'"):
+        rescale(doc, profile, "other")
