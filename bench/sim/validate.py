@@ -36,6 +36,7 @@ from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.core import simulate
 from gpumesh_bench.sim.metrics import SLOSpec, mean_ci, run_metrics
 
+LIVE_POLICIES = "least_request,predicted_latency,round_robin"   # validate's default
 LIVE_FLEETS = {"hetero-eqkv": ("hetero-speed", False), "hetero-kvspeed": ("hetero-speed", True),
                "homo": ("homo", False)}
 
@@ -120,7 +121,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--model", default="models/tiny",
                    help="model folder the live engines serve (models/tiny is built if absent)")
     p.add_argument("--workloads", default="shared-prefix,unique")
-    p.add_argument("--policies", default="least_request,predicted_latency,round_robin")
+    p.add_argument("--policies", default="",
+                   help=f"default {LIVE_POLICIES}; with --merge: only these policies' live "
+                        "runs (default every one)")
     p.add_argument("--requests", type=int, default=2000, help="per live run")
     p.add_argument("--rate", default="8",
                    help="req/s of the trace: one value, or one per workload (R1,R2)")
@@ -222,7 +225,7 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
         build_tiny_model(model)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     kinds = [w for w in a.workloads.split(",") if w]
-    policies = tuple(p for p in a.policies.split(",") if p)
+    policies = tuple(p for p in (a.policies or LIVE_POLICIES).split(",") if p)
     rates = [float(x) for x in str(a.rate).split(",") if x]
     if len(rates) not in (1, len(kinds)):
         raise SystemExit("--rate: one value or one per workload")
