@@ -21,9 +21,11 @@ over the probes then gives, per process, the CPU ms per request, per prompt toke
 and per message (the router: all but per output), from the outputs and messages the client
 counted.
 
-Run on the fidelity check's CPU fleet: ``python -m gpumesh_bench.sim.frontcal --out FILE``
-(the tiny model, two engines pinned to cores 0 and 1, the validate run's engine settings);
-it writes a profile TOML with the step model fitted by ``livecal`` and the measured costs.
+Run on a live fleet: ``python -m gpumesh_bench.sim.frontcal --out FILE`` (by default the
+fidelity check's CPU fleet: the tiny model, two engines pinned to cores 0 and 1, the validate
+run's engine settings; ``--cores ''`` and ``--engine-arg`` as ``gpumesh sim validate`` takes
+them for CUDA). It writes a profile TOML with the step model fitted by ``livecal`` and the
+measured costs, or ``--into PROFILE`` (e.g. ``gpumesh calibrate``'s) with the costs in it.
 
 Several measurements: ``--median RUN.json... --out FILE`` writes the first run's profile with
 each cost the median over the runs (the ``.json`` each run writes beside its TOML).
@@ -55,6 +57,9 @@ from gpumesh.v1 import inference_pb2_grpc as pb_grpc
 from gpumesh_bench.sim.livefleet import token_request
 
 SHAPES = ("one", "long", "per_token", "coalesced")
+# the default fleet's scheduler limits and KV capacity (for runs that did not record theirs)
+DEFAULT_LIVE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                "kv_capacity_tokens": 2097152}
 LONG_PROMPT = 512
 
 
@@ -256,21 +261,30 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
     from gpumesh_bench.sim.livecal import calibrate
     from gpumesh_bench.sim.livefleet import LiveFleet, LiveSpec
 
+    from gpumesh_bench.sim.validate import _kv
+
     model = Path(a.model)
-    if not (model / "config.json").exists():
+    if not (model / "config.json").exists() and a.model == "models/tiny":
         build_tiny_model(model)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    spec = LiveSpec(str(model.resolve()), (a.policy,), 2, ("0", "1"), "tiny", 2048,
-                    {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
-                    {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    cores = tuple(c for c in a.cores.split(",") if c)
+    engine_args = {"max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                   **_kv(a.engine_arg, "--engine-arg")}
+    env = {**({"VLLM_CPU_KVCACHE_SPACE": "1"} if cores else {}),
+           **{k: str(v) for k, v in _kv(a.engine_env, "--engine-env").items()}}
+    spec = LiveSpec(str(model.resolve()), (a.policy,), len(cores) or a.engines, cores, "tiny",
+                    a.max_model_len, engine_args, env)
     with LiveFleet(spec) as fleet:   # its logs in a temporary folder
         await fleet.start()
         step = await calibrate(fleet.node_address(fleet.node_ids[0]), "tiny", vocab,
                                context=560)
         costs = await measure(fleet.address(a.policy), fleet_cpu(fleet, a.policy), "tiny",
                               vocab, requests=a.requests, reps=a.reps)
-    return {**step, **costs, "source": "gpumesh_bench.sim.frontcal on the vLLM CPU fleet "
-            "(tiny model, 2 engines pinned to cores 0 and 1)"}
+        live = {**fleet.scheduler_limits(), "kv_capacity_tokens": min(
+            int(x.kv_capacity_tokens) for x in (await fleet.loads(a.policy)).values())}
+    return {**step, **costs, "live": live,
+            "source": f"gpumesh_bench.sim.frontcal: {spec.engines} engines of {model.name}, "
+                      f"cores {a.cores or 'unpinned'}"}
 
 
 def _rescale_main(a: argparse.Namespace) -> dict[str, Any]:
@@ -295,12 +309,34 @@ def _median_main(a: argparse.Namespace) -> dict[str, Any]:
             "runs": [{k: r[k] for k in SERVING_KEYS} for r in runs]}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from gpumesh_bench.sim.fidelity import profile_toml
+def _write(out: Path, doc: dict[str, Any], into: str) -> None:
+    """The profile TOML: ``into`` (an engine profile, e.g. from ``gpumesh calibrate``) with
+    the serving costs of ``doc`` in place of its own; without ``into`` the step model of
+    ``doc`` (``livecal``) with them."""
+    from dataclasses import replace
 
+    from gpumesh import profiles
+    from gpumesh_bench.sim.fidelity import SERVING_KEYS, profile_toml
+
+    live = doc.pop("live", None) or DEFAULT_LIVE
+    if into:   # the profile keys and the EngineProfile attributes share their names
+        p = replace(profiles.load_profile(into), **{k: float(doc[k]) for k in SERVING_KEYS})
+        out.write_text(profiles.dumps_profile(p), encoding="utf-8")
+    else:
+        out.write_text(profile_toml(doc, live), encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpumesh_bench.sim.frontcal",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/tiny")
+    p.add_argument("--cores", default="0,1",
+                   help="one CPU core per engine (vLLM CPU pinning); '' on CUDA")
+    p.add_argument("--engines", type=int, default=2, help="without --cores")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="as gpumesh sim validate's")
+    p.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--reps", type=int, default=2)
@@ -311,6 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fit-workload", default="shared-prefix")
     p.add_argument("--median", nargs="+", default=[], metavar="RUN.json",
                    help="no fleet: the median of these frontcal runs' costs")
+    p.add_argument("--into", default="",
+                   help="write this engine profile with the costs in place (default: with "
+                        "--rescale its --profile; else the livecal step model)")
     p.add_argument("--out", required=True, help="profile TOML to write (+ .json beside it)")
     a = p.parse_args(argv)
     if a.rescale and not (a.profile and a.costs):
@@ -319,9 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            else asyncio.run(_main(a)))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    live = doc.pop("live", None) or {"max_num_seqs": 64, "max_num_batched_tokens": 2048,
-                                     "kv_capacity_tokens": 2097152}
-    out.write_text(profile_toml(doc, live), encoding="utf-8")
+    _write(out, doc, a.into or (a.profile if a.rescale else ""))
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     sys.stdout.write(json.dumps({k: v for k, v in doc.items()
                                  if k not in ("samples", "probes", "cpu_check")}, indent=1)

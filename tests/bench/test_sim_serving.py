@@ -266,3 +266,27 @@ def test_rescale_fits_one_workload_and_holds_out_the_other() -> None:
     assert fitted["sim_router_s"] == pytest.approx(2.0, rel=0.02)
     with pytest.raises(ValueError, match="no live run of 'other'"):
         rescale(doc, profile, "other")
+
+
+def test_frontcal_writes_the_costs_into_an_engine_profile(tmp_path) -> None:
+    """``--median RUN.json... --into PROFILE``: the profile as it was (step model, samples)
+    with each serving cost the median over the runs."""
+    import json
+
+    from gpumesh_bench.sim.fidelity import SERVING_KEYS
+    from gpumesh_bench.sim.frontcal import main
+
+    base = profiles.builtin_profile("tiny-cpu")
+    profiles.dump_profile(base, tmp_path / "base.toml")
+    runs = []
+    for i, scale in enumerate((1.0, 3.0, 2.0)):
+        f = tmp_path / f"run{i}.json"
+        f.write_text(json.dumps({k: scale * (j + 1) for j, k in enumerate(SERVING_KEYS)}))
+        runs.append(str(f))
+    out = tmp_path / "out.toml"
+    assert main(["--median", *runs, "--into", str(tmp_path / "base.toml"),
+                 "--out", str(out)]) == 0
+    got = profiles.load_profile(out)
+    for j, k in enumerate(SERVING_KEYS):
+        assert getattr(got, k) == pytest.approx(2.0 * (j + 1))
+    assert replace(got, **{k: getattr(base, k) for k in SERVING_KEYS}) == base
