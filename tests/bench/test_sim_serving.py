@@ -290,3 +290,47 @@ def test_frontcal_writes_the_costs_into_an_engine_profile(tmp_path) -> None:
     for j, k in enumerate(SERVING_KEYS):
         assert getattr(got, k) == pytest.approx(2.0 * (j + 1))
     assert replace(got, **{k: getattr(base, k) for k in SERVING_KEYS}) == base
+
+
+def test_validate_merge_with_serving_costs(tmp_path) -> None:
+    """``gpumesh sim validate --merge FILE --serving PROFILE --policies P``: the simulator
+    re-run with the profile's serving costs on the named policies' live runs only, its TTFT
+    above the same merge without them, both commands in validate.md."""
+    import gzip
+    import json
+
+    from gpumesh_bench.sim.cli import build_parser
+    from gpumesh_bench.sim.validate import validate
+
+    live = {m: 50.0 for m in fidelity.METRICS} | {"share": {"e0": 0.5, "e1": 0.5},
+                                                   "prefix_hit": 0.0}
+    doc = {"command": "gpumesh sim validate (live)", "profile": STEP,
+           "live": {"node_engines": {"e0": "vllm", "e1": "vllm"}, "max_num_seqs": 64,
+                    "max_num_batched_tokens": 2048, "kv_capacity_tokens": 1 << 20,
+                    "max_model_len": 4096},
+           "trace": {"seed": 1, "tenants": 2, "system_tokens": 256},
+           "workloads": {"unique": {"rate": 20.0, "requests": 80}},
+           "live_runs": {"unique": {"round_robin": live, "least_request": live}}}
+    src = tmp_path / "validate.json.gz"
+    src.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    prof = tmp_path / "serving.toml"
+    prof.write_text(fidelity.profile_toml({**STEP, **COSTS}, {
+        "max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_capacity_tokens": 1 << 20}))
+    out = {}
+    for name, extra in (("plain", []), ("serving", ["--serving", str(prof)])):
+        argv = ["validate", "--merge", str(src), "--policies", "round_robin", "--sim-seeds",
+                "1", "--out", str(tmp_path / name), *extra]
+        a = build_parser().parse_args(argv)
+        a.argv = argv[1:]
+        assert validate(a) == 0
+        out[name] = json.loads((tmp_path / name / "validate.json").read_text())
+    s, p = out["serving"], out["plain"]
+    assert list(s["sim_runs"]["unique"]) == ["round_robin"]
+    assert s["profile"]["router_cpu_message_ms"] == 0.75
+    assert "router_cpu_message_ms" not in p["profile"] or p["profile"][
+        "router_cpu_message_ms"] == 0.0
+    sr, pr = s["sim_runs"]["unique"]["round_robin"], p["sim_runs"]["unique"]["round_robin"]
+    assert sr["ttft_p50"] > pr["ttft_p50"] and sr["router_busy"] > 0 == pr["router_busy"]
+    md = (tmp_path / "serving" / "validate.md").read_text()
+    assert md.startswith("Live runs: `gpumesh sim validate (live)`")
+    assert "--serving" in md.splitlines()[2]
