@@ -31,7 +31,14 @@ TOML_LAYOUT: dict[str, dict[str, str]] = {
     "step": {k: k for k in ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms",
                             "b_decode_context_ms", "c_prefill_ms")},
     "front_end": {"tokens_per_s": "front_end_tokens_per_s",
-                  "request_overhead_ms": "request_overhead_ms"},
+                  "request_overhead_ms": "request_overhead_ms",
+                  "cpu_request_ms": "front_end_cpu_request_ms",
+                  "cpu_output_ms": "front_end_cpu_output_ms",
+                  "cpu_message_ms": "front_end_cpu_message_ms",
+                  "cpu_prompt_token_ms": "front_end_cpu_prompt_token_ms"},
+    "router": {"cpu_request_ms": "router_cpu_request_ms",
+               "cpu_message_ms": "router_cpu_message_ms",
+               "cpu_prompt_token_ms": "router_cpu_prompt_token_ms"},
 }
 
 _INTS: dict[str, int] = {  # attribute -> minimum
@@ -39,7 +46,10 @@ _INTS: dict[str, int] = {  # attribute -> minimum
     "kv_capacity_tokens": 1, "kv_block_size": 1, "kv_bytes_per_token": 0,
 }
 _FLOATS = ("a_ms", "b_decode_ms", "c_decode_ms", "b_prefill_ms", "b_decode_context_ms",
-           "c_prefill_ms", "front_end_tokens_per_s", "request_overhead_ms")
+           "c_prefill_ms", "front_end_tokens_per_s", "request_overhead_ms",
+           "front_end_cpu_request_ms", "front_end_cpu_output_ms", "front_end_cpu_message_ms",
+           "front_end_cpu_prompt_token_ms", "router_cpu_request_ms", "router_cpu_message_ms",
+           "router_cpu_prompt_token_ms")
 _MAX_INT = 1 << 40
 
 

@@ -22,6 +22,14 @@ prompt in chunks of at most ``max_num_batched_tokens``; its time to first token
 (:meth:`EngineProfile.ttft_ms`) adds ``request_overhead_ms``, the fixed cost outside the
 steps (input and output processing in the front end), which the step model does not hold.
 
+The serving path's CPU work (all 0 = not measured; ``gpumesh_bench.sim.frontcal`` measures
+them on a live node and router): the node front end's process spends ``cpu_request_ms`` per
+request plus ``cpu_prompt_token_ms`` per prompt token, ``cpu_output_ms`` per engine output
+(one request's token of one step) and ``cpu_message_ms`` per stream message it sends; the
+router's process ``cpu_request_ms`` per request plus ``cpu_prompt_token_ms`` per prompt
+token and ``cpu_message_ms`` per stream message it relays. The simulator serves them as
+queues (one process each), which is where a loaded fleet's TTFT tail comes from.
+
 TOML layout (every key is described in docs/simulator.md, "Engine profiles")::
 
     format = "gpumesh.engine-profile/1"
@@ -30,7 +38,9 @@ TOML layout (every key is described in docs/simulator.md, "Engine profiles")::
     [kv]         capacity_tokens, block_size, prefix_caching, bytes_per_token
     [step]       a_ms, b_decode_ms, c_decode_ms, b_prefill_ms, b_decode_context_ms,
                  c_prefill_ms
-    [front_end]  tokens_per_s (0 = no ceiling), request_overhead_ms
+    [front_end]  tokens_per_s (0 = no ceiling), request_overhead_ms, cpu_request_ms,
+                 cpu_output_ms, cpu_message_ms, cpu_prompt_token_ms
+    [router]     cpu_request_ms, cpu_message_ms, cpu_prompt_token_ms
     [[samples]]  kind ("decode" | "prefill"), batch, prompt_tokens, cached_tokens,
                  context_tokens, measured_ms, fit_ms, held_out
 
@@ -116,6 +126,15 @@ class EngineProfile:
     # [front_end]
     front_end_tokens_per_s: float = 0.0
     request_overhead_ms: float = 0.0
+    front_end_cpu_request_ms: float = 0.0
+    front_end_cpu_output_ms: float = 0.0
+    front_end_cpu_message_ms: float = 0.0
+    front_end_cpu_prompt_token_ms: float = 0.0
+    # [router]: the router's CPU work per request, per relayed stream message and per
+    # prompt token, ms
+    router_cpu_request_ms: float = 0.0
+    router_cpu_message_ms: float = 0.0
+    router_cpu_prompt_token_ms: float = 0.0
     samples: tuple[Sample, ...] = ()
 
     def __post_init__(self) -> None:

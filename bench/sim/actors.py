@@ -131,6 +131,25 @@ class SimRouter:
         # an SMG gateway in this router's place (a comparison policy, smg_policy)
         self.smg: SmgCacheAware | None = None
 
+    def kv_events(self, node_id: str, ops: list[tuple[str, tuple[int, ...]]],
+                  model: str) -> None:
+        """A node's block events into this router's index (precise locality; the same as
+        ``PrefixLocality.apply`` does with the control plane's updates, without the seq), or
+        into an SMG gateway's event index."""
+        if self.smg is not None:
+            self.smg.kv_events(node_id, ops)
+        loc = self.locality
+        if loc is None or loc.mode == "approximate":
+            return
+        ix = loc.indexes.model(model)
+        for op, hashes in ops:
+            if op == "stored":
+                ix.add(node_id, hashes)
+            elif op == "removed":
+                ix.remove(node_id, hashes)
+            else:
+                ix.clear_node(node_id)
+
 
 @dataclass(frozen=True)
 class RunResult:

@@ -19,9 +19,11 @@ a router's place (``smg_policy``); in a fleet with prefill and decode nodes, ``d
 runs the disaggregated requests (the pool choice and the rule: ``pools``).
 
 Messages (request to node, first token and end to the router, heartbeats, registrations)
-take ``network_delay_s`` one way. What does not run: gRPC, the servicers, streaming
-coalescing, the router's wait queue (nodes have no concurrency limit here, so a request is
-always placed at once), retries and failover (no node fails), tracing.
+take ``network_delay_s`` one way; with the fleet's ``serving`` costs the router and every
+node's front end are also FIFO servers on the way, and the streams are coalesced into
+messages as the node does (``serving``). What does not run: gRPC, the servicers, the
+router's wait queue (nodes have no concurrency limit here, so a request is always placed at
+once), retries and failover (no node fails), tracing.
 
 Events are ordered by (time, sequence number); every random draw comes from seeded RNGs, so a
 run is a pure function of (fleet, workload, policy, seed).
@@ -46,6 +48,7 @@ from gpumesh_bench.sim import smg_policy
 from gpumesh_bench.sim.actors import RequestRecord, RunResult, SimNode, SimRouter
 from gpumesh_bench.sim.disagg import PREFILL_RECV, PdFlow, whole_filter, whole_nodes
 from gpumesh_bench.sim.fleets import FleetSpec
+from gpumesh_bench.sim.serving import ServingPath
 from gpumesh_bench.sim.smg_policy import SmgConfig, WorkerLoad
 from gpumesh_bench.sim.workloads import Arrival, FleetEvent, Workload
 
@@ -56,7 +59,7 @@ SWEEP_S = 0.5
 
 # event kinds
 _ARRIVE, _NODE_RECV, _STEP_END, _HB_SEND, _HB_RECV, _FIRST_RECV, _END_RECV, _FLEET, \
-    _REG_RECV, _DEREG_RECV, _SWEEP, _KV_RECV = range(12)
+    _REG_RECV, _DEREG_RECV, _SWEEP, _KV_RECV, _NODE_ADMIT, _ROUTER_MSGS = range(14)
 
 
 class Simulation:
@@ -102,6 +105,9 @@ class Simulation:
         self._events = 0
         self.cut_outputs = 0
         self.pd = PdFlow(self) if fleet.disaggregated else None
+        sc = fleet.serving   # the serving path's queues (serving.py), or none
+        self.path = (ServingPath(sc, self.nodes, len(self.routers))
+                     if sc is not None and sc.enabled else None)
 
     def _clock(self) -> float:
         return self.now
@@ -189,7 +195,9 @@ class Simulation:
             router.sessions.remember(MODEL, key, node_id)
         rec.node_id = node_id
         front = router.smg.config.front_end_s if router.smg is not None else 0.0
-        self._push(self.now + self.delay + front, _NODE_RECV, (a, ri, node_id))
+        t = (self.path.forward(ri, self.now, a.prompt_tokens) if self.path is not None
+             else self.now)
+        self._push(t + self.delay + front, _NODE_RECV, (a, ri, node_id))
 
     def _node_recv(self, a: Arrival, ri: int, node_id: str) -> None:
         n = self.nodes[node_id]
@@ -206,6 +214,12 @@ class Simulation:
             self.cut_outputs += 1
         req = SimRequest(rid, a.prompt_tokens, out, self._tok_rng, 0.0, (),
                          a.blocks if n.sched.prefix is not None else ())
+        if self.path is not None:   # the engine gets it when the front end is done
+            self._push(self.path.admit(node_id, self.now, a.prompt_tokens), _NODE_ADMIT, (n, req))
+            return
+        self._node_admit(n, req)
+
+    def _node_admit(self, n: SimNode, req: SimRequest) -> None:
         n.sched.add(req)
         if not n.busy:
             self._start_step(n)
@@ -224,41 +238,39 @@ class Simulation:
         assert step is not None
         firsts, done = n.sched.end_step(step, self.now)
         t = self.now + self.delay
+        if self.path is not None:   # the messages through the front end, then the router
+            depart, per_router = self.path.step(
+                n.spec.node_id, self.now, [r.id for r, _ in step.scheduled],
+                [r.id for r in firsts if not r.keep_kv], [r.id for r in done if not r.keep_kv],
+                lambda rid: self.records[int(rid)].router)
+            for ri, msgs in per_router.items():
+                self._push(depart + self.delay, _ROUTER_MSGS, (ri, *msgs))
         for req in firsts:
             if req.keep_kv:
                 continue   # a prefill leg's token is not the client's (disagg.py)
             n.admissions[req.id].first_token()
-            self._push(t, _FIRST_RECV, int(req.id))
+            if self.path is None:
+                self._push(t, _FIRST_RECV, int(req.id))
         for req in done:
             if req.keep_kv and self.pd is not None:
                 self.pd.prefill_done(n, req, t)
                 continue
             n.admissions.pop(req.id).finish()
-            self._push(t, _END_RECV, int(req.id))
+            if self.path is None:
+                self._push(t, _END_RECV, int(req.id))
         if n.kv.ops:
             for r in range(len(self.routers)):
                 self._push(t, _KV_RECV, (r, n.spec.node_id, n.kv.ops))
             n.kv.ops = []
         self._start_step(n)
 
-    @staticmethod
-    def _kv_recv(router: SimRouter, node_id: str, ops: list[tuple[str, tuple[int, ...]]]) -> None:
-        """A node's block events into the router's index (precise locality; the same as
-        ``PrefixLocality.apply`` does with the control plane's updates, without the seq), or
-        into an SMG gateway's event index."""
-        if router.smg is not None:
-            router.smg.kv_events(node_id, ops)
-        loc = router.locality
-        if loc is None or loc.mode == "approximate":
-            return
-        ix = loc.indexes.model(MODEL)
-        for op, hashes in ops:
-            if op == "stored":
-                ix.add(node_id, hashes)
-            elif op == "removed":
-                ix.remove(node_id, hashes)
-            else:
-                ix.clear_node(node_id)
+    def _router_msgs(self, ri: int, messages: int, firsts: list[str], ends: list[str]) -> None:
+        """A step's stream messages reach router ``ri``: at the client when it relayed them."""
+        t = self.path.relay(ri, self.now, messages)
+        for rid in firsts:
+            self._push(t, _FIRST_RECV, int(rid))
+        for rid in ends:
+            self._push(t, _END_RECV, int(rid))
 
     def _first_recv(self, index: int) -> None:
         rec = self.records[index]
@@ -368,9 +380,13 @@ class Simulation:
             elif kind == _DEREG_RECV:
                 ri, node_id = p
                 routers[ri].registry.deregister(node_id, 1)
+            elif kind == _NODE_ADMIT:
+                self._node_admit(*p)
+            elif kind == _ROUTER_MSGS:
+                self._router_msgs(*p)
             elif kind == _KV_RECV:
                 ri, node_id, ops = p
-                self._kv_recv(routers[ri], node_id, ops)
+                routers[ri].kv_events(node_id, ops, MODEL)
             elif kind >= PREFILL_RECV and self.pd is not None:
                 self.pd.handle(kind, p)
         self._events = events

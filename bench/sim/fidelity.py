@@ -5,8 +5,11 @@ the scheduler limits (max_num_seqs, max_num_batched_tokens), the KV capacity and
 the context length and the heartbeat interval of the live nodes, and the step model of an
 engine profile (``step_a_ms``, ``step_b_decode_ms``, ``step_c_decode_ms``,
 ``step_b_prefill_ms`` and the attention terms ``step_b_decode_context_ms``,
-``step_c_prefill_ms`` where the profile has them; ``front_end_ms``: the node's fixed time per request, split into the
-two one-way message delays). ``simulate_side`` replays the trace through the simulator with
+``step_c_prefill_ms`` where the profile has them; ``front_end_ms``: the node's fixed time per
+request, split into the two one-way message delays; the serving path's CPU costs
+``SERVING_KEYS`` where the profile has them: the router and each node's front end as queues,
+``serving.py``, and the fixed time then less what the front end's work of a lone request
+already accounts for). ``simulate_side`` replays the trace through the simulator with
 the router's real code (``core.Simulation``) for a few seeds (the seeds change the
 simulator's own random draws, e.g. power_of_two's sampling, not the trace).
 
@@ -38,6 +41,7 @@ from typing import Any
 from gpumesh.node.engines.sim import SimEngineConfig
 from gpumesh_bench.sim.core import Simulation
 from gpumesh_bench.sim.fleets import FleetSpec, NodeSpec
+from gpumesh_bench.sim.serving import ServingCosts
 from gpumesh_bench.sim.workloads import Workload
 from gpumesh_bench.stats import percentile
 
@@ -48,6 +52,20 @@ BAND = 0.25
 TIE = 0.05   # two live values closer than this are a tie: no order to reproduce
 STEP_KEYS = ("step_a_ms", "step_b_decode_ms", "step_c_decode_ms", "step_b_prefill_ms",
              "step_b_decode_context_ms", "step_c_prefill_ms")
+# profile dict key -> ServingCosts field (the serving path's CPU work, ms)
+SERVING_KEYS = {"front_end_cpu_request_ms": "node_request_ms",
+                "front_end_cpu_output_ms": "node_output_ms",
+                "front_end_cpu_message_ms": "node_message_ms",
+                "front_end_cpu_prompt_token_ms": "node_prompt_token_ms",
+                "router_cpu_request_ms": "router_request_ms",
+                "router_cpu_message_ms": "router_message_ms",
+                "router_cpu_prompt_token_ms": "router_prompt_token_ms"}
+
+
+def serving_costs(profile: dict[str, Any]) -> ServingCosts | None:
+    """The profile's serving-path costs, or None where it has none (every one 0)."""
+    costs = ServingCosts(**{f: float(profile.get(k, 0.0)) for k, f in SERVING_KEYS.items()})
+    return costs if costs.enabled else None
 
 
 def sim_fleet(node_ids: Sequence[str], profile: dict[str, Any], *, max_num_seqs: int,
@@ -55,14 +73,18 @@ def sim_fleet(node_ids: Sequence[str], profile: dict[str, Any], *, max_num_seqs:
               heartbeat_s: float = 0.25, kv_block_size: int = 16) -> FleetSpec:
     """The live fleet as a simulator fleet (module docstring)."""
     steps = {k: float(profile[k]) for k in STEP_KEYS if k in profile}
+    serving = serving_costs(profile)
     eng = SimEngineConfig.for_shape(
         "0.5b", **steps, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         kv_capacity_tokens=kv_capacity_tokens, kv_block_size=kv_block_size,
         max_context_length=max_context_length, time_scale=1.0, prefix_caching=True,
         front_end_tokens_per_s=float(profile.get("front_end_tokens_per_s", 0.0)))
     nodes = tuple(NodeSpec(n, eng, 1.0) for n in node_ids)
-    delay = float(profile.get("front_end_ms", 0.0)) / 2000.0
-    return FleetSpec("live-mirror", nodes, 1, heartbeat_s, delay)
+    fixed_ms = float(profile.get("front_end_ms", 0.0))
+    if serving is not None:
+        # livecal's fixed time is the intercept of TTFT over prompt length (0 tokens)
+        fixed_ms = max(fixed_ms - serving.lone_request_ms(), 0.0)
+    return FleetSpec("live-mirror", nodes, 1, heartbeat_s, fixed_ms / 2000.0, serving=serving)
 
 
 def summarize(indexes: Sequence[int], ttft_s: Sequence[float], e2e_s: Sequence[float],
@@ -99,9 +121,15 @@ def simulate_side(fleet: FleetSpec, w: Workload, policy: str,
         m["busy"] = statistics.fmean(n.sched.stats.busy_s / max(res.sim_s, 1e-9)
                                      for n in sim.nodes.values())
         m["errors"] = len(res.records) - len(ok)
+        path = sim.path   # the serving path's servers: busy fraction (cores) of each kind
+        m["front_end_busy"] = (statistics.fmean(f.server.busy_s for f in path.fronts.values())
+                               / max(res.sim_s, 1e-9) if path is not None else 0.0)
+        m["router_busy"] = (statistics.fmean(r.busy_s for r in path.routers)
+                            / max(res.sim_s, 1e-9) if path is not None else 0.0)
         runs.append(m)
     out: dict[str, Any] = {"seeds": list(seeds)}
-    for k in (*METRICS, "prefix_hit", "busy", "requests", "errors"):
+    for k in (*METRICS, "prefix_hit", "busy", "front_end_busy", "router_busy", "requests",
+              "errors"):
         vals = [r[k] for r in runs]
         out[k] = statistics.fmean(vals)
         out[k + "_range"] = [min(vals), max(vals)]
@@ -190,7 +218,15 @@ def load_profile(name_or_path: str) -> dict[str, Any]:
             "step_b_decode_context_ms": p.b_decode_context_ms,
             "step_c_prefill_ms": p.c_prefill_ms,
             "front_end_tokens_per_s": p.front_end_tokens_per_s,
-            "front_end_ms": p.request_overhead_ms, "source": f"profile {name_or_path}"}
+            "front_end_ms": p.request_overhead_ms,
+            "front_end_cpu_request_ms": p.front_end_cpu_request_ms,
+            "front_end_cpu_output_ms": p.front_end_cpu_output_ms,
+            "front_end_cpu_message_ms": p.front_end_cpu_message_ms,
+            "router_cpu_request_ms": p.router_cpu_request_ms,
+            "router_cpu_message_ms": p.router_cpu_message_ms,
+            "front_end_cpu_prompt_token_ms": p.front_end_cpu_prompt_token_ms,
+            "router_cpu_prompt_token_ms": p.router_cpu_prompt_token_ms,
+            "source": f"profile {name_or_path}"}
 
 
 def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
@@ -206,7 +242,11 @@ def profile_toml(p: dict[str, Any], live: dict[str, Any]) -> str:
         f"c_decode_ms = {p.get('step_c_decode_ms', 0.0)!r}",
         f"b_prefill_ms = {p['step_b_prefill_ms']!r}", "[front_end]",
         f"tokens_per_s = {p.get('front_end_tokens_per_s', 0.0)!r}",
-        f"request_overhead_ms = {p.get('front_end_ms', 0.0)!r}"]) + "\n"
+        f"request_overhead_ms = {p.get('front_end_ms', 0.0)!r}",
+        *[f"{k.removeprefix('front_end_')} = {float(p.get(k, 0.0))!r}" for k in SERVING_KEYS
+          if k.startswith("front_end_")], "[router]",
+        *[f"{k.removeprefix('router_')} = {float(p.get(k, 0.0))!r}" for k in SERVING_KEYS
+          if k.startswith("router_")]]) + "\n"
 
 
 def read_doc(path: str | Path) -> dict[str, Any]:
@@ -219,19 +259,25 @@ def read_doc(path: str | Path) -> dict[str, Any]:
 
 
 def merge(files: list[str], profile: dict[str, Any] | None = None,
-          sim_seeds: int = 3, step_scale: float = 1.0) -> dict[str, Any]:
+          sim_seeds: int = 3, step_scale: float = 1.0,
+          serving: dict[str, float] | None = None,
+          policies: Sequence[str] = ()) -> dict[str, Any]:
     """One document from several validate.json files (e.g. one policy each, each calibrated
     in its own run): their live runs (a later file's (workload, policy) replaces an earlier
     one's), and the simulator re-run on every trace with ONE profile: ``profile``, else each
-    step-model term's median over the files' fits; its step terms times ``step_scale``."""
+    step-model term's median over the files' fits; its step terms times ``step_scale``;
+    ``serving`` (``SERVING_KEYS``) replaces its serving-path costs. ``policies``: only those
+    policies' live runs (default every one)."""
     from gpumesh_bench.sim import fidelity_trace as ft
 
     docs = [read_doc(f) for f in files]
     if profile is None:
-        keys = (*STEP_KEYS, "front_end_ms", "front_end_tokens_per_s")
+        keys = (*STEP_KEYS, "front_end_ms", "front_end_tokens_per_s", *SERVING_KEYS)
         profile = {k: statistics.median(float(d["profile"].get(k, 0.0)) for d in docs)
                    for k in keys}
         profile["source"] = f"median of {len(docs)} fits on the live engines"
+    if serving is not None:
+        profile = {**profile, **{k: float(serving.get(k, 0.0)) for k in SERVING_KEYS}}
     if step_scale != 1.0:
         profile = {**profile, "step_scale": step_scale,
                    **{k: float(profile.get(k, 0.0)) * step_scale for k in STEP_KEYS}}
@@ -245,7 +291,8 @@ def merge(files: list[str], profile: dict[str, Any] | None = None,
     for d in docs:
         out["workloads"].update(d["workloads"])
         for wk, pols in d["live_runs"].items():
-            out["live_runs"].setdefault(wk, {}).update(pols)
+            out["live_runs"].setdefault(wk, {}).update(
+                {p: v for p, v in pols.items() if not policies or p in policies})
     sfleet = sim_fleet(
         tuple(live["node_engines"]), profile, max_num_seqs=live["max_num_seqs"],
         max_num_batched_tokens=live["max_num_batched_tokens"],

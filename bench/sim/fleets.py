@@ -54,6 +54,7 @@ from typing import Any
 
 from gpumesh.node.engines.sim import SimEngineConfig
 from gpumesh_bench.sim.pools import ROLES, KvLink, PdRule
+from gpumesh_bench.sim.serving import ServingCosts
 
 HETERO_SPEEDS = (1, 1, 1, 1, 2, 2, 0.5, 0.5)
 ENGINE_DEFAULTS: dict[str, Any] = {"max_num_seqs": 32, "kv_capacity_tokens": 8192,
@@ -78,6 +79,7 @@ class FleetSpec:
     router: dict[str, Any] = field(default_factory=dict)   # RouterConfig overrides
     link: KvLink = KvLink()      # prefill -> decode KV transfers
     pd_rule: PdRule = PdRule()   # when a request is disaggregated
+    serving: ServingCosts | None = None   # the router and node front ends as queues
 
     def __post_init__(self) -> None:
         if not self.nodes:

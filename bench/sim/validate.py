@@ -36,6 +36,7 @@ from gpumesh_bench.sim import workloads as wl
 from gpumesh_bench.sim.core import simulate
 from gpumesh_bench.sim.metrics import SLOSpec, mean_ci, run_metrics
 
+LIVE_POLICIES = "least_request,predicted_latency,round_robin"   # validate's default
 LIVE_FLEETS = {"hetero-eqkv": ("hetero-speed", False), "hetero-kvspeed": ("hetero-speed", True),
                "homo": ("homo", False)}
 
@@ -120,7 +121,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--model", default="models/tiny",
                    help="model folder the live engines serve (models/tiny is built if absent)")
     p.add_argument("--workloads", default="shared-prefix,unique")
-    p.add_argument("--policies", default="least_request,predicted_latency,round_robin")
+    p.add_argument("--policies", default="",
+                   help=f"default {LIVE_POLICIES}; with --merge: only these policies' live "
+                        "runs (default every one)")
     p.add_argument("--requests", type=int, default=2000, help="per live run")
     p.add_argument("--rate", default="8",
                    help="req/s of the trace: one value, or one per workload (R1,R2)")
@@ -146,6 +149,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--step-scale", type=float, default=1.0,
                    help="with --merge: multiply the profile's step terms by this (a step "
                         "model fitted in place on a live run, docs/simulator.md#fidelity)")
+    p.add_argument("--serving", default="",
+                   help="with --merge: the serving path's CPU costs (the [front_end] cpu_* and "
+                        "[router] keys) from this profile TOML, on top of the step model "
+                        "(docs/simulator.md#fidelity)")
     p.add_argument("--merge", nargs="+", default=[], metavar="VALIDATE.json",
                    help="no live runs: fold earlier validate.json files (e.g. one policy "
                         "each) into one comparison in --out, the simulator re-run with one "
@@ -218,7 +225,7 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
         build_tiny_model(model)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     kinds = [w for w in a.workloads.split(",") if w]
-    policies = tuple(p for p in a.policies.split(",") if p)
+    policies = tuple(p for p in (a.policies or LIVE_POLICIES).split(",") if p)
     rates = [float(x) for x in str(a.rate).split(",") if x]
     if len(rates) not in (1, len(kinds)):
         raise SystemExit("--rate: one value or one per workload")
@@ -320,11 +327,20 @@ def validate(a: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if a.merge:
         profile = fidelity.load_profile(a.profile) if a.profile else None
-        doc = fidelity.merge(a.merge, profile, a.sim_seeds, a.step_scale)
+        serving = None
+        if a.serving:
+            sp = fidelity.load_profile(a.serving)
+            serving = {k: sp[k] for k in fidelity.SERVING_KEYS}
+        doc = fidelity.merge(a.merge, profile, a.sim_seeds, a.step_scale, serving,
+                             [p for p in a.policies.split(",") if p])
+        doc["merge_command"] = "gpumesh sim validate " + " ".join(getattr(a, "argv", []))
     else:
         doc = asyncio.run(_validate(a, out))
     md = fidelity.markdown(doc)
     (out / "validate.json").write_text(json.dumps(doc) + "\n", encoding="utf-8")
-    (out / "validate.md").write_text(f"`{doc['command']}`\n\n" + md, encoding="utf-8")
+    head = f"`{doc['command']}`\n\n"
+    if doc.get("merge_command"):
+        head = f"Live runs: `{doc['command']}`\n\nSimulator: `{doc['merge_command']}`\n\n"
+    (out / "validate.md").write_text(head + md, encoding="utf-8")
     sys.stdout.write(md)
     return 0
