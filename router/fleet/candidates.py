@@ -99,8 +99,10 @@ def build_candidate(s: Slot, now: float, *, lease_ttl_s: float, freshness_s: flo
                     speeds: ModelSpeeds, prediction_scale: float = 1.0) -> Candidate | None:
     """Rebuilds a slot's cached candidate as of ``now`` (None: lease over).
     ``prediction_scale``: the node's observed / predicted TTFT ratio (``fleet.predictions``;
-    it only moves with an observation, which comes with a credit change on the node's ledger,
-    so the cached candidate is rebuilt before the next decision reads it).
+    it moves with an observation, which comes with a credit change on the node's ledger, so
+    the cached candidate is rebuilt before the next decision reads it, and, for a node
+    without recent samples, with its model's typical scale, read at the next rebuild: at
+    least every ``freshness_s``, when the node's report ages).
 
     A fresh report is passed on with the node's step time; where the node has measured no
     step or prefill capacity of its own, the model's reference speed scaled by its weight

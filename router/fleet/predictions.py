@@ -10,8 +10,12 @@ to its end or the unary answer), and the tracker keeps per node:
   ``Candidate.prediction_scale`` so the policy's next predictions for the node come out right.
   Each sample is the ratio against the unscaled prediction (the prediction divided by the scale
   in effect), clipped to [``min_scale``, ``max_scale``]; the scale is the median of the last
-  ``window`` samples (an outlier, such as one request that met a long prefill, moves it by
-  nothing), 1.0 until ``min_samples`` samples exist, and always within the clip bounds.
+  ``window`` samples from the last ``max_age_s`` seconds (an outlier, such as one request
+  that met a long prefill, moves it by nothing), always within the clip bounds. A node with fewer than ``min_samples`` samples
+  from the last ``max_age_s`` seconds — new, or not chosen for a while — takes the median
+  scale of the model's nodes that have them (1.0 when none has): a scale learned from a slow
+  start (an engine's first requests, a burst) never locks a node out, since a node the policy
+  stops choosing gets no samples to correct it.
 - ``ttft_error_p50`` / ``completion_error_p50``: the median absolute relative error
   |predicted - observed| / observed of the last ``window`` predictions as they were made (0.2
   = 20 %): how good the predictions the policy acted on were.
@@ -34,8 +38,9 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gpumesh.router.scheduling.types import Decision
@@ -59,10 +64,11 @@ class PredictionStats:
 
 
 class _Node:
-    __slots__ = ("completion_errors", "log_ratios", "scale", "ttft_errors")
+    __slots__ = ("completion_errors", "log_ratios", "scale", "stamps", "ttft_errors")
 
     def __init__(self, window: int) -> None:
         self.log_ratios: deque[float] = deque(maxlen=window)
+        self.stamps: deque[float] = deque(maxlen=window)   # when each log ratio was taken
         self.ttft_errors: deque[float] = deque(maxlen=window)
         self.completion_errors: deque[float] = deque(maxlen=window)
         self.scale = 1.0
@@ -86,6 +92,8 @@ class PredictionTracker:
     min_samples: int = 4
     min_scale: float = 0.25
     max_scale: float = 4.0
+    max_age_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
     drift_scale: float = DRIFT_SCALE
     drift_error: float = DRIFT_ERROR
     _nodes: dict[str, _Node] = field(init=False, default_factory=dict)
@@ -110,23 +118,28 @@ class PredictionTracker:
         (a stream calls it at its first chunk and again at its end)."""
         if _usable(ttft_s) and _usable(decision.predicted_ttft_s):
             assert ttft_s is not None and decision.predicted_ttft_s is not None
-            self._ttft(node_id, decision.predicted_ttft_s, ttft_s)
+            self._ttft(node_id, decision.predicted_ttft_s, ttft_s, decision.prediction_scale)
         if _usable(completion_s) and _usable(decision.predicted_completion_s):
             assert completion_s is not None and decision.predicted_completion_s is not None
             err = relative_error(decision.predicted_completion_s, completion_s)
             self._node(node_id).completion_errors.append(err)
             self._tell(node_id, "completion", err)
 
-    def _ttft(self, node_id: str, predicted_s: float, observed_s: float) -> None:
+    def _ttft(self, node_id: str, predicted_s: float, observed_s: float,
+              in_effect: float) -> None:
         n = self._node(node_id)
         err = relative_error(predicted_s, observed_s)
         n.ttft_errors.append(err)
         # against the unscaled prediction: the policy multiplied it by the scale in effect
-        ratio = observed_s * n.scale / predicted_s
+        # (the decision's; the node's own where a decision does not say)
+        ratio = observed_s * (in_effect if in_effect > 0 else n.scale) / predicted_s
         ratio = min(max(ratio, self.min_scale), self.max_scale)
         n.log_ratios.append(math.log(ratio))
-        if len(n.log_ratios) >= self.min_samples:
-            n.scale = min(max(math.exp(statistics.median(n.log_ratios)), self.min_scale),
+        now = self.clock()
+        n.stamps.append(now)
+        recent = [r for r, at in zip(n.log_ratios, n.stamps) if at >= now - self.max_age_s]
+        if len(recent) >= self.min_samples:
+            n.scale = min(max(math.exp(statistics.median(recent)), self.min_scale),
                           self.max_scale)
         self._tell(node_id, "ttft", err)
 
@@ -142,10 +155,25 @@ class PredictionTracker:
 
     # --- reads ------------------------------------------------------------------------
 
-    def scale(self, node_id: str) -> float:
-        """The node's ``Candidate.prediction_scale`` (1.0 for a node without samples)."""
+    def scale(self, node_id: str, fallback: float = 1.0) -> float:
+        """The node's ``Candidate.prediction_scale``: its own while it has ``min_samples``
+        samples from the last ``max_age_s`` seconds, else ``fallback`` (``typical_scale`` of
+        its model's nodes)."""
         n = self._nodes.get(node_id)
-        return n.scale if n is not None else 1.0
+        return n.scale if n is not None and self._current(n, self.clock()) else fallback
+
+    def typical_scale(self, node_ids: Iterable[str]) -> float:
+        """The median own scale of those of ``node_ids`` that have recent samples (1.0 when
+        none has): what a node without them is predicted with."""
+        now = self.clock()
+        own = [n.scale for k in node_ids
+               if (n := self._nodes.get(k)) is not None and self._current(n, now)]
+        return statistics.median(own) if own else 1.0
+
+    def _current(self, n: _Node, now: float) -> bool:
+        """``n`` has ``min_samples`` samples from the last ``max_age_s`` seconds."""
+        k = self.min_samples
+        return len(n.stamps) >= k and n.stamps[-k] >= now - self.max_age_s
 
     def stats(self, node_id: str) -> PredictionStats:
         n = self._nodes.get(node_id)

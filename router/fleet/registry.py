@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from gpumesh.router import errors
@@ -77,6 +77,7 @@ class Registry:
         self.speeds = ModelSpeeds()
         # observed / predicted times per node -> Candidate.prediction_scale (fleet.predictions)
         self.predictions = PredictionTracker()
+        self._typical: dict[str, tuple[float, float]] = {}   # model -> (when, typical scale)
         self._nodes: dict[str, NodeEntry] = {}
         self._ledgers: dict[str, CreditLedger] = {}
         self._index = Index()
@@ -287,15 +288,30 @@ class Registry:
         (``at(i)`` for a sample, ``all()`` for every live node); ``exclude``: node ids left
         out (a retry's failed nodes)."""
         snap = self._index.snapshots.get(model)
-        return LazyCandidates(self._build, snap.slots if snap is not None else (),
-                              self.clock(), exclude)
+        slots = snap.slots if snap is not None else ()
+        now = self.clock()
+        typical = self._typical_scale(model, slots, now)
+        return LazyCandidates(lambda s, t: self._build(s, t, typical), slots, now, exclude)
 
-    def _build(self, s: Slot, now: float) -> Candidate | None:
+    def _typical_scale(self, model: str, slots: Sequence[Slot], now: float) -> float:
+        """The model's typical prediction scale (``PredictionTracker.typical_scale``), kept
+        for a second: what its nodes without recent samples are predicted with."""
+        hit = self._typical.get(model)
+        if hit is not None and now - hit[0] < 1.0:
+            return hit[1]
+        if len(self._typical) > 4096:
+            self._typical.clear()
+        v = self.predictions.typical_scale(s.entry.node_id for s in slots)
+        self._typical[model] = (now, v)
+        return v
+
+    def _build(self, s: Slot, now: float, typical: float = 1.0) -> Candidate | None:
         return build_candidate(s, now, lease_ttl_s=self.lease_ttl_s,
                                freshness_s=self.freshness_s,
                                max_concurrency_default=self.max_concurrency_default,
                                peer_factor=self.peers.factor, speeds=self.speeds,
-                               prediction_scale=self.predictions.scale(s.entry.node_id))
+                               prediction_scale=self.predictions.scale(s.entry.node_id,
+                                                                       typical))
 
     def charge(self, node_id: str, tokens: int, *, blind: bool = False, hold_s: float = 0.0,
                slot_until_finish: bool = True) -> Credit:

@@ -177,3 +177,5 @@ class Decision:
     # decision (None: the policy does not predict).
     predicted_ttft_s: float | None = None
     predicted_completion_s: float | None = None
+    # The chosen candidate's prediction_scale the prediction was multiplied by (0 = unknown).
+    prediction_scale: float = 0.0

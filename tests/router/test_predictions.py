@@ -14,15 +14,18 @@ from gpumesh.router.scheduling.types import Decision
 from gpumesh.router.telemetry import decision_attributes
 
 
-def decision(ttft: float | None, completion: float | None = None) -> Decision:
-    return Decision("p", "n", 1, predicted_ttft_s=ttft, predicted_completion_s=completion)
+def decision(ttft: float | None, completion: float | None = None, *,
+             scale: float = 0.0) -> Decision:
+    return Decision("p", "n", 1, predicted_ttft_s=ttft, predicted_completion_s=completion,
+                    prediction_scale=scale)
 
 
 def run(tracker: PredictionTracker, node: str, raw_s: float, observed: list[float]) -> None:
     """A policy predicting ``raw_s`` scaled by the tracker's current scale, then the
     observation."""
     for obs in observed:
-        tracker.observe(node, decision(raw_s * tracker.scale(node)), ttft_s=obs)
+        scale = tracker.scale(node)
+        tracker.observe(node, decision(raw_s * scale, scale=scale), ttft_s=obs)
 
 
 def test_scale_converges_to_the_observed_ratio_and_errors_fall() -> None:
@@ -94,3 +97,27 @@ def test_span_attributes_carry_the_prediction() -> None:
     plain = decision_attributes(decision(None, None), 0.1, 0.0)
     assert "gpumesh.predicted_ttft_s" not in plain
     assert "gpumesh.predicted_completion_s" not in plain
+
+
+def test_a_node_not_chosen_for_a_while_takes_its_models_typical_scale() -> None:
+    """A scale learned from a slow start must not lock a node out: once its samples are
+    older than max_age_s it is predicted with the scale of the nodes that have recent ones
+    (1.0 when none has), and its next observation is unscaled by the scale in effect."""
+    now = [0.0]
+    t = PredictionTracker(window=8, min_samples=2, max_age_s=30.0, clock=lambda: now[0])
+    run(t, "cold", 0.1, [0.4] * 4)                   # its first requests: 4x the profile
+    assert t.scale("cold") == pytest.approx(4.0)
+    run(t, "warm", 0.1, [0.15] * 4)
+    now[0] = 10.0
+    assert t.scale("cold", 9.9) == pytest.approx(4.0)        # still its own: recent
+    now[0] = 31.0                                    # cold's samples age out; warm's too
+    assert t.typical_scale(["cold", "warm"]) == 1.0
+    run(t, "warm", 0.1, [0.15] * 2)
+    typical = t.typical_scale(["cold", "warm"])
+    assert typical == pytest.approx(1.5)
+    assert t.scale("cold", typical) == typical
+    # cold is chosen again with the typical scale in effect: its new samples are unscaled by
+    # that scale, and the old ones no longer count
+    for _ in range(2):
+        t.observe("cold", decision(0.1 * typical, scale=typical), ttft_s=0.12)
+    assert t.scale("cold", typical) == pytest.approx(1.2)

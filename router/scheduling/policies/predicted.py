@@ -143,7 +143,8 @@ class PredictedLatency:
                            for c in kept_few(candidates, totals, chosen))
         return Decision(self.name, chosen.node_id, len(candidates), considered,
                         tie_size=len(tied), predicted_ttft_s=p.ttft_s,
-                        predicted_completion_s=p.completion_s)
+                        predicted_completion_s=p.completion_s,
+                        prediction_scale=chosen.prediction_scale)
 
 
 def _score(c: Candidate, p: Prediction, total: float) -> CandidateScore:
