@@ -11,11 +11,11 @@ to its end or the unary answer), and the tracker keeps per node:
   Each sample is the ratio against the unscaled prediction (the prediction divided by the scale
   in effect), clipped to [``min_scale``, ``max_scale``]; the scale is the median of the last
   ``window`` samples from the last ``max_age_s`` seconds (an outlier, such as one request
-  that met a long prefill, moves it by nothing), always within the clip bounds. A node with fewer than ``min_samples`` samples
-  from the last ``max_age_s`` seconds — new, or not chosen for a while — takes the median
-  scale of the model's nodes that have them (1.0 when none has): a scale learned from a slow
-  start (an engine's first requests, a burst) never locks a node out, since a node the policy
-  stops choosing gets no samples to correct it.
+  that met a long prefill, moves it by nothing), always within the clip bounds. A node with
+  fewer than ``min_samples`` samples from the last ``max_age_s`` seconds — new, or not
+  chosen for a while — takes the median scale of the model's nodes that have them (1.0 when
+  none has): a scale learned from a slow start (an engine's first requests, a burst) never
+  locks a node out, since a node the policy stops choosing gets no samples to correct it.
 - ``ttft_error_p50`` / ``completion_error_p50``: the median absolute relative error
   |predicted - observed| / observed of the last ``window`` predictions as they were made (0.2
   = 20 %): how good the predictions the policy acted on were.
