@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--router-env-b", action="append", default=[], metavar="NAME=VALUE",
                    help="dp05/dp7: also a router B with this env (repeatable) on the same nodes, "
                         "benched interleaved with the first, e.g. "
-                        "GPUMESH_ROUTER_ROUTING__STEP_FROM_REPORT=0")
+                        "GPUMESH_ROUTER_MEMBERSHIP__STEP_FROM_REPORT=0")
     r.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="extra vLLM engine argument of every vLLM node (the node TOML's "
                         "[engine_args]; VALUE is JSON, else a string), e.g. stream_interval=4; "
