@@ -155,12 +155,14 @@ class PredictionTracker:
 
     # --- reads ------------------------------------------------------------------------
 
-    def scale(self, node_id: str, fallback: float = 1.0) -> float:
+    def scale(self, node_id: str, fallback: float = 1.0, now: float | None = None) -> float:
         """The node's ``Candidate.prediction_scale``: its own while it has ``min_samples``
-        samples from the last ``max_age_s`` seconds, else ``fallback`` (``typical_scale`` of
-        its model's nodes)."""
+        samples from the last ``max_age_s`` seconds (as of ``now``, default the clock), else
+        ``fallback`` (``typical_scale`` of its model's nodes)."""
         n = self._nodes.get(node_id)
-        return n.scale if n is not None and self._current(n, self.clock()) else fallback
+        if n is None:
+            return fallback
+        return n.scale if self._current(n, self.clock() if now is None else now) else fallback
 
     def typical_scale(self, node_ids: Iterable[str]) -> float:
         """The median own scale of those of ``node_ids`` that have recent samples (1.0 when

@@ -76,7 +76,7 @@ class Registry:
         self.peers = PeerShare(router_id, peer_share_half_life_s, clock)
         self.speeds = ModelSpeeds()
         # observed / predicted times per node -> Candidate.prediction_scale (fleet.predictions)
-        self.predictions = PredictionTracker()
+        self.predictions = PredictionTracker(clock=clock)
         self._typical: dict[str, tuple[float, float]] = {}   # model -> (when, typical scale)
         self._nodes: dict[str, NodeEntry] = {}
         self._ledgers: dict[str, CreditLedger] = {}
@@ -311,7 +311,7 @@ class Registry:
                                max_concurrency_default=self.max_concurrency_default,
                                peer_factor=self.peers.factor, speeds=self.speeds,
                                prediction_scale=self.predictions.scale(s.entry.node_id,
-                                                                       typical))
+                                                                       typical, now))
 
     def charge(self, node_id: str, tokens: int, *, blind: bool = False, hold_s: float = 0.0,
                slot_until_finish: bool = True) -> Credit:
