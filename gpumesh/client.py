@@ -58,8 +58,15 @@ _SERVICE_CONFIG = json.dumps({
                         "backoffMultiplier": 2,
                         "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]},
     }]})
+# Reconnect backoff: gRPC's defaults (1 s first, growing to 120 s) leave a router that
+# restarted behind its address unused for seconds to minutes after it serves again, and a
+# channel whose other routers then stop has no backend at all. Routers sit beside their
+# clients (a data centre, not the internet): the first retry after 0.1 s, at most 1 s apart
+# (gRPC jitters each by ±20 %), so a client uses a restarted router within about a second.
 CHANNEL_OPTIONS = [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1),
-                   ("grpc.keepalive_time_ms", 30_000)]
+                   ("grpc.keepalive_time_ms", 30_000),
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1_000)]
 # Lookaside mode: node statuses that fail a stream over to another node, and how often.
 _NODE_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
                           grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,

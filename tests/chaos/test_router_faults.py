@@ -97,7 +97,10 @@ async def test_repeated_replica_stops_lose_nothing(make_mesh):
     three times in turn under a dense load of short streams, and restarted. The stopping
     router refuses new work with UNAVAILABLE while it drains; calls that reach it in the
     instant its gRPC server stops are reset with CANCELLED before any output, and the
-    client's retry policy must send those to the other router too: nothing is lost."""
+    client's retry policy must send those to the other router too: nothing is lost. Each
+    stop waits, as a rolling restart's readiness delay does, until the client's channel has
+    reconnected to the router restarted before it (its reconnect backoff is at most 1 s, +20 %
+    jitter): a client with no router to reach in that instant fails its call, UNAVAILABLE."""
     mesh = await make_mesh(nodes=2, routers=2, time_scale=5.0)
     tally, stop = Tally(), asyncio.Event()
     # many short streams: many calls arrive at a stopping router around its server.stop
@@ -109,7 +112,7 @@ async def test_repeated_replica_stops_lose_nothing(make_mesh):
         assert await asyncio.to_thread(mesh.routers[i].popen.wait, 30) == 0
         mesh.start_router(i)
         await mesh.wait_fleet(2, 30, router=i, watch=False)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(1.5)
     stop.set()
     await asyncio.wait_for(load, 60)
     print(f"\n{tally.line('6 graceful router stops (2 routers)')} examples={tally.examples}")
