@@ -119,6 +119,7 @@ class LoadReport:
     kv_capacity_tokens: int = 0          # 0 = unknown
     prefill_capacity_tokens_per_s: float = 0.0  # 0 = unknown
     decode_step_s: float = 0.0           # 0 = unknown
+    output_tokens_mean: float = 0.0      # of the requests finished recently; 0 = unknown
     loaded_adapters: tuple[str, ...] = ()  # LoRA adapters loaded in the engine now
     adapter_load_s: float = 0.0          # mean seconds of a recent adapter load; 0 = unknown
     step_model: StepModel | None = None  # fitted online; None = not yet (or not fitted)

@@ -80,6 +80,7 @@ def load_report_to_proto(r: LoadReport) -> cpb.LoadReport:
         prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
         decode_step_s=r.decode_step_s, loaded_adapters=r.loaded_adapters,
         adapter_load_s=r.adapter_load_s, engine_epoch=r.engine_epoch,
+        output_tokens_mean=r.output_tokens_mean,
         step_model=None if r.step_model is None else cpb.StepModel(
             a_ms=r.step_model.a_ms, b_decode_ms=r.step_model.b_decode_ms,
             b_prefill_ms=r.step_model.b_prefill_ms, spans=r.step_model.spans,
@@ -97,7 +98,7 @@ def load_report_from_proto(r: cpb.LoadReport) -> LoadReport:
         prefill_capacity_tokens_per_s=r.prefill_capacity_tokens_per_s,
         decode_step_s=r.decode_step_s,
         loaded_adapters=tuple(r.loaded_adapters), adapter_load_s=r.adapter_load_s,
-        engine_epoch=r.engine_epoch,
+        engine_epoch=r.engine_epoch, output_tokens_mean=r.output_tokens_mean,
         step_model=StepModel(r.step_model.a_ms, r.step_model.b_decode_ms,
                              r.step_model.b_prefill_ms, r.step_model.spans,
                              r.step_model.rms_error) if r.HasField("step_model") else None,

@@ -25,6 +25,7 @@ def build_load_report(load: EngineLoad, ledger: AdmissionLedger, draining: bool)
         kv_capacity_tokens=max(0, load.kv_capacity_tokens),
         prefill_capacity_tokens_per_s=max(0.0, load.prefill_capacity_tokens_per_s),
         decode_step_s=max(0.0, load.decode_step_s),
+        output_tokens_mean=max(0.0, load.output_tokens_mean),
         loaded_adapters=tuple(load.loaded_adapters),
         adapter_load_s=max(0.0, load.adapter_load_s),
         step_model=load.step_model,
@@ -46,6 +47,8 @@ def merge_reports(reports: Sequence[tuple[float, LoadReport]]) -> LoadReport:
       approximates the engine's).
     - Step model: the fit over the most spans (each front end fits the steps whose stats it
       received; the one that saw most of them is the best informed).
+    - Output tokens per finished request: the mean of the front ends' means (each counts
+      the requests it finished).
     - Decode step time: the smallest a front end measured. A front end times the intervals
       between the scheduler stats it receives, which span several steps when another front
       end got the stats in between, so larger figures are the inflated ones.
@@ -55,6 +58,7 @@ def merge_reports(reports: Sequence[tuple[float, LoadReport]]) -> LoadReport:
     freshest = max(reports, key=lambda r: r[0])[1]
     rs = [r for _, r in reports]
     steps = [r.decode_step_s for r in rs if r.decode_step_s > 0]
+    outs = [r.output_tokens_mean for r in rs if r.output_tokens_mean > 0]
     accounts: dict[str, RouterAccount] = {}
     for r in rs:
         for a in r.router_accounts:
@@ -70,6 +74,7 @@ def merge_reports(reports: Sequence[tuple[float, LoadReport]]) -> LoadReport:
         prompt_tokens_per_s=sum(r.prompt_tokens_per_s for r in rs),
         prefill_capacity_tokens_per_s=sum(r.prefill_capacity_tokens_per_s for r in rs),
         decode_step_s=min(steps) if steps else 0.0,
+        output_tokens_mean=sum(outs) / len(outs) if outs else 0.0,
         kv_capacity_tokens=max(r.kv_capacity_tokens for r in rs),
         draining=any(r.draining for r in rs),
         gpus=rs[0].gpus,

@@ -88,7 +88,7 @@ class RouterAccount(_message.Message):
     def __init__(self, router_id: _Optional[str] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., first_token_requests: _Optional[int] = ..., first_token_prompt_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "pending_prefill_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "in_flight", "gpus", "draining", "router_accounts", "prompt_tokens_per_s", "kv_capacity_tokens", "prefill_capacity_tokens_per_s", "decode_step_s", "loaded_adapters", "adapter_load_s", "step_model", "engine_epoch")
+    __slots__ = ("num_running", "num_waiting", "pending_prefill_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "in_flight", "gpus", "draining", "router_accounts", "prompt_tokens_per_s", "kv_capacity_tokens", "prefill_capacity_tokens_per_s", "decode_step_s", "loaded_adapters", "adapter_load_s", "step_model", "engine_epoch", "output_tokens_mean")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class LoadReport(_message.Message):
     ADAPTER_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     STEP_MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_MEAN_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     pending_prefill_tokens: int
@@ -125,7 +126,8 @@ class LoadReport(_message.Message):
     adapter_load_s: float
     step_model: StepModel
     engine_epoch: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., draining: _Optional[bool] = ..., router_accounts: _Optional[_Iterable[_Union[RouterAccount, _Mapping]]] = ..., prompt_tokens_per_s: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_capacity_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., adapter_load_s: _Optional[float] = ..., step_model: _Optional[_Union[StepModel, _Mapping]] = ..., engine_epoch: _Optional[int] = ...) -> None: ...
+    output_tokens_mean: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., draining: _Optional[bool] = ..., router_accounts: _Optional[_Iterable[_Union[RouterAccount, _Mapping]]] = ..., prompt_tokens_per_s: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_capacity_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., adapter_load_s: _Optional[float] = ..., step_model: _Optional[_Union[StepModel, _Mapping]] = ..., engine_epoch: _Optional[int] = ..., output_tokens_mean: _Optional[float] = ...) -> None: ...
 
 class StepModel(_message.Message):
     __slots__ = ("a_ms", "b_decode_ms", "b_prefill_ms", "spans", "rms_error")

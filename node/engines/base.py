@@ -95,6 +95,9 @@ class EngineLoad:
     # Mean wall-clock seconds of the engine's recent steps while it had running requests (its
     # decode step time); 0 = not measured yet.
     decode_step_s: float = 0.0
+    # Mean output tokens of the requests the engine finished in the last OUTPUT_WINDOW_S
+    # (the newest kept when none finished since); 0 = none finished yet.
+    output_tokens_mean: float = 0.0
     # LoRA adapters loaded in the engine now, and the mean seconds of its recent adapter
     # loads (0 = none yet)
     loaded_adapters: tuple[str, ...] = ()
@@ -106,6 +109,11 @@ class EngineLoad:
     # processes on one engine, vLLM sends each step's stats to one of them, and the node
     # reports the freshest (gpumesh.node.frontends)
     stats_at: float = 0.0
+
+
+# The window of EngineLoad.output_tokens_mean: long enough that one long generation does not
+# swing it, short enough to follow a change of traffic.
+OUTPUT_WINDOW_S = 30.0
 
 
 class WindowMean:

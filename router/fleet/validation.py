@@ -178,6 +178,7 @@ def valid_load(msg: cpb.LoadReport, limits: NodeLimits) -> LoadReport:
         _real(field, getattr(msg, field), 0.0, MAX_TOKENS_PER_S)
     _real("decode_step_s", msg.decode_step_s, 0.0, MAX_STEP_S)
     _real("adapter_load_s", msg.adapter_load_s, 0.0, MAX_STEP_S)
+    _real("output_tokens_mean", msg.output_tokens_mean, 0.0, MAX_TOKENS)
     if msg.HasField("step_model"):
         sm = msg.step_model
         for field in ("a_ms", "b_decode_ms", "b_prefill_ms"):

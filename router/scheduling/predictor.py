@@ -45,12 +45,15 @@ this router's; the unreported terms are what this router sent since n's last rep
                                          holding the longest prefix and not its keeper
                                          (``prefix_keeper``), else 0
 
-The slot wait: when n's report had requests waiting (its running batch is full), q waits
-for (those still waiting + f * unreported + 1) finishes, at R finishes per
-``output_tokens_default / 2`` steps; where the profile states the engine's running ceiling
-(max_num_seqs) and R + 1 exceeds it, for the R + 1 - max_num_seqs beyond it. The KV wait: when q's tokens (p + out) exceed n's free
-KV (capacity less the reported usage and this router's unreported requests), the shortfall
-frees at the rate the running requests release KV. The adapter load: q names an adapter
+The output still to come of the requests on n: ``out_n``, the mean output of the requests n
+finished recently (``LoadReport.output_tokens_mean``), else ``output_tokens_default``. The
+slot wait: when n's report had requests waiting (its running batch is full), q waits for
+(those still waiting + f * unreported + 1) finishes, at R finishes per ``out_n`` steps
+(Little's law); where the profile states the engine's running ceiling (max_num_seqs) and
+R + 1 exceeds it, for the R + 1 - max_num_seqs beyond it. The KV wait: when q's tokens
+(p + out) exceed n's free KV (capacity less the reported usage and this router's unreported
+requests, each at its prompt plus ``out_n``), the shortfall frees at the rate the running
+requests release KV. The adapter load: q names an adapter
 that n's report does not list as loaded: n's measured load time, else
 ``RoutingSettings.adapter_load_s``. A node without a fresh report (STALE): Q and R are this
 router's own outstanding prompt tokens and requests there, at the default step cost.
@@ -190,9 +193,12 @@ def predict(c: Candidate, request: RequestInfo, cost: StepCost, *, out: int,
     chunk = max(cost.budget - running, cost.budget / 4.0)
     work = queued + own
     ttft = (0.5 + math.ceil(work / chunk)) * step + cost.prefill_s * work
+    # the output of the requests already on n: what n measured of its recent ones, else the
+    # default
+    there = r.output_tokens_mean if r is not None and r.output_tokens_mean > 0 else out_default
     if r is not None:
-        ttft += _slot_wait(c, r.num_waiting, total, step, f, out_default, cost.max_seqs)
-        ttft += _kv_wait(c, own + out, running, step, f, out_default)
+        ttft += _slot_wait(c, r.num_waiting, total, step, f, there, cost.max_seqs)
+        ttft += _kv_wait(c, own + out, running, step, f, there)
     if request.adapter and (r is None or request.adapter not in r.loaded_adapters):
         measured = r.adapter_load_s if r is not None else 0.0
         ttft += measured if measured > 0 else adapter_load_s
@@ -202,7 +208,7 @@ def predict(c: Candidate, request: RequestInfo, cost: StepCost, *, out: int,
     imposed = (running * cost.prefill_s * own
                + cost.prefill_s * (max(best_held - held, 0) + dup)
                + running * cost.decode_s * out
-               + _kv_overflow(c, own + out, running, f, out_default) * cost.prefill_s
+               + _kv_overflow(c, own + out, running, f, there) * cost.prefill_s
                * (1.0 + running))
     return Prediction(c.node_id, ttft, completion, imposed, cost.source)
 
@@ -212,7 +218,7 @@ def _slot_wait(c: Candidate, waiting: int, running: float, step: float, f: float
     """Seconds until a running slot frees for a new request: when the report had requests
     waiting (this router's reported pre-first-token requests bound how many of those still
     wait), or when the engine's running ceiling is known and the requests there reach it."""
-    per_finish = (out_default / 2.0) * step
+    per_finish = out_default * step   # Little's law: R finish per mean output of steps
     ahead = 0.0
     if waiting > 0:
         still = min(float(waiting), f * max(c.outstanding_requests - c.unreported_requests, 0))

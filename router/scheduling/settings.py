@@ -55,7 +55,8 @@ class RoutingSettings(BaseModel):
     output_tokens_default: int = Field(
         256, ge=1,
         description="Output tokens assumed for a request that sets no max_tokens, and for "
-                    "the requests already running on a node.")
+                    "the requests already running on a node that has not reported the mean "
+                    "output of its finished requests yet.")
     output_tokens_cap: int = Field(
         2048, ge=1,
         description="A request's max_tokens counts at most this much in its predicted "

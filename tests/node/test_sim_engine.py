@@ -383,3 +383,15 @@ async def test_load_reports_the_decode_step_in_wall_clock_seconds() -> None:
         assert eng.load().decode_step_s == pytest.approx(0.020)   # kept while idle
     finally:
         await eng.shutdown()
+
+
+async def test_load_reports_the_mean_output_of_finished_requests() -> None:
+    eng = await started(SimEngineConfig(step_a_ms=1.0, step_b_decode_ms=0.0,
+                                        step_b_prefill_ms=0.0))
+    try:
+        assert eng.load().output_tokens_mean == 0.0       # none finished yet
+        await asyncio.gather(*(collect(eng, req(f"r{i}", max_tokens=n, ignore_eos=True))
+                               for i, n in enumerate((4, 8, 12))))
+        assert eng.load().output_tokens_mean == pytest.approx(8.0)
+    finally:
+        await eng.shutdown()

@@ -91,10 +91,26 @@ def test_vllm_stats_adapter_reports_the_fit() -> None:
     assert (m.a_ms, m.b_decode_ms, m.b_prefill_ms) == pytest.approx((A, BD, BP), rel=0.05)
 
 
+def test_vllm_stats_adapter_reports_the_mean_output_of_finished_requests() -> None:
+    now = [100.0]
+    s = LoadStatLogger(clock=lambda: now[0])
+    assert s.snapshot().output_tokens_mean == 0.0
+    done = [SimpleNamespace(num_generation_tokens=n) for n in (10, 30)]
+    s.record(_sched(2), SimpleNamespace(**vars(_iter(2, 0)), finished_requests=done))
+    assert s.snapshot().output_tokens_mean == pytest.approx(20.0)
+    now[0] += 31.0      # kept while none finish; the next finish replaces the older ones
+    s.record(_sched(1), SimpleNamespace(**vars(_iter(1, 0)), finished_requests=[]))
+    assert s.snapshot().output_tokens_mean == pytest.approx(20.0)
+    s.record(_sched(1), SimpleNamespace(**vars(_iter(1, 0)),
+                                        finished_requests=[SimpleNamespace(num_generation_tokens=50)]))
+    assert s.snapshot().output_tokens_mean == pytest.approx(50.0)
+
+
 def test_step_model_rides_the_heartbeat_and_the_router_checks_it() -> None:
     from gpumesh.router.fleet.validation import InvalidNodeInput, NodeLimits, valid_load
 
-    report = LoadReport(num_running=3, step_model=StepModel(4.0, 0.15, 0.02, 40, 0.03))
+    report = LoadReport(num_running=3, step_model=StepModel(4.0, 0.15, 0.02, 40, 0.03),
+                        output_tokens_mean=42.5)
     msg = wire.load_report_to_proto(report)
     assert wire.load_report_from_proto(msg) == report
     assert wire.load_report_from_proto(wire.load_report_to_proto(LoadReport())).step_model is None

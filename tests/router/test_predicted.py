@@ -38,11 +38,12 @@ def cand(node_id: str = "n", *, running: int = 0, pending: int = 0, waiting: int
          unreported: int = 0, unreported_n: int = 0, outstanding_n: int = 0,
          scale: float = 1.0, role: str = "both", step_model: StepModel | None = None,
          capacity: float = 0.0, step_s: float = 0.0, stale: bool = False,
-         in_flight: int = 0) -> Candidate:
+         in_flight: int = 0, out_mean: float = 0.0) -> Candidate:
     report = None if stale else LoadReport(
         num_running=running, num_waiting=waiting, pending_prefill_tokens=pending,
         kv_cache_usage=kv, kv_capacity_tokens=kv_cap, loaded_adapters=loaded,
-        prefill_capacity_tokens_per_s=capacity, step_model=step_model)
+        prefill_capacity_tokens_per_s=capacity, step_model=step_model,
+        output_tokens_mean=out_mean)
     return Candidate(node_id=node_id, address=f"{node_id}:1",
                      state=NodeState.STALE if stale else NodeState.HEALTHY,
                      capacity_weight=weight, max_concurrency=0, report=report,
@@ -124,14 +125,33 @@ def test_a_prefix_held_twice_has_one_keeper_and_the_other_copy_pays_its_eviction
 
 def test_full_slots_and_full_kv_wait() -> None:
     base = predict(cand(running=10), RequestInfo("m", 100), COST, **KW).ttft_s
-    # 3 waiting (this router's 3 reported ones) + 1: 4 finishes at 10 per 50 steps
+    # 3 waiting (this router's 3 reported ones) + 1: 4 finishes, at 10 per 100 steps (the
+    # running requests' output, out_default: R finish per mean output of steps)
     slots = predict(cand(running=10, waiting=3, outstanding_n=3), RequestInfo("m", 100), COST,
                     **KW).ttft_s
-    assert slots - base == pytest.approx(4 * 50 * 0.02 / 10)
+    assert slots - base == pytest.approx(4 * 100 * 0.02 / 10)
     roomy = predict(cand(running=10, kv=0.5, kv_cap=10_000), RequestInfo("m", 100), COST, **KW)
     full = predict(cand(running=10, kv=0.99, kv_cap=10_000), RequestInfo("m", 100), COST, **KW)
     assert roomy.ttft_s == pytest.approx(base) and full.ttft_s > base
     assert full.imposed_s > roomy.imposed_s     # it preempts someone to fit
+
+
+def test_the_output_a_node_measured_sets_how_soon_its_slots_and_kv_free() -> None:
+    """A node whose finished requests had 10 output tokens frees a slot ten times as often
+    as the default (100) says; one with 400-token outputs four times as seldom."""
+    req = RequestInfo("m", 100)
+    base = predict(cand(running=10), req, COST, **KW).ttft_s
+    waits = {out: predict(cand(running=10, waiting=3, outstanding_n=3, out_mean=out), req,
+                          COST, **KW).ttft_s - base for out in (0.0, 10.0, 400.0)}
+    assert waits[0.0] == pytest.approx(4 * 100 * 0.02 / 10)   # none reported: the default
+    assert waits[10.0] == pytest.approx(4 * 10 * 0.02 / 10)
+    assert waits[400.0] == pytest.approx(4 * 400 * 0.02 / 10)
+    # KV: the unreported requests count at their prompt plus the node's measured output
+    short = cand(running=10, kv=0.5, kv_cap=10_000, unreported=1000, unreported_n=10,
+                 out_mean=20.0)
+    long = cand(running=10, kv=0.5, kv_cap=10_000, unreported=1000, unreported_n=10,
+                out_mean=500.0)
+    assert predict(short, req, COST, **KW).ttft_s < predict(long, req, COST, **KW).ttft_s
 
 
 @pytest.mark.parametrize("c, source, a_s, prefill_s", [

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from gpumesh.node.engines.base import EngineLoad, Finish, WindowMean
+from gpumesh.node.engines.base import OUTPUT_WINDOW_S, EngineLoad, Finish, WindowMean
 from gpumesh.node.engines.sim.config import SimEngineConfig, SimStats
 from gpumesh.node.engines.sim.prefix_cache import PrefixCache
 from gpumesh.node.engines.sim.request import SimRequest, SimStep, attention_context
@@ -59,6 +59,8 @@ class SimScheduler(KvTransfers):
         self._samples: deque[tuple[float, int, int]] = deque()  # (t, gen, prefill)
         # the lengths of the steps of the last STEP_WINDOW_S (driver's clock)
         self._step_log = WindowMean(STEP_WINDOW_S)
+        # the output tokens of the requests finished in the last OUTPUT_WINDOW_S
+        self._out_log = WindowMean(OUTPUT_WINDOW_S)
         self._prefill_capacity = self.prefill_capacity_tokens_per_s()
 
     # --- driving ---------------------------------------------------------------------
@@ -107,6 +109,8 @@ class SimScheduler(KvTransfers):
         ``measured_s``: the step's length on the driver's clock (default its duration)."""
         firsts, done = self._apply(step.scheduled)
         self._step_log.add(now, step.duration_s if measured_s is None else measured_s)
+        for r in done:
+            self._out_log.add(now, len(r.out))
         if not self._samples or now - self._samples[-1][0] >= 0.25:
             self._sample(now)
         return firsts, done
@@ -127,6 +131,7 @@ class SimScheduler(KvTransfers):
             kv_capacity_tokens=self._total_blocks * self._block,
             prefill_capacity_tokens_per_s=self._prefill_capacity,
             decode_step_s=self.decode_step_s(),
+            output_tokens_mean=self._out_log.mean,
             step_model=self.step_model(),
         )
 

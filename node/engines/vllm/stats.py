@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from gpumesh.node.engines.base import EngineLoad, WindowMean
+from gpumesh.node.engines.base import OUTPUT_WINDOW_S, EngineLoad, WindowMean
 from gpumesh.node.engines.vllm.kv_transfer import KvTransferTotals
 from gpumesh.profile_fit import OnlineStepFit
 
@@ -67,6 +67,7 @@ class LoadStatLogger:
         # decode step time: the timed steps of the last step_window_s
         self._step_last_t: float | None = None
         self._steps = WindowMean(step_window_s)
+        self._outputs = WindowMean(OUTPUT_WINDOW_S)   # output tokens of finished requests
         self._window = rate_window_s
         # prefill capacity: the open span, the open window's best sample, older windows' best
         self._cap_span_s = capacity_span_s
@@ -125,6 +126,8 @@ class LoadStatLogger:
             now = self._clock()
             if scheduler_stats is not None:   # one step ended: what it scheduled
                 self._fit.step(now, self._step_busy, gen, prompt)
+            for done in getattr(iteration_stats, "finished_requests", ()) or ():
+                self._outputs.add(now, float(getattr(done, "num_generation_tokens", 0)))
             if gen or prompt:
                 self._rates.append((now, gen, prompt))
                 self._gen_sum += gen
@@ -229,6 +232,7 @@ class LoadStatLogger:
             kv_capacity_tokens=self.kv_capacity_tokens,
             prefill_capacity_tokens_per_s=self.prefill_capacity_tokens_per_s,
             decode_step_s=self.decode_step_s,
+            output_tokens_mean=self._outputs.mean,
             step_model=self._fit.model(),
             stats_at=self._step_last_t or 0.0,
         )
