@@ -178,6 +178,15 @@ class LiveFleet:
             fl = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
         return {n.node_id: n.load for n in fl.nodes}
 
+    async def predictions(self, policy: str) -> dict[str, dict[str, float]]:
+        """Every node's prediction feedback as router ``policy`` keeps it (``GetFleet``):
+        ``scale`` (observed / predicted TTFT; 0 = no sample yet) and ``ttft_error_p50`` (the
+        median |predicted - observed| / observed TTFT of its last predictions)."""
+        async with grpc.aio.insecure_channel(self.address(policy)) as ch:
+            fl = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
+        return {n.node_id: {"scale": n.prediction_scale, "ttft_error_p50": n.ttft_error_p50}
+                for n in fl.nodes}
+
     async def engines(self, policy: str) -> dict[str, str]:
         """Every node's engine kind ("vllm", "sim", ...) as router ``policy`` lists it."""
         async with grpc.aio.insecure_channel(self.address(policy)) as ch:

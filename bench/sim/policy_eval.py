@@ -27,8 +27,11 @@ def _seeds(cell: dict[str, Any], policy: str, metric: str) -> list[float]:
 
 
 def _fast(cell: dict[str, Any]) -> tuple[set[str], float]:
-    """The fastest nodes of the cell's fleet and their share of its capacity (speed)."""
+    """The fastest nodes of the cell's fleet and their share of its capacity (speed); no
+    node and 0 on a fleet whose nodes all run at one speed (``hetero-kv``: KV differs)."""
     fleet = fleets_mod.builtin(cell["fleet"])
+    if len({n.engine.speed for n in fleet.nodes}) < 2:
+        return set(), 0.0
     top = max(n.engine.speed for n in fleet.nodes)
     fast = {n.node_id for n in fleet.nodes if n.engine.speed == top}
     total = sum(n.engine.speed for n in fleet.nodes)
@@ -56,12 +59,12 @@ def evaluate(cell: dict[str, Any]) -> dict[str, Any]:
         missed.append(f"attainment {vs_smg[0]:.2f}x SMG")
     if hetero and float(cell["load"]) >= 0.95 and vs_lr[0] < 1.1:
         missed.append(f"attainment {vs_lr[0]:.2f}x LR < 1.1x")
-    if hetero and share[POLICY] < cap:
+    if fast and share[POLICY] < cap:
         missed.append(f"fast share {share[POLICY]:.0%} < {cap:.0%}")
     if hetero and p99[0] > 0.8:
         missed.append(f"TTFT p99 {p99[0]:.2f}x LR > 0.8x")
     return {"slo": slo, "vs_lr": vs_lr, "vs_smg": vs_smg, "p99": p99, "share": share,
-            "cap": cap, "hetero": hetero, "missed": missed}
+            "cap": cap, "hetero": hetero, "speeds": bool(fast), "missed": missed}
 
 
 def _pct(m: tuple[float, float]) -> str:
@@ -81,7 +84,7 @@ def table(cells: Sequence[dict[str, Any]]) -> str:
             continue
         e = evaluate(c)
         share = (f"{e['share'][POLICY]:.0%} / {e['share'][BASE]:.0%} ({e['cap']:.0%})"
-                 if e["hetero"] else "—")
+                 if e["speeds"] else "—")
         lines.append(f"| {c['fleet']} | {c['workload']} | {float(c['load']):.0%} | "
                      f"{_pct(e['slo'][POLICY])} | {_pct(e['slo'][BASE])} | "
                      f"{_pct(e['slo'][PEER])} | {_x(e['vs_lr'])} | {_x(e['vs_smg'])} | "

@@ -303,6 +303,8 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
                           requests_raw=[[r.index, round(r.start_s, 5), r.ttft_s and
                                          round(r.ttft_s, 5), round(r.latency_s, 5), r.node_id,
                                          r.output_tokens, r.status] for r in res])
+                # the router's own check of its predictions (predicted_latency only)
+                lm["prediction"] = await fleet.predictions(pol)
                 doc["live_runs"][kind][pol] = lm
                 sm = fidelity.simulate_side(sfleet, w, pol, tuple(range(1, a.sim_seeds + 1)))
                 doc["sim_runs"][kind][pol] = sm
@@ -310,8 +312,10 @@ async def _validate(a: Any, out: Path) -> dict[str, Any]:
                       f"{lm['ttft_p99']:.0f} ms e2e p50/p99 {lm['e2e_p50']:.0f}/"
                       f"{lm['e2e_p99']:.0f} ms errors {lm['errors']} ({wall:.0f} s); sim "
                       f"{sm['ttft_p50']:.0f}/{sm['ttft_p99']:.0f} {sm['e2e_p50']:.0f}/"
-                      f"{sm['e2e_p99']:.0f} busy {sm['busy']:.2f}", file=sys.stderr,
-                      flush=True)
+                      f"{sm['e2e_p99']:.0f} busy {sm['busy']:.2f}; prediction "
+                      + " ".join(f"{n} x{p['scale']:.2f} err {p['ttft_error_p50']:.2f}"
+                                 for n, p in sorted(lm["prediction"].items())),
+                      file=sys.stderr, flush=True)
                 (out / "validate.json").write_text(json.dumps(doc) + "\n", encoding="utf-8")
     doc["comparison"] = fidelity.compare(doc["live_runs"], doc["sim_runs"])
     return doc

@@ -30,18 +30,40 @@ the others), ``precise`` (events only), ``approximate`` (records only, events ig
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
 from gpumesh.kvblocks import BLOCK_SIZE, block_hashes, namespace_seed
-from gpumesh.router.fleet.prefix_index import PrefixIndexes
+from gpumesh.router.fleet.prefix_index import PrefixIndex, PrefixIndexes
 from gpumesh.router.scheduling.types import RequestInfo
 from gpumesh.router.tokenizers import PromptTokenizer, RouterTokenizers, chat_chars
 from gpumesh.serial_worker import INLINE_PROMPT_CHARS
 from gpumesh.v1 import control_pb2, inference_pb2
 
 MODES = ("auto", "precise", "approximate", "off")
+
+
+class IndexedTokens(Mapping[str, int]):
+    """``RequestInfo.indexed_tokens``: node id -> tokens the index holds for it, read from
+    the index when asked (a decision reads its candidates' only, not the whole fleet's)."""
+
+    __slots__ = ("_ix",)
+
+    def __init__(self, ix: PrefixIndex) -> None:
+        self._ix = ix
+
+    def __getitem__(self, node_id: str) -> int:
+        blocks = self._ix.known_blocks(node_id)
+        if blocks is None:
+            raise KeyError(node_id)
+        return blocks * BLOCK_SIZE
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ix.nodes())
+
+    def __len__(self) -> int:
+        return len(self._ix.nodes())
 
 
 class PrefixLocality:
@@ -104,7 +126,7 @@ class PrefixLocality:
             return info
         cached = MappingProxyType({n: min(d * BLOCK_SIZE, info.prompt_tokens)
                                    for n, d in depth.items()})
-        return replace(info, cached_tokens=cached)
+        return replace(info, cached_tokens=cached, indexed_tokens=IndexedTokens(ix))
 
     def routed(self, info: RequestInfo, node_id: str) -> None:
         """The router sent this prompt to ``node_id``: an approximate record for a node

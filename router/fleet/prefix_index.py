@@ -141,6 +141,11 @@ class PrefixIndex:
         n = self._nodes.get(node_id)
         return len(n.blocks) if n is not None else 0
 
+    def known_blocks(self, node_id: str) -> int | None:
+        """Blocks indexed for ``node_id``; None when the index has never heard of it."""
+        n = self._nodes.get(node_id)
+        return len(n.blocks) if n is not None else None
+
     def nodes(self) -> Mapping[str, int]:
         """Node id -> blocks indexed for it."""
         return {k: len(v.blocks) for k, v in self._nodes.items()}

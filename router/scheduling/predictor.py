@@ -35,15 +35,17 @@ this router's; the unreported terms are what this router sent since n's last rep
     ttft *= Candidate.prediction_scale                   observed / predicted, per node
     completion = ttft + out * (a + b_decode * (R + 1))   out = q's output tokens
     imposed = R * b_prefill * p          each of n's R streams waits for q's prefill
-              + b_prefill * (best - h)   re-storing a prefix another node holds evicts
-                                         blocks someone else would hit (best = the longest
-                                         prefix any node holds of q)
+              + b_prefill * min((best - h) + dup, evicted)
+                  (best - h): re-storing a prefix another node holds evicts blocks
+                  someone else would hit (best = the longest prefix any node holds of q);
+                  dup: refreshing a second copy of a prefix keeps it alive on n and evicts
+                  blocks someone else would hit: dup = best when n is one of several nodes
+                  holding the longest prefix and not its keeper (``prefix_keeper``), else 0;
+                  evicted: what q's stores (p + out) evict from n's prefix cache, the
+                  tokens the prefix index holds for n (RequestInfo.indexed_tokens) plus
+                  them beyond n's KV capacity (unknown: no bound), so a copy that fits in
+                  a cache with room costs nothing
               + R * b_decode * out       q's decode tokens lengthen their steps
-              + b_prefill * dup          refreshing a second copy of a prefix keeps it
-                                         alive on n and evicts blocks someone else would
-                                         hit: dup = best when n is one of several nodes
-                                         holding the longest prefix and not its keeper
-                                         (``prefix_keeper``), else 0
 
 The output still to come of the requests on n: ``out_n``, the mean output of the requests n
 finished recently (``LoadReport.output_tokens_mean``), else ``output_tokens_default``. The
@@ -205,12 +207,25 @@ def predict(c: Candidate, request: RequestInfo, cost: StepCost, *, out: int,
     ttft *= c.prediction_scale if c.prediction_scale > 0 else 1.0
     completion = ttft + out * (cost.a_s + cost.decode_s * (running + 1.0))
     dup = best_held if keeper and c.node_id != keeper and held > best_held - BLOCK_SIZE else 0
+    # a copy stored or refreshed on n costs others' hits only where its stores evict
+    taken = min(max(best_held - held, 0) + dup, _evicted(c, request, own + out))
     imposed = (running * cost.prefill_s * own
-               + cost.prefill_s * (max(best_held - held, 0) + dup)
+               + cost.prefill_s * taken
                + running * cost.decode_s * out
                + _kv_overflow(c, own + out, running, f, there) * cost.prefill_s
                * (1.0 + running))
     return Prediction(c.node_id, ttft, completion, imposed, cost.source)
+
+
+def _evicted(c: Candidate, request: RequestInfo, stored: int) -> float:
+    """Tokens of other prefixes that storing ``stored`` more tokens on ``c`` evicts from its
+    prefix cache: what the index holds for ``c`` plus them, beyond its KV capacity (inf when
+    either is unknown: counted as full)."""
+    r = c.report
+    indexed = request.indexed_tokens.get(c.node_id)
+    if r is None or r.kv_capacity_tokens <= 0 or indexed is None:
+        return math.inf
+    return float(max(indexed + stored - r.kv_capacity_tokens, 0))
 
 
 def _slot_wait(c: Candidate, waiting: int, running: float, step: float, f: float,

@@ -135,6 +135,10 @@ class RequestInfo:
     # would still do.
     prefix_hashes: tuple[int, ...] = ()
     cached_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # Per node id, the tokens the prefix index holds for that node (its cached blocks x the
+    # block size; a lazy view, read for the candidates only): how full its prefix cache is,
+    # so a store that fits evicts nothing. A node absent from it: unknown (counted as full).
+    indexed_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # The output tokens it may generate (its max_tokens; 0 = unknown): the prediction's
     # completion time counts them (RoutingSettings.output_tokens_default when unknown).
     output_tokens: int = 0

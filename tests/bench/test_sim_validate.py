@@ -87,6 +87,9 @@ def test_validate_runs_real_engines_and_the_simulator(tmp_path: Path,
     for kind in ("shared-prefix", "unique"):
         live = doc["live_runs"][kind]["round_robin"]
         assert live["errors"] == 0 and live["requests"] == 16
+        # the router's prediction check per node (round_robin predicts nothing: no sample)
+        assert live["prediction"] == {n: {"scale": 0.0, "ttft_error_p50": 0.0}
+                                      for n in ("e0", "e1")}
         reqs = live["requests_raw"]
         assert {r[4] for r in reqs} == {"e0", "e1"}    # round_robin alternates: both engines served
         trace = fidelity_trace.build(kind, 16, 4.0, 1, 2, 512)

@@ -165,3 +165,6 @@ async def test_the_real_engine_reports_its_fitted_step_model(vllm_engine: object
     # the decode step the engine timed (mean over its last 3 s, about 3 sequences decoding)
     predicted = (m.a_ms + m.b_decode_ms * max(load.num_running, 3)) / 1000
     assert 0.5 < predicted / load.decode_step_s < 2.0, (m, load.decode_step_s)
+    # the mean output of its finished requests, from vLLM's finished-request stats (other
+    # tests' requests on the shared engine may count too: only that it is measured)
+    assert load.output_tokens_mean > 0, load

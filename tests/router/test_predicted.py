@@ -99,6 +99,44 @@ def test_a_miss_pays_the_eviction_of_a_prefix_held_elsewhere() -> None:
     assert miss.ttft_s - hit.ttft_s == pytest.approx(0.0001 * 900)
 
 
+def test_a_copy_costs_others_hits_only_where_its_stores_evict() -> None:
+    """The eviction terms count only what the request's stores (its uncached prompt and its
+    output) push out of the node's prefix cache: nothing where the cache has room, all of
+    the copy where it is full, and all of it where the index does not know the node."""
+    kw = {**KW, "best_held": 900}
+    base = {"cached_tokens": {"h": 900}}
+    # 10,000 KV tokens; the request stores 1,000 - 0 + 10 output on "o"
+    roomy = RequestInfo("m", 1000, **base, indexed_tokens={"o": 2_000})
+    tight = RequestInfo("m", 1000, **base, indexed_tokens={"o": 9_500})
+    full = RequestInfo("m", 1000, **base, indexed_tokens={"o": 10_000})
+    unknown = RequestInfo("m", 1000, **base)
+    o = cand("o", kv_cap=10_000)
+    assert predict(o, roomy, COST, **kw).imposed_s == 0.0
+    assert predict(o, tight, COST, **kw).imposed_s == pytest.approx(0.0001 * 510)  # 9,500 + 1,010 - 10,000
+    assert predict(o, full, COST, **kw).imposed_s == pytest.approx(0.0001 * 900)   # at most the copy
+    assert predict(o, unknown, COST, **kw).imposed_s == pytest.approx(0.0001 * 900)
+    # the duplicate holder's refresh likewise: free where its cache has room
+    cs = [cand("a", kv_cap=100_000), cand("b", kv_cap=100_000)]
+    req = RequestInfo("m", 1008, prefix_hashes=tuple(range(1, 64)),
+                      cached_tokens={"a": 960, "b": 960}, indexed_tokens={"a": 960, "b": 960})
+    keeper = prefix_keeper(cs, req, 960)
+    other = next(c for c in cs if c.node_id != keeper)
+    assert predict(other, req, COST, **{**KW, "best_held": 960, "keeper": keeper}
+                   ).imposed_s == 0.0
+
+
+def test_the_locality_index_tells_how_full_each_nodes_cache_is() -> None:
+    from gpumesh.kvblocks import BLOCK_SIZE
+    from gpumesh.router.fleet.locality import IndexedTokens
+    from gpumesh.router.fleet.prefix_index import PrefixIndex
+
+    ix = PrefixIndex()
+    ix.add("a", range(1, 11))
+    view = IndexedTokens(ix)
+    assert view.get("a") == 10 * BLOCK_SIZE and view["a"] == 10 * BLOCK_SIZE
+    assert view.get("never") is None and "never" not in view and list(view) == ["a"]
+
+
 def test_a_prefix_held_twice_has_one_keeper_and_the_other_copy_pays_its_eviction() -> None:
     hashes = tuple(range(1, 64))
     reqs = [RequestInfo("m", 1008 + 16 * i, prefix_hashes=hashes,

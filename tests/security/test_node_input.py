@@ -32,6 +32,8 @@ BAD_LOADS = [
     {"kv_cache_usage": 1.5},
     {"decode_step_s": math.nan},
     {"decode_step_s": -1.0},
+    {"output_tokens_mean": math.nan},
+    {"output_tokens_mean": -1.0},
     {"generation_tokens_per_s": math.inf},
     {"prefill_capacity_tokens_per_s": -math.inf},
     {"prefix_cache_hit_rate": -0.1},
