@@ -59,6 +59,10 @@ class IndexedTokens(Mapping[str, int]):
             raise KeyError(node_id)
         return blocks * BLOCK_SIZE
 
+    def get(self, node_id: str, default: int | None = None) -> int | None:  # type: ignore[override]
+        blocks = self._ix.known_blocks(node_id)   # the decision's path: no KeyError raised
+        return default if blocks is None else blocks * BLOCK_SIZE
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._ix.nodes())
 

@@ -208,7 +208,8 @@ def predict(c: Candidate, request: RequestInfo, cost: StepCost, *, out: int,
     completion = ttft + out * (cost.a_s + cost.decode_s * (running + 1.0))
     dup = best_held if keeper and c.node_id != keeper and held > best_held - BLOCK_SIZE else 0
     # a copy stored or refreshed on n costs others' hits only where its stores evict
-    taken = min(max(best_held - held, 0) + dup, _evicted(c, request, own + out))
+    copy = max(best_held - held, 0) + dup
+    taken = min(copy, _evicted(c, request, own + out)) if copy else 0
     imposed = (running * cost.prefill_s * own
                + cost.prefill_s * taken
                + running * cost.decode_s * out
@@ -222,8 +223,10 @@ def _evicted(c: Candidate, request: RequestInfo, stored: int) -> float:
     prefix cache: what the index holds for ``c`` plus them, beyond its KV capacity (inf when
     either is unknown: counted as full)."""
     r = c.report
+    if r is None or r.kv_capacity_tokens <= 0:
+        return math.inf
     indexed = request.indexed_tokens.get(c.node_id)
-    if r is None or r.kv_capacity_tokens <= 0 or indexed is None:
+    if indexed is None:
         return math.inf
     return float(max(indexed + stored - r.kv_capacity_tokens, 0))
 
