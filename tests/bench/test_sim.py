@@ -223,7 +223,7 @@ def test_grid_shards_merge_and_replace(tmp_path: Path) -> None:
     out.mkdir()
     (out / "grid.jsonl").write_text(merged.read_text())
     assert cli.main([*common, "--policies", "predicted_latency", "--replace",
-                     "--router", "routing=output_tokens_default=16", "--out", str(out)]) == 0
+                     "--router", "routing=objective=min_ttft", "--out", str(out)]) == 0
     again = grid.read_records(out / "grid.jsonl")
     assert len(again) == 2 and all(list(r["runs"]) == list(grid.POLICIES) for r in again)
     assert {r["fleet"]: r["runs"]["least_request"] for r in again} == before
