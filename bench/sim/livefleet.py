@@ -174,24 +174,23 @@ class LiveFleet:
 
     async def loads(self, policy: str) -> dict[str, cpb.LoadReport]:
         """Every node's last LoadReport as router ``policy`` holds it."""
-        async with grpc.aio.insecure_channel(self.address(policy)) as ch:
-            fl = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
-        return {n.node_id: n.load for n in fl.nodes}
+        return {n.node_id: n.load for n in (await self._fleet(policy)).nodes}
 
     async def predictions(self, policy: str) -> dict[str, dict[str, float]]:
         """Every node's prediction feedback as router ``policy`` keeps it (``GetFleet``):
         ``scale`` (observed / predicted TTFT; 0 = no sample yet) and ``ttft_error_p50`` (the
         median |predicted - observed| / observed TTFT of its last predictions)."""
-        async with grpc.aio.insecure_channel(self.address(policy)) as ch:
-            fl = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
         return {n.node_id: {"scale": n.prediction_scale, "ttft_error_p50": n.ttft_error_p50}
-                for n in fl.nodes}
+                for n in (await self._fleet(policy)).nodes}
 
     async def engines(self, policy: str) -> dict[str, str]:
         """Every node's engine kind ("vllm", "sim", ...) as router ``policy`` lists it."""
+        return {n.node_id: n.engine for n in (await self._fleet(policy)).nodes}
+
+    async def _fleet(self, policy: str) -> cpb.GetFleetResponse:
+        """Router ``policy``'s ``GetFleet`` answer."""
         async with grpc.aio.insecure_channel(self.address(policy)) as ch:
-            fl = await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
-        return {n.node_id: n.engine for n in fl.nodes}
+            return await cpb_grpc.RouterStub(ch).GetFleet(cpb.GetFleetRequest(), timeout=5)
 
     async def wait_idle(self, policy: str, timeout_s: float = 120.0) -> bool:
         deadline = time.monotonic() + timeout_s

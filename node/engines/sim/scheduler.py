@@ -59,8 +59,7 @@ class SimScheduler(KvTransfers):
         self._samples: deque[tuple[float, int, int]] = deque()  # (t, gen, prefill)
         # the lengths of the steps of the last STEP_WINDOW_S (driver's clock)
         self._step_log = WindowMean(STEP_WINDOW_S)
-        # the output tokens of the requests finished in the last OUTPUT_WINDOW_S
-        self._out_log = WindowMean(OUTPUT_WINDOW_S)
+        self._out_log = WindowMean(OUTPUT_WINDOW_S)   # output tokens of finished requests
         self._prefill_capacity = self.prefill_capacity_tokens_per_s()
 
     # --- driving ---------------------------------------------------------------------
