@@ -7,7 +7,9 @@ counted the transfer) and never saw the prompt before.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -59,6 +61,35 @@ async def _tokens(engine, ids: list[int], max_tokens: int,  # type: ignore[no-un
         if o.finish is not None:
             kv = o.kv_transfer_params
     return out, kv
+
+
+def _cpu_seconds(procs) -> float:  # type: ignore[no-untyped-def]
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except Exception:  # exited meanwhile: psutil.NoSuchProcess
+            continue
+        total += t.user + t.system
+    return total
+
+
+async def test_idle_engines_leave_the_cores_free(engines) -> None:
+    """Idle prefill and decode engines (their engine cores and workers) use almost no CPU.
+    NIXL's progress thread polls without pause; the node makes it wait between polls on vLLM
+    CPU (kv_transfer's module doc): without that, each of these two workers kept a core busy
+    while idle, and the two engines on this 2-core machine starved everything else. Runs
+    first in this module, before any request leaves a transfer pending (an engine steps
+    until then)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    assert len(children) >= 4   # two engine cores and their workers, at least
+    await asyncio.sleep(1.0)
+    used, t0 = _cpu_seconds(children), time.monotonic()
+    await asyncio.sleep(3.0)
+    cores = (_cpu_seconds(children) - used) / (time.monotonic() - t0)
+    assert cores < 0.5, f"idle engines used {cores:.2f} cores"
 
 
 @pytest.mark.parametrize("words", [2, 12, 30])

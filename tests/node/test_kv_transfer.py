@@ -10,11 +10,14 @@ import pytest
 
 from gpumesh.node.config import NodeConfig, NodeServingSettings
 from gpumesh.node.engines.vllm.kv_transfer import (
+    PROGRESS_DELAY_ENV,
+    PROGRESS_DELAY_US,
     KvTransferTotals,
     apply_side_channel,
     check_params,
     default_kv_transfer_config,
     free_port,
+    progress_delay_us,
 )
 
 
@@ -98,3 +101,19 @@ def test_totals_add_nixl_payloads() -> None:
     t = t.add({"unknown": 1})
     t = t.add(None)
     assert t == KvTransferTotals(transfers=2, bytes=400, seconds=0.75, failures=1)
+
+
+def test_progress_delay_is_set_for_nixl_engines(monkeypatch) -> None:
+    for name in (PROGRESS_DELAY_ENV, "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert progress_delay_us() == 0
+    apply_side_channel(None, "h", 0)   # no NIXL: nothing set
+    assert PROGRESS_DELAY_ENV not in os.environ
+    apply_side_channel({"kv_connector": "NixlConnector"}, "h", 0)
+    assert progress_delay_us() == PROGRESS_DELAY_US > 0
+    monkeypatch.setenv(PROGRESS_DELAY_ENV, "0")   # an operator's choice is kept
+    apply_side_channel({"kv_connector": "NixlConnector"}, "h", 0)
+    assert progress_delay_us() == 0
+    for bad in ("-5", "fast", ""):
+        monkeypatch.setenv(PROGRESS_DELAY_ENV, bad)
+        assert progress_delay_us() == 0

@@ -88,6 +88,34 @@ def current_platform() -> Any:
     return platforms.current_platform
 
 
+def nixl_progress_thread_delay(delay_us: int) -> bool:
+    """Make NIXL's progress thread wait up to ``delay_us`` for UCX events between polls in the
+    agents this process creates (see ``kv_transfer``'s module doc for why). NIXL's Python API
+    sets the wait to 0 and offers no option, so the agent constructor it calls is wrapped to
+    raise the agent config's ``pthrDelay``. NIXL is imported through vLLM, which sets UCX's
+    cache limit first. Returns False, changing nothing, where NIXL is not there."""
+    try:
+        from vllm.distributed import nixl_utils
+
+        if nixl_utils.NixlWrapper is None:
+            return False
+        import nixl._bindings as bindings
+    except ImportError:
+        return False
+    make = bindings.nixlAgent
+    if getattr(make, "gpumesh_delay_us", None) is not None:
+        return True
+
+    def agent(name: str, config: Any) -> Any:
+        if config.useProgThread and config.pthrDelay < delay_us:
+            config.pthrDelay = delay_us
+        return make(name, config)
+
+    agent.gpumesh_delay_us = delay_us  # type: ignore[attr-defined]
+    bindings.nixlAgent = agent
+    return True
+
+
 def sampling_params(request: EngineRequest) -> Any:
     """vLLM's ``SamplingParams`` for ``request``: deltas, detokenized, greedy/top-k mapped."""
     from vllm import SamplingParams

@@ -25,6 +25,18 @@ The NIXL side channel (vLLM reads ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT`` when
 starts) is where decode engines fetch a prefill engine's KV layout; a node sets both from
 its config before starting the engine (``apply_side_channel``). Any ``kv_transfer_config``
 under ``[engine_args]`` replaces the role's default wholesale.
+
+NIXL's progress thread polls UCX without pause (NIXL's Python API sets its wait between
+polls to 0), so every idle prefill or decode engine keeps one core busy. On vLLM CPU that
+core is one the engine computes on: two such engines on a 2-core machine starved each
+other's start-up, steps and the node's heartbeats for tens of seconds. The thread cannot
+simply be left out: an idle engine's UCX worker must still answer a peer's connection and
+notifications, which only the thread does while the engine does not step.
+``apply_side_channel`` therefore also sets ``GPUMESH_NIXL_PROGRESS_DELAY_US`` (default
+1000), which the CPU worker set-up (``worker.py``) reads in vLLM's worker processes: the
+thread then waits up to that long for UCX events between polls (2 % of a core when idle).
+CUDA workers keep vLLM's default. Set the variable to 0 before starting a CPU node to keep
+the busy poll.
 """
 
 from __future__ import annotations
@@ -38,6 +50,9 @@ from typing import Any
 from gpumesh.node.engines.base import InvalidRequest
 
 ROLES = ("both", "prefill", "decode")
+#: microseconds NIXL's progress thread waits between polls in vLLM CPU workers (module doc)
+PROGRESS_DELAY_ENV = "GPUMESH_NIXL_PROGRESS_DELAY_US"
+PROGRESS_DELAY_US = 1000
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Bounds on what a request may carry (the router relays a prefill leg's answer): a JSON
 # object of at most this many bytes once encoded.
@@ -55,6 +70,15 @@ def default_kv_transfer_config(role: str, platform_is_cpu: bool) -> dict[str, An
         return None
     return {"kv_connector": "NixlConnector", "kv_role": _KV_ROLE[role],
             "kv_buffer_device": "cpu" if platform_is_cpu else "cuda"}
+
+
+def progress_delay_us() -> int:
+    """``GPUMESH_NIXL_PROGRESS_DELAY_US`` as a number of microseconds; 0 (vLLM's busy poll)
+    when unset or not a whole number >= 0."""
+    try:
+        return max(0, int(os.environ.get(PROGRESS_DELAY_ENV) or 0))
+    except ValueError:
+        return 0
 
 
 def free_port() -> int:
@@ -78,6 +102,7 @@ def apply_side_channel(kv_transfer_config: Mapping[str, Any] | None, host: str,
     port = port or free_port()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    os.environ.setdefault(PROGRESS_DELAY_ENV, str(PROGRESS_DELAY_US))
     return host, port
 
 

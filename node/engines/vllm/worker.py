@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gpumesh.node.engines.vllm.compat import current_platform
+from gpumesh.node.engines.vllm.compat import current_platform, nixl_progress_thread_delay
+from gpumesh.node.engines.vllm.kv_transfer import progress_delay_us
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,11 @@ class WorkerSetup:
 
 #: the dotted path vLLM imports in its worker processes
 WORKER_SETUP = f"{__name__}.{WorkerSetup.__qualname__}"
+
+# vLLM imports this module in each worker process before the worker creates its KV
+# connector; the node sets the variable for a prefill or decode engine (kv_transfer's doc).
+if progress_delay_us() > 0:
+    nixl_progress_thread_delay(progress_delay_us())
 
 
 async def prepare_cpu_workers(llm: Any, args: Any) -> None:
