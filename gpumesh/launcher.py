@@ -179,10 +179,16 @@ def stop_all(children: Iterable[ChildProcess], grace_s: float = 15.0) -> None:
 Describe = str | Callable[[], str]
 
 
-def _timeout(what: Describe, timeout_s: float, last: BaseException | None) -> TimeoutError:
+def _timeout(what: Describe, timeout_s: float, last: BaseException | None,
+             kids: Iterable[ChildProcess] = ()) -> TimeoutError:
+    """The error of a readiness wait that ran out, with the end of each watched child's log
+    (they are still running: what they last said is what tells why they are not ready)."""
     text = what() if callable(what) else what
+    logs = "".join(f"\n--- {c.name} (still running), the end of its log:\n{c.tail(2000)}"
+                   for c in kids)
     return TimeoutError(f"{text}: not ready after {timeout_s:g} s"
-                        + (f" (last: {type(last).__name__}: {last})"[:500] if last else ""))
+                        + (f" (last: {type(last).__name__}: {last})"[:500] if last else "")
+                        + logs)
 
 
 class _Poll:
@@ -203,7 +209,7 @@ class _Poll:
     def _expired(self) -> bool:
         """False while time is left; raises TimeoutError once the deadline has passed."""
         if time.monotonic() > self.deadline:
-            raise _timeout(self.what, self.timeout_s, self.last)
+            raise _timeout(self.what, self.timeout_s, self.last, self.kids)
         return False
 
     def done(self, ready: Callable[[], bool]) -> bool:
@@ -227,8 +233,8 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, *,
                watch: Iterable[ChildProcess] = (), what: Describe = "child",
                poll_s: float = 0.3, not_up: tuple[type[BaseException], ...] = NOT_UP) -> None:
     """Polls ``ready()`` every ``poll_s`` until it returns True. Raises
-    :class:`ChildExited` as soon as a child in ``watch`` exits, TimeoutError after
-    ``timeout_s``. Exceptions of the ``not_up`` types count as "not yet"."""
+    :class:`ChildExited` as soon as a child in ``watch`` exits, TimeoutError (with the end of
+    each watched child's log) after ``timeout_s``. Exceptions of the ``not_up`` types count as "not yet"."""
     poll = _Poll(timeout_s, watch, what, not_up)
     while not poll.done(ready):
         time.sleep(poll_s)
