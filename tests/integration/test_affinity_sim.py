@@ -90,10 +90,16 @@ async def test_routing_key_sticks_while_even_and_follows_the_prediction_under_lo
                                                                                   ) -> None:
     router, _ = fleet
     async with MeshClient(router) as client:
-        # an evenly loaded fleet: each key keeps its node (ties go to the session's node)
+        # an evenly loaded fleet: each key keeps its node (ties go to the session's node).
+        # Each request waits for reports that show the fleet idle again: a report sent while
+        # the previous request still waited would charge its node for a queue it no longer has.
         for key in ("k1", "k2", "k3"):
-            nodes = {await served_by(client, build_request("x", max_tokens=2, routing_key=key))
-                     for _ in range(4)}
+            nodes = set()
+            for _ in range(4):
+                nodes.add(await served_by(client, build_request("x", max_tokens=2,
+                                                                routing_key=key)))
+                await wait_fleet(router, lambda f: all(
+                    n.load.num_running + n.load.num_waiting == 0 for n in f.nodes))
             assert len(nodes) == 1, (key, nodes)
         # a key is an expected hit, not a bound: a one-token prompt has nothing to reuse, so
         # while its node runs a long stream the next request of the key is predicted to start
