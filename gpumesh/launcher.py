@@ -234,7 +234,8 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, *,
                poll_s: float = 0.3, not_up: tuple[type[BaseException], ...] = NOT_UP) -> None:
     """Polls ``ready()`` every ``poll_s`` until it returns True. Raises
     :class:`ChildExited` as soon as a child in ``watch`` exits, TimeoutError (with the end of
-    each watched child's log) after ``timeout_s``. Exceptions of the ``not_up`` types count as "not yet"."""
+    each watched child's log) after ``timeout_s``. Exceptions of the ``not_up`` types count
+    as "not yet"."""
     poll = _Poll(timeout_s, watch, what, not_up)
     while not poll.done(ready):
         time.sleep(poll_s)

@@ -25,7 +25,8 @@ def test_a_wait_that_runs_out_shows_what_the_child_said(tmp_path) -> None:
 
 
 def test_a_child_that_exits_ends_the_wait_at_once(tmp_path) -> None:
-    child = ChildProcess("quitter", [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"],
+    child = ChildProcess("quitter", [sys.executable, "-c",
+                                     "print('bad flag'); raise SystemExit(3)"],
                          tmp_path / "quitter.log")
     with pytest.raises(ChildExited, match="quitter exited \\(3\\)") as e:
         wait_until(lambda: False, 30.0, watch=[child])
